@@ -1,0 +1,44 @@
+# Two commands on a fresh machine: `make sweep` (the main job) and `make test`. Each creates .venv
+# when it is missing. On a GPU machine without network (PyTorch, Triton, rich and pytest preinstalled)
+# the venv reuses the system packages and installs pydantic/SQLAlchemy from wheels carried in .whl/
+# (scripts/fetch_wheels.sh downloads them on a machine with network).
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# A GPU machine is one whose system Python already has a CUDA or ROCm PyTorch.
+HAS_GPU := $(shell $(PYTHON) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" >/dev/null 2>&1 && echo 1)
+
+.PHONY: test sweep bench lint clean
+
+$(VENV)/.installed: pyproject.toml
+ifeq ($(HAS_GPU),1)
+	$(PYTHON) -m venv --system-site-packages $(VENV)
+	if [ -d .whl ]; then $(PY) -m pip install -q --no-index --no-deps --no-compile .whl/*.whl; fi
+	$(PY) -m pip install -q --no-index --no-deps --no-build-isolation -e .
+else
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# Torch first: on this workplace's CPU machines pip finds the CPU build of 2.13.0 on disk.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+endif
+	touch $@
+
+test: $(VENV)/.installed
+	$(PY) -m pytest -q
+
+sweep: $(VENV)/.installed
+	$(PY) -m tuning.sweep --device auto --no-progress
+ifneq ($(HAS_GPU),1)
+	# No GPU here: also compile every tiny-preset config for the MI355X (gfx950) and print its resources.
+	$(PY) -m tuning.sweep --device mi355x --compile-only --no-progress
+endif
+
+bench: $(VENV)/.installed
+	$(PY) -m benchmarks.run
+
+lint: $(VENV)/.installed
+	$(PY) -m ruff check .
+
+clean:
+	rm -rf $(VENV)

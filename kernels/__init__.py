@@ -1,0 +1,1 @@
+"""Triton kernels: shared bodies in `common/`, per-vendor variants in `nvidia/` and `amd/`."""

@@ -1,0 +1,442 @@
+"""Sparse MLA (DeepSeek-V3.2, FlashMLA's sparse prefill): the Triton kernel bodies both vendors share.
+
+The idea that matters: every head of a kv group reads the same gathered latent row per selected index.
+One program owns BLOCK_H heads of one query (of one group), gathers each BLOCK_TOPK tile of indexed
+rows once and reuses it for all of them, both as keys (all d_qk dims: the d_v "value" part plus the
+rope tail) and as values (the first d_v dims). Q is loaded once, outside the top-k loop. A program with
+too few heads re-gathers the same rows many times; the config spaces therefore offer BLOCK_H up to 128.
+
+Reads top-down: forward kernel, backward kernels, launchers, the autograd Function, compile specs.
+Semantics: `registry.ops.sparse_mla.reference` (SPEC.md "sparse_mla").
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.base import CompileSpec
+from registry.ops.sparse_mla import SparseMLAOutput
+from tuning_db.records import LaunchConfig
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+def dim_blocks(d_qk: int, d_v: int) -> tuple[int, int]:
+    """(BLOCK_DV, BLOCK_DT): power-of-two tiles for the value part and the tail d_qk - d_v (0: none)."""
+    tail = d_qk - d_v
+    return max(16, triton.next_power_of_2(d_v)), (max(16, triton.next_power_of_2(tail)) if tail else 0)
+
+
+# ----------------------------------------------------------------------------- Triton kernels
+@triton.jit
+def _gather_rows(kv_row, offs_d, valid, D_LIMIT: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Load [BLOCK_TOPK, BLOCK_D] from gathered row pointers; invalid slots and pad columns read 0."""
+    if D_LIMIT < BLOCK_D:
+        mask = valid[:, None] & (offs_d[None, :] < D_LIMIT)
+    else:
+        mask = valid[:, None]
+    return tl.load(kv_row[:, None] + offs_d[None, :], mask=mask, other=0.0)
+
+
+@triton.jit
+def _sparse_mla_fwd_kernel(
+    Q, KV, IDX, SINK, TOPK_LEN, OUT, MAX_LOGITS, LSE,
+    s_kv, topk, heads_per_group, head_blocks, qk_scale,
+    stride_qb, stride_qs, stride_qh,
+    stride_kvb, stride_kvs, stride_kvh,
+    stride_ib, stride_is, stride_ih,
+    stride_lb, stride_ls,
+    stride_ob, stride_os, stride_oh,
+    stride_mb, stride_ms,
+    D_V: tl.constexpr, D_TAIL: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DT: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_TOPK: tl.constexpr, HAS_SINK: tl.constexpr, HAS_TOPK_LEN: tl.constexpr,
+):
+    """One program: BLOCK_H heads of one kv group of one query (of one batch row).
+
+    Online softmax over the query's top-k slots in tiles of BLOCK_TOPK, in log2 units (`qk_scale` is
+    sm_scale * log2(e)). Writes out [BLOCK_H, d_v], max_logits and the natural-log lse; a row with no
+    valid slot writes out 0, max_logits -inf and lse +inf.
+    """
+    t = tl.program_id(0)
+    g = tl.program_id(1) // head_blocks
+    hb = tl.program_id(1) % head_blocks
+    b = tl.program_id(2).to(tl.int64)
+
+    offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    head_ok = offs_h < heads_per_group
+    heads = g * heads_per_group + offs_h
+    offs_dv = tl.arange(0, BLOCK_DV)
+    offs_t = tl.arange(0, BLOCK_TOPK)
+
+    q_row = Q + b * stride_qb + t.to(tl.int64) * stride_qs + heads[:, None].to(tl.int64) * stride_qh
+    q_main = tl.load(q_row + offs_dv[None, :], mask=head_ok[:, None] & (offs_dv[None, :] < D_V), other=0.0)
+    if D_TAIL > 0:
+        offs_dt = tl.arange(0, BLOCK_DT)
+        q_tail = tl.load(q_row + D_V + offs_dt[None, :], mask=head_ok[:, None] & (offs_dt[None, :] < D_TAIL),
+                         other=0.0)
+
+    n_slots = topk
+    if HAS_TOPK_LEN:
+        n_slots = tl.minimum(tl.load(TOPK_LEN + b * stride_lb + t.to(tl.int64) * stride_ls), topk)
+    idx_row = IDX + b * stride_ib + t.to(tl.int64) * stride_is + g.to(tl.int64) * stride_ih
+    kv_base = KV + b * stride_kvb + g.to(tl.int64) * stride_kvh
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
+    for start in range(0, n_slots, BLOCK_TOPK):
+        slots = start + offs_t
+        idx = tl.load(idx_row + slots, mask=slots < n_slots, other=-1)
+        # Any index outside [0, s_kv) is invalid; it is never dereferenced (row 0 stands in, masked).
+        valid = (idx >= 0) & (idx < s_kv)
+        kv_row = kv_base + tl.where(valid, idx, 0).to(tl.int64) * stride_kvs
+        kv_main = _gather_rows(kv_row, offs_dv, valid, D_V, BLOCK_DV)
+        scores = tl.dot(q_main, tl.trans(kv_main))
+        if D_TAIL > 0:
+            kv_tail = _gather_rows(kv_row + D_V, offs_dt, valid, D_TAIL, BLOCK_DT)
+            scores += tl.dot(q_tail, tl.trans(kv_tail))
+        scores = tl.where(valid[None, :], scores * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        # Rows with no valid slot so far keep m = -inf: shift by 0 so exp2 gives 0 instead of NaN.
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(scores - m_shift[:, None])
+        alpha = tl.math.exp2(m_i - m_shift)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(kv_main.dtype), kv_main)
+        m_i = m_new
+
+    empty = l_i == 0.0
+    lse = tl.where(empty, float("inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * LN2)
+    scale = tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, l_i))
+    if HAS_SINK:
+        sink = tl.load(SINK + heads, mask=head_ok, other=0.0)
+        # sigmoid(lse - sink); empty rows are already scaled to 0 whatever the sink.
+        scale = scale * tl.where(empty, 0.0, 1.0 / (1.0 + tl.exp(sink - tl.where(empty, 0.0, lse))))
+    out = acc * scale[:, None]
+    o_ptr = OUT + b * stride_ob + t.to(tl.int64) * stride_os + heads[:, None].to(tl.int64) * stride_oh
+    tl.store(o_ptr + offs_dv[None, :], out.to(OUT.dtype.element_ty),
+             mask=head_ok[:, None] & (offs_dv[None, :] < D_V))
+    m_off = b * stride_mb + t.to(tl.int64) * stride_ms + heads
+    tl.store(MAX_LOGITS + m_off, m_i * LN2, mask=head_ok)
+    tl.store(LSE + m_off, lse, mask=head_ok)
+
+
+@triton.jit
+def _sparse_mla_bwd_kernel(
+    Q, KV, IDX, SINK, TOPK_LEN, OUT, DOUT, LSE, DQ, DKV, DSINK,
+    s_kv, topk, heads_per_group, head_blocks, sm_scale,
+    stride_qb, stride_qs, stride_qh,
+    stride_kvb, stride_kvs, stride_kvh,
+    stride_ib, stride_is, stride_ih,
+    stride_lb, stride_ls,
+    stride_ob, stride_os, stride_oh,
+    stride_dob, stride_dos, stride_doh,
+    stride_mb, stride_ms,
+    stride_dqb, stride_dqs, stride_dqh,
+    stride_dkb, stride_dks, stride_dkh,
+    D_V: tl.constexpr, D_TAIL: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DT: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_TOPK: tl.constexpr, HAS_SINK: tl.constexpr, HAS_TOPK_LEN: tl.constexpr,
+):
+    """One program: the gradients of BLOCK_H heads of one kv group of one query.
+
+    Recomputes P = exp(z - lse_tot) per top-k tile (lse_tot includes the sink), with
+    Delta = rowsum(dO * O), dP = dO V^T, dS = P (dP - Delta). dQ accumulates in registers over the
+    tiles; dKV rows receive dS^T Q (key role, all d_qk dims) plus P^T dO (value role, first d_v dims)
+    through fp32 atomic adds, since different queries select the same rows. d sink[h] gets
+    -exp(sink - lse_tot) * Delta, also atomically (one add per head and query).
+    """
+    t = tl.program_id(0)
+    g = tl.program_id(1) // head_blocks
+    hb = tl.program_id(1) % head_blocks
+    b = tl.program_id(2).to(tl.int64)
+
+    offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    head_ok = offs_h < heads_per_group
+    heads = g * heads_per_group + offs_h
+    offs_dv = tl.arange(0, BLOCK_DV)
+    offs_t = tl.arange(0, BLOCK_TOPK)
+    dv_mask = head_ok[:, None] & (offs_dv[None, :] < D_V)
+
+    q_row = Q + b * stride_qb + t.to(tl.int64) * stride_qs + heads[:, None].to(tl.int64) * stride_qh
+    q_main = tl.load(q_row + offs_dv[None, :], mask=dv_mask, other=0.0)
+    if D_TAIL > 0:
+        offs_dt = tl.arange(0, BLOCK_DT)
+        dt_mask = head_ok[:, None] & (offs_dt[None, :] < D_TAIL)
+        q_tail = tl.load(q_row + D_V + offs_dt[None, :], mask=dt_mask, other=0.0)
+    o_off = b * stride_ob + t.to(tl.int64) * stride_os + heads[:, None].to(tl.int64) * stride_oh
+    o = tl.load(OUT + o_off + offs_dv[None, :], mask=dv_mask, other=0.0).to(tl.float32)
+    do_off = b * stride_dob + t.to(tl.int64) * stride_dos + heads[:, None].to(tl.int64) * stride_doh
+    do = tl.load(DOUT + do_off + offs_dv[None, :], mask=dv_mask, other=0.0)
+    delta = tl.sum(o * do.to(tl.float32), 1)
+
+    m_off = b * stride_mb + t.to(tl.int64) * stride_ms + heads
+    lse = tl.load(LSE + m_off, mask=head_ok, other=float("inf"))
+    empty = lse == float("inf")
+    lse_tot = tl.where(empty, 0.0, lse)
+    if HAS_SINK:
+        sink = tl.load(SINK + heads, mask=head_ok, other=0.0)
+        hi = tl.maximum(lse_tot, sink)
+        lse_tot = hi + tl.log(tl.exp(lse_tot - hi) + tl.exp(sink - hi))
+        dsink = -tl.exp(sink - lse_tot) * delta
+        tl.atomic_add(DSINK + heads, tl.where(empty, 0.0, dsink), mask=head_ok)
+    # In log2 units, like the forward; empty rows get a +inf shift so every P of theirs is 0.
+    shift = tl.where(empty, float("inf"), lse_tot * LOG2E)
+    qk_scale = sm_scale * LOG2E
+
+    n_slots = topk
+    if HAS_TOPK_LEN:
+        n_slots = tl.minimum(tl.load(TOPK_LEN + b * stride_lb + t.to(tl.int64) * stride_ls), topk)
+    idx_row = IDX + b * stride_ib + t.to(tl.int64) * stride_is + g.to(tl.int64) * stride_ih
+    kv_base = KV + b * stride_kvb + g.to(tl.int64) * stride_kvh
+    dkv_base = DKV + b * stride_dkb + g.to(tl.int64) * stride_dkh
+
+    dq_main = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
+    if D_TAIL > 0:
+        dq_tail = tl.zeros([BLOCK_H, BLOCK_DT], tl.float32)
+    for start in range(0, n_slots, BLOCK_TOPK):
+        slots = start + offs_t
+        idx = tl.load(idx_row + slots, mask=slots < n_slots, other=-1)
+        valid = (idx >= 0) & (idx < s_kv)
+        safe = tl.where(valid, idx, 0).to(tl.int64)
+        kv_row = kv_base + safe * stride_kvs
+        kv_main = _gather_rows(kv_row, offs_dv, valid, D_V, BLOCK_DV)
+        scores = tl.dot(q_main, tl.trans(kv_main))
+        if D_TAIL > 0:
+            kv_tail = _gather_rows(kv_row + D_V, offs_dt, valid, D_TAIL, BLOCK_DT)
+            scores += tl.dot(q_tail, tl.trans(kv_tail))
+        p = tl.math.exp2(scores * qk_scale - shift[:, None])
+        p = tl.where(valid[None, :] & head_ok[:, None], p, 0.0)
+        dp = tl.dot(do, tl.trans(kv_main))
+        ds = p * (dp - delta[:, None]) * sm_scale
+        ds_lp = ds.to(kv_main.dtype)
+        dq_main += tl.dot(ds_lp, kv_main)
+        d_main = tl.dot(tl.trans(ds_lp), q_main) + tl.dot(tl.trans(p.to(do.dtype)), do)
+        dkv_row = dkv_base + safe * stride_dks
+        main_mask = valid[:, None] & (offs_dv[None, :] < D_V)
+        tl.atomic_add(dkv_row[:, None] + offs_dv[None, :], d_main, mask=main_mask, sem="relaxed")
+        if D_TAIL > 0:
+            dq_tail += tl.dot(ds_lp, kv_tail)
+            d_tail = tl.dot(tl.trans(ds_lp), q_tail)
+            tail_mask = valid[:, None] & (offs_dt[None, :] < D_TAIL)
+            tl.atomic_add(dkv_row[:, None] + D_V + offs_dt[None, :], d_tail, mask=tail_mask, sem="relaxed")
+
+    dq_row = DQ + b * stride_dqb + t.to(tl.int64) * stride_dqs + heads[:, None].to(tl.int64) * stride_dqh
+    tl.store(dq_row + offs_dv[None, :], dq_main.to(DQ.dtype.element_ty), mask=dv_mask)
+    if D_TAIL > 0:
+        tl.store(dq_row + D_V + offs_dt[None, :], dq_tail.to(DQ.dtype.element_ty), mask=dt_mask)
+
+
+# ----------------------------------------------------------------------------- launchers
+def _batched(x: torch.Tensor | None, batched: bool) -> torch.Tensor | None:
+    return x if x is None or batched else x.unsqueeze(0)
+
+
+def _strides(t: torch.Tensor | None, n: int) -> tuple[int, ...]:
+    """The first n strides of a tensor (zeros for an absent one)."""
+    return tuple(t.stride()[:n]) if t is not None else (0,) * n
+
+
+def _grid(s_q: int, h_q: int, h_kv: int, b: int, block_h: int) -> tuple[tuple[int, int, int], int]:
+    heads_per_group = h_q // h_kv
+    head_blocks = triton.cdiv(heads_per_group, block_h)
+    return (s_q, h_kv * head_blocks, b), head_blocks
+
+
+def _forward(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, config: LaunchConfig):
+    """Run the forward kernel on batched-layout tensors; returns (out, max_logits, lse)."""
+    b, s_q, h_q, d_qk = q.shape
+    s_kv, h_kv = kv.shape[1], kv.shape[2]
+    blocks = config.blocks
+    block_dv, block_dt = dim_blocks(d_qk, d_v)
+    out = torch.empty((b, s_q, h_q, d_v), device=q.device, dtype=q.dtype)
+    max_logits = torch.empty((b, s_q, h_q), device=q.device, dtype=torch.float32)
+    lse = torch.empty_like(max_logits)
+    grid, head_blocks = _grid(s_q, h_q, h_kv, b, blocks["BLOCK_H"])
+    _sparse_mla_fwd_kernel[grid](
+        q, kv, indices, attn_sink, topk_length, out, max_logits, lse,
+        s_kv, indices.shape[-1], h_q // h_kv, head_blocks, sm_scale * LOG2E,
+        *_strides(q, 3), *_strides(kv, 3), *_strides(indices, 3), *_strides(topk_length, 2),
+        *_strides(out, 3), *_strides(lse, 2),
+        D_V=d_v, D_TAIL=d_qk - d_v, BLOCK_DV=block_dv, BLOCK_DT=block_dt,
+        BLOCK_H=blocks["BLOCK_H"], BLOCK_TOPK=blocks["BLOCK_TOPK"],
+        HAS_SINK=attn_sink is not None, HAS_TOPK_LEN=topk_length is not None,
+        **config.knobs(),
+    )
+    return out, max_logits, lse
+
+
+def _backward(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, out, lse, dout, config: LaunchConfig):
+    """Run the backward kernel on batched-layout tensors; returns (dq, dkv, dsink)."""
+    b, s_q, h_q, d_qk = q.shape
+    s_kv, h_kv = kv.shape[1], kv.shape[2]
+    blocks = config.blocks
+    block_dv, block_dt = dim_blocks(d_qk, d_v)
+    dout = dout if dout.stride(-1) == 1 else dout.contiguous()
+    dq = torch.empty_like(q)
+    dkv = torch.zeros(kv.shape, device=kv.device, dtype=torch.float32)  # fp32 atomics target
+    dsink = torch.zeros(h_q, device=q.device, dtype=torch.float32) if attn_sink is not None else None
+    grid, head_blocks = _grid(s_q, h_q, h_kv, b, blocks["BLOCK_H"])
+    _sparse_mla_bwd_kernel[grid](
+        q, kv, indices, attn_sink, topk_length, out, dout, lse, dq, dkv, dsink,
+        s_kv, indices.shape[-1], h_q // h_kv, head_blocks, sm_scale,
+        *_strides(q, 3), *_strides(kv, 3), *_strides(indices, 3), *_strides(topk_length, 2),
+        *_strides(out, 3), *_strides(dout, 3), *_strides(lse, 2), *_strides(dq, 3), *_strides(dkv, 3),
+        D_V=d_v, D_TAIL=d_qk - d_v, BLOCK_DV=block_dv, BLOCK_DT=block_dt,
+        BLOCK_H=blocks["BLOCK_H"], BLOCK_TOPK=blocks["BLOCK_TOPK"],
+        HAS_SINK=attn_sink is not None, HAS_TOPK_LEN=topk_length is not None,
+        **config.knobs(),
+    )
+    return dq, dkv.to(kv.dtype), dsink
+
+
+class _SparseMLAFunction(torch.autograd.Function):
+    """Autograd for sparse MLA. The backward accumulates dkv (and d attn_sink) with fp32 atomic adds,
+    so its summation order, and the last bits of dkv, vary between runs."""
+
+    @staticmethod
+    def forward(ctx, q, kv, indices, sm_scale, d_v, attn_sink, topk_length, config, bwd_config):
+        out, max_logits, lse = _forward(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, config)
+        ctx.save_for_backward(q, kv, indices, attn_sink, topk_length, out, lse)
+        ctx.sm_scale, ctx.d_v, ctx.bwd_config = sm_scale, d_v, bwd_config
+        ctx.mark_non_differentiable(max_logits, lse)
+        return out, max_logits, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dmax, _dlse):
+        q, kv, indices, attn_sink, topk_length, out, lse = ctx.saved_tensors
+        dq, dkv, dsink = _backward(q, kv, indices, ctx.sm_scale, ctx.d_v, attn_sink, topk_length, out, lse,
+                                   dout, ctx.bwd_config)
+        return dq, dkv, None, None, None, dsink, None, None, None
+
+
+def backward_config(config: LaunchConfig) -> LaunchConfig:
+    """The backward's launch config: the forward's head/top-k blocks, capped where its extra
+    accumulators (dq, dO, the dkv tile) would not fit."""
+    blocks = dict(config.blocks)
+    blocks["BLOCK_H"] = min(blocks["BLOCK_H"], 64)
+    blocks["BLOCK_TOPK"] = min(blocks["BLOCK_TOPK"], 32)
+    return config.model_copy(update={"blocks": blocks, "num_stages": 1})
+
+
+def sparse_mla_forward(args: dict, config: LaunchConfig) -> SparseMLAOutput:
+    """Launch sparse MLA on validated arguments (registry.ops.sparse_mla's dict) with `config`."""
+    q, kv, indices = args["q"], args["kv"], args["indices"]
+    batched = q.dim() == 4
+    qb, kvb, ib = _batched(q, batched), _batched(kv, batched), _batched(indices, batched)
+    lengths = _batched(args["topk_length"], batched)
+    sink = args["attn_sink"]
+    wants_grad = torch.is_grad_enabled() and (q.requires_grad or kv.requires_grad
+                                              or (sink is not None and sink.requires_grad))
+    if wants_grad:
+        out, max_logits, lse = _SparseMLAFunction.apply(qb, kvb, ib, args["sm_scale"], args["d_v"], sink, lengths,
+                                                        config, backward_config(config))
+    else:
+        out, max_logits, lse = _forward(qb, kvb, ib, args["sm_scale"], args["d_v"], sink, lengths, config)
+    if not batched:
+        out, max_logits, lse = out[0], max_logits[0], lse[0]
+    return SparseMLAOutput(out, max_logits, lse)
+
+
+# ----------------------------------------------------------------------------- offline compiles
+def sparse_mla_compile_specs(key: dict, config: LaunchConfig, dtype: str = "bf16") -> list[CompileSpec]:
+    """The forward kernel as one call with this key and config launches it (with sink and topk_length,
+    the heaviest variant), for offline compile checks."""
+    block_dv, block_dt = dim_blocks(key["d_qk"], key["d_v"])
+    elem = f"*{key.get('dtype', dtype)}"
+    ints = ["s_kv", "topk", "heads_per_group", "head_blocks"]
+    strides = [f"stride_{n}" for n in ("qb", "qs", "qh", "kvb", "kvs", "kvh", "ib", "is", "ih", "lb", "ls",
+                                      "ob", "os", "oh", "mb", "ms")]
+    signature = {"Q": elem, "KV": elem, "IDX": "*i32", "SINK": "*fp32", "TOPK_LEN": "*i32", "OUT": elem,
+                 "MAX_LOGITS": "*fp32", "LSE": "*fp32", **{n: "i32" for n in ints}, "qk_scale": "fp32",
+                 **{n: "i64" for n in strides}}
+    constexprs = {"D_V": key["d_v"], "D_TAIL": key["d_qk"] - key["d_v"], "BLOCK_DV": block_dv,
+                  "BLOCK_DT": block_dt, "BLOCK_H": config.blocks["BLOCK_H"],
+                  "BLOCK_TOPK": config.blocks["BLOCK_TOPK"], "HAS_SINK": True, "HAS_TOPK_LEN": True}
+    signature.update({n: "constexpr" for n in constexprs})
+    return [CompileSpec(_sparse_mla_fwd_kernel, signature, constexprs)]
+
+
+# ----------------------------------------------------------------------------- the variant
+class SparseMLAHeadBlockBase:
+    """The head-block variant's logic; each vendor file subclasses it with `Variant` and sets its data:
+
+    SPACE: lists of values per block and knob (the sweep's product), each list filtered per key;
+    ACC_REGS_LIMIT: the fp32 accumulator registers per thread (BLOCK_H * BLOCK_DV / threads) above
+        which a config cannot avoid spilling on that vendor (AMD's unified VGPR/AGPR file is larger);
+    DEFAULT: knob defaults for the heuristic config.
+    """
+
+    op = "sparse_mla"
+    name = "sparse_mla_headblock"
+    source_modules = ("kernels.common.sparse_mla",)
+    SPACE: dict[str, tuple] = {}
+    ACC_REGS_LIMIT = 128
+    DEFAULT: dict = {}
+
+    def supports(self, key: dict, device) -> bool:
+        return key["dtype"] in ("fp16", "bf16") and key["d_qk"] <= 1024
+
+    @staticmethod
+    def _head_cap(key: dict) -> int:
+        """BLOCK_H never exceeds the group's heads rounded up to a power of two (at least 16, tl.dot's M)."""
+        return max(16, triton.next_power_of_2(key["h_q"] // key["h_kv"]))
+
+    def space(self, key: dict, device) -> list[LaunchConfig]:
+        if device.key == "cpu":
+            return [LaunchConfig(blocks={"BLOCK_H": 16, "BLOCK_TOPK": t}) for t in (16, 32)]
+        cap = self._head_cap(key)
+        knob_names = [n for n in self.SPACE if n not in ("BLOCK_H", "BLOCK_TOPK")]
+        configs = []
+        for block_h in (h for h in self.SPACE["BLOCK_H"] if h <= cap):
+            for block_topk in self.SPACE["BLOCK_TOPK"]:
+                for values in _product([self._knob_values(n, device) for n in knob_names]):
+                    knobs = dict(zip(knob_names, values))
+                    configs.append(LaunchConfig(blocks={"BLOCK_H": block_h, "BLOCK_TOPK": block_topk}, **knobs))
+        return configs
+
+    def _knob_values(self, name: str, device) -> tuple:
+        return self.SPACE[name]
+
+    def prune_reason(self, config: LaunchConfig, key: dict, device) -> str | None:
+        if device.key == "cpu":
+            return None
+        block_dv, block_dt = dim_blocks(key["d_qk"], key["d_v"])
+        threads = config.num_warps * device.warp_size
+        acc_regs = config.blocks["BLOCK_H"] * block_dv // threads
+        if acc_regs > self.ACC_REGS_LIMIT:
+            return f"accumulator needs {acc_regs} registers per thread (> {self.ACC_REGS_LIMIT})"
+        elem = 2
+        kv_tile = config.blocks["BLOCK_TOPK"] * (block_dv + block_dt) * elem
+        q_tile = config.blocks["BLOCK_H"] * (block_dv + block_dt) * elem
+        smem = kv_tile * max(1, config.num_stages) + q_tile
+        if smem > device.shared_mem_bytes:
+            return f"needs ~{smem} B of shared memory/LDS (> {device.shared_mem_bytes})"
+        return None
+
+    def default_config(self, key: dict, device) -> LaunchConfig:
+        if device.key == "cpu":
+            return LaunchConfig(blocks={"BLOCK_H": 16, "BLOCK_TOPK": 16})
+        block_h = min(64, self._head_cap(key))
+        config = LaunchConfig(blocks={"BLOCK_H": block_h, "BLOCK_TOPK": 64}, **self.DEFAULT)
+        # Fall back to smaller tiles until the static estimate fits this device.
+        for block_topk in (64, 32, 16):
+            config = config.model_copy(update={"blocks": {"BLOCK_H": block_h, "BLOCK_TOPK": block_topk}})
+            if self.prune_reason(config, key, device) is None:
+                break
+        return config
+
+    def launch(self, args: dict, config: LaunchConfig) -> SparseMLAOutput:
+        return sparse_mla_forward(args, config)
+
+    def compile_specs(self, key: dict, config: LaunchConfig, dtype: str = "bf16") -> list[CompileSpec]:
+        return sparse_mla_compile_specs(key, config, dtype)
+
+
+def _product(lists: list[tuple]) -> list[tuple]:
+    out: list[tuple] = [()]
+    for values in lists:
+        out = [prefix + (v,) for prefix in out for v in values]
+    return out

@@ -1,0 +1,22 @@
+"""sparse_mla on NVIDIA Hopper: the shared head-block kernel with NVIDIA's config space.
+
+Hopper's register file holds at most 128 fp32 accumulator values per thread next to the other tiles,
+so BLOCK_H 128 with d_v 512 is pruned statically; 228 KB of shared memory allows deep pipelining of
+the gathered K/V tiles.
+"""
+
+from kernels.base import Variant, register
+from kernels.common.sparse_mla import SparseMLAHeadBlockBase
+
+
+@register
+class SparseMLAHeadBlockNvidia(SparseMLAHeadBlockBase, Variant):
+    vendor = "nvidia"
+    SPACE = {
+        "BLOCK_H": (16, 32, 64, 128),
+        "BLOCK_TOPK": (32, 64, 128),
+        "num_warps": (4, 8, 16),
+        "num_stages": (1, 2, 3, 4),
+    }
+    ACC_REGS_LIMIT = 128
+    DEFAULT = {"num_warps": 8, "num_stages": 2}

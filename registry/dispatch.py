@@ -1,0 +1,214 @@
+"""From a call to a launch: pick the variant, find its tuned config, cache the bound launcher.
+
+Lookup order on a cache miss (ARCHITECTURE.md): user database -> shipped tables -> nearest tuned key
+for the same op and device -> the highest-priority supporting variant's heuristic default. After the
+first call for a key, a call costs the op's validation, its tuning key and one dict lookup.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import os
+import threading
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kernels.base import Variant, load_all
+from registry.device import CPU, DeviceInfo, detect, interpreter_enabled
+from registry.ops import OPS
+from registry.ops._contract import Op
+from tuning_db.records import LaunchConfig, TunedConfig, canonical_json
+
+
+@dataclass(frozen=True)
+class Choice:
+    """What a key resolved to: the variant (None: the PyTorch reference), its config, and where from."""
+
+    variant: Variant | None
+    config: LaunchConfig | None
+    source: str  # "database", "tables", "nearest-database", "nearest-tables", "default", "autotune", "reference"
+    launcher: Callable[[dict], Any]
+
+
+def _op(name: str) -> Op:
+    try:
+        return OPS[name]
+    except KeyError:
+        raise ValueError(f"op: expected one of {', '.join(OPS)}, got {name!r}") from None
+
+
+def candidates(op: str, vendor: str, variant: str | None, key: dict, device: DeviceInfo) -> list[Variant]:
+    """The vendor's variants of `op` that support `key`, highest priority first (or the one named)."""
+    pool = [v for v in load_all().get(op, []) if v.vendor == vendor]
+    if variant is not None:
+        named = [v for v in pool if v.name == variant]
+        if not named:
+            known = ", ".join(v.name for v in pool) or "none"
+            raise ValueError(f"variant: expected one of {known} for {op} on {vendor}, got {variant!r}")
+        pool = named
+    return [v for v in pool if v.supports(key, device)]
+
+
+@functools.lru_cache(maxsize=8)
+def _user_store(url: str):
+    from tuning_db.store import TuningStore
+
+    return TuningStore(url)
+
+
+@functools.lru_cache(maxsize=1)
+def _shipped_tables():
+    from tuning_db.store import ShippedTables
+
+    return ShippedTables()
+
+
+def user_store():
+    """The user's tuning database (KREG_TUNING_DB or the default file), opened once per URL."""
+    from tuning_db.store import default_url
+
+    return _user_store(default_url())
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=4)
+
+
+def _tuned_lookups(op: str, device: DeviceInfo, key_json: str, dims: dict):
+    """(source, lookup) pairs in ARCHITECTURE.md's order; each lookup returns a TunedConfig or None."""
+    from tuning_db.store import TuningDatabaseError
+
+    def guarded(fn):
+        def run():
+            try:
+                return fn()
+            except TuningDatabaseError as err:
+                _warn_once(f"kreg: tuning database unusable, falling back to shipped tables and defaults: {err}")
+                return None
+
+        return run
+
+    yield "database", guarded(lambda: user_store().best(op, device, key_json))
+    yield "tables", lambda: _shipped_tables().best(op, device, key_json)
+    yield "nearest-database", guarded(lambda: user_store().nearest(op, device, dims))
+    yield "nearest-tables", lambda: _shipped_tables().nearest(op, device, dims)
+
+
+def resolve(op: Op, vendor: str, variant: str | None, key: tuple, device: DeviceInfo, args: dict) -> Choice:
+    """Pick (variant, config) for one key. Runs once per key per process."""
+    dims = dict(key)
+    pool = candidates(op.name, vendor, variant, dims, device)
+    if not pool:
+        _warn_once(f"kreg: no {vendor} variant of {op.name} supports {canonical_json(dims)}; "
+                   "running the PyTorch reference")
+        return Choice(None, None, "reference", lambda a: op.reference(**a))
+    by_name = {v.name: v for v in pool}
+    key_json = canonical_json(dims)
+    for source, lookup in _tuned_lookups(op.name, device, key_json, dims):
+        tuned: TunedConfig | None = lookup()
+        if tuned is not None and tuned.variant in by_name:
+            chosen = by_name[tuned.variant]
+            return Choice(chosen, tuned.config, source, chosen.bind(tuned.config))
+    if os.environ.get("KREG_AUTOTUNE") == "1" and device.key != "cpu":
+        from tuning.sweep import autotune_call
+
+        tuned = autotune_call(op, pool, device, args, user_store())
+        if tuned is not None:
+            chosen = by_name[tuned.variant]
+            return Choice(chosen, tuned.config, "autotune", chosen.bind(tuned.config))
+    chosen = pool[0]
+    config = chosen.default_config(dims, device)
+    return Choice(chosen, config, "default", chosen.bind(config))
+
+
+class OpHandle:
+    """`registry.get(op)`: validates a call, dispatches it, and caches the launcher per key."""
+
+    def __init__(self, op: Op, vendor: str | None, variant: str | None) -> None:
+        if vendor not in (None, "nvidia", "amd"):
+            raise ValueError(f"vendor: expected 'nvidia', 'amd' or None, got {vendor!r}")
+        self.op = op
+        self.vendor = vendor
+        self.variant = variant
+        self._validate = op.validate
+        self._key = op.tuning_key
+        self._device_arg = next(iter(inspect.signature(op.validate).parameters))
+        self._choices: dict[tuple, Choice] = {}
+        self._devices: dict[torch.device, tuple[str, DeviceInfo]] = {}
+        self._lock = threading.Lock()
+        self.__doc__ = op.validate.__doc__
+
+    def _device(self, dev: torch.device) -> tuple[str, DeviceInfo]:
+        if dev.type == "cpu":
+            if self.vendor is None and self.variant is None:
+                return "", CPU  # plain CPU call: the reference
+            if not interpreter_enabled():
+                raise RuntimeError(
+                    f"{self.op.name}: a Triton variant on CPU tensors needs the interpreter; "
+                    "set TRITON_INTERPRET=1 before importing kreg, or pass CUDA/ROCm tensors")
+            return self.vendor or "nvidia", CPU
+        info = detect(dev)
+        if self.vendor is not None and self.vendor != info.vendor:
+            raise ValueError(f"vendor: {self.vendor!r} variants cannot run on {info.name} ({info.vendor})")
+        return info.vendor, info
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        a = self._validate(*args, **kwargs)
+        dev = a[self._device_arg].device
+        found = self._devices.get(dev)
+        if found is None:
+            found = self._devices[dev] = self._device(dev)
+        vendor, info = found
+        if not vendor:
+            return self.op.reference(**a)
+        key = self._key(a)
+        choice = self._choices.get((info.key, key))
+        if choice is None:
+            with self._lock:
+                choice = self._choices.get((info.key, key))
+                if choice is None:
+                    choice = resolve(self.op, vendor, self.variant, key, info, a)
+                    self._choices[(info.key, key)] = choice
+        return choice.launcher(a)
+
+    def choice(self, *args: Any, **kwargs: Any) -> Choice:
+        """What a call with these arguments runs (variant, config, where the config came from)."""
+        a = self._validate(*args, **kwargs)
+        vendor, info = self._device(a[self._device_arg].device)
+        if not vendor:
+            return Choice(None, None, "reference", lambda x: self.op.reference(**x))
+        self(*args, **kwargs)
+        return self._choices[(info.key, self._key(a))]
+
+    def clear_cache(self) -> None:
+        self._choices.clear()
+        self._devices.clear()
+
+
+_handles: dict[tuple[str, str | None, str | None], OpHandle] = {}
+
+
+def get(op: str, *, vendor: str | None = None, variant: str | None = None) -> OpHandle:
+    """The callable for `op`: `registry.get("sparse_mla")(q, kv, idx)`."""
+    handle = _handles.get((op, vendor, variant))
+    if handle is None:
+        handle = _handles[(op, vendor, variant)] = OpHandle(_op(op), vendor, variant)
+    return handle
+
+
+def clear_caches() -> None:
+    """Forget every resolved key (after a sweep or a table import in this process)."""
+    for handle in _handles.values():
+        handle.clear_cache()
+    _user_store.cache_clear()
+    _shipped_tables.cache_clear()

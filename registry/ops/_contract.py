@@ -1,0 +1,145 @@
+"""What every op file declares, and the argument checks they share.
+
+An op file (`registry/ops/<op>.py`) builds one `Op` at import time: its validation, its PyTorch
+reference, its tuning key and cost model, and the shapes sweeps and benchmarks use. It knows nothing of
+Triton or vendors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@dataclass(frozen=True)
+class Op:
+    """An op contract.
+
+    validate(*args, **kwargs) -> dict: has the op's public signature and its docstring is the op's
+        contract (what `registry.describe` prints); takes the user's call as that signature reads,
+        raises ValueError/TypeError naming the argument, and returns every argument by name with
+        defaults resolved (sm_scale filled in). This dict is what references and variants receive.
+    reference(**args): the semantics, in PyTorch; kernels are right when they match it.
+    tuning_key(args) -> tuple: hashable (name, value) pairs that pick a config (sequence lengths
+        bucketed); cheap, since it runs on every call.
+    flops(args), bytes_moved(args): the cost model benchmarks and sweeps report against.
+    make_inputs(shape, device=, dtype=, seed=) -> dict: fresh random arguments by name for a preset
+        shape dict (never zeros).
+    presets: named lists of shape dicts; "tiny" runs in the interpreter, "full" on a GPU (PERF.md).
+    reduce_shape(shape) -> shape: a shape with the same heads, head dims and top-k whose reference
+        fits in memory, for the correctness gate of a sweep.
+    outputs: names of the returned tensors, in order (a single tensor op has one name).
+    """
+
+    name: str
+    summary: str
+    validate: Callable[..., dict]
+    reference: Callable[..., Any]
+    tuning_key: Callable[[dict], tuple]
+    flops: Callable[[dict], float]
+    bytes_moved: Callable[[dict], float]
+    make_inputs: Callable[..., dict]
+    presets: Mapping[str, Sequence[dict]]
+    reduce_shape: Callable[[dict], dict] = field(default=lambda shape: dict(shape))
+    outputs: tuple[str, ...] = ("out",)
+    differentiable: bool = False
+
+    def run_reference(self, args: dict) -> Any:
+        return self.reference(**args)
+
+
+def bucket_pow2(n: int, lo: int = 16, hi: int = 1 << 20) -> int:
+    """Round a sequence length up to a power of two within [lo, hi]: the tuning key's length bucket."""
+    n = max(int(n), lo)
+    return min(1 << (n - 1).bit_length(), hi)
+
+
+# ----------------------------------------------------------------------------- argument checks
+def _fmt_shape(t: torch.Tensor) -> str:
+    return "[" + ", ".join(str(s) for s in t.shape) + "]"
+
+
+def require_tensor(name: str, value: Any) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(value).__name__}")
+    return value
+
+
+def require_float(name: str, t: torch.Tensor, dtypes: tuple[torch.dtype, ...] = FLOAT_DTYPES) -> None:
+    if t.dtype not in dtypes:
+        allowed = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
+        raise TypeError(f"{name}: expected dtype in ({allowed}), got {str(t.dtype).removeprefix('torch.')}")
+
+
+def require_int32(name: str, t: torch.Tensor) -> None:
+    if t.dtype != torch.int32:
+        raise TypeError(f"{name}: expected dtype int32, got {str(t.dtype).removeprefix('torch.')}")
+
+
+def require_rank(name: str, t: torch.Tensor, ranks: tuple[int, ...], layout: str) -> None:
+    if t.dim() not in ranks:
+        raise ValueError(f"{name}: expected shape {layout}, got {_fmt_shape(t)}")
+
+
+def require_dim(name: str, t: torch.Tensor, dim: int, expected: int, layout: str) -> None:
+    if t.shape[dim] != expected:
+        raise ValueError(f"{name}: expected shape {layout} with dim {dim} = {expected}, got {_fmt_shape(t)}")
+
+
+def require_last_contiguous(name: str, t: torch.Tensor) -> None:
+    if t.dim() and t.stride(-1) != 1 and t.shape[-1] != 1:
+        raise ValueError(f"{name}: the last dimension must be contiguous (stride 1), got strides {tuple(t.stride())}")
+
+
+def require_same_device(pairs: Sequence[tuple[str, torch.Tensor]]) -> None:
+    first_name, first = pairs[0]
+    for name, t in pairs[1:]:
+        if t.device != first.device:
+            raise ValueError(f"{name}: expected device {first.device} like {first_name}, got {t.device}")
+
+
+def require_same_dtype(pairs: Sequence[tuple[str, torch.Tensor]]) -> None:
+    first_name, first = pairs[0]
+    for name, t in pairs[1:]:
+        if t.dtype != first.dtype:
+            raise TypeError(f"{name}: expected dtype {first.dtype} like {first_name}, got {t.dtype}")
+
+
+def require_nonempty(name: str, t: torch.Tensor) -> None:
+    if t.numel() == 0:
+        raise ValueError(f"{name}: expected a non-empty tensor, got shape {_fmt_shape(t)}")
+
+
+def require_positive_int(name: str, value: Any, *, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name}: expected a positive int, got {value!r}")
+
+
+def resolve_scale(name: str, sm_scale: Any, head_dim: int) -> float:
+    if sm_scale is None:
+        return float(head_dim) ** -0.5
+    if isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float)):
+        raise TypeError(f"{name}: expected a float or None, got {type(sm_scale).__name__}")
+    return float(sm_scale)
+
+
+def require_window(window: Any, causal: bool) -> None:
+    if window is None:
+        return
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"window: expected a positive int or None, got {window!r}")
+    if not causal:
+        raise ValueError("window: a sliding window needs causal=True, got causal=False")
+
+
+def random_normal(shape: Sequence[int], *, device, dtype, generator: torch.Generator, scale: float = 1.0):
+    """Random inputs drawn on the CPU with a seeded generator, then moved (same values on every device)."""
+    x = torch.randn(tuple(shape), generator=generator, dtype=torch.float32) * scale
+    return x.to(device=device, dtype=dtype)

@@ -1,0 +1,60 @@
+"""Comparison helpers shared by tests, sweeps and benchmarks: relative error against a reference."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+def _as_tensors(value) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, Sequence):
+        return [t for v in value for t in _as_tensors(v)]
+    raise TypeError(f"expected a tensor or a sequence of tensors, got {type(value).__name__}")
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """||actual - expected|| / ||expected|| in float64, over entries where `expected` is finite.
+
+    Non-finite reference entries (the +inf lse of empty rows, -inf max_logits) must be matched exactly;
+    a mismatch there, or any NaN in `actual`, counts as an infinite error.
+    """
+    if actual.shape != expected.shape:
+        raise AssertionError(f"shape mismatch: {tuple(actual.shape)} vs {tuple(expected.shape)}")
+    a = actual.detach().to(device="cpu", dtype=torch.float64)
+    e = expected.detach().to(device="cpu", dtype=torch.float64)
+    if torch.isnan(a).any():
+        return float("inf")
+    finite = torch.isfinite(e)
+    if not torch.equal(a[~finite], e[~finite]) or not torch.isfinite(a[finite]).all():
+        return float("inf")
+    diff = torch.linalg.vector_norm(a[finite] - e[finite]).item()
+    norm = torch.linalg.vector_norm(e[finite]).item()
+    if norm == 0.0:
+        return 0.0 if diff == 0.0 else float("inf")
+    return diff / norm
+
+
+def max_relative_error(actual, expected) -> float:
+    """The largest `relative_error` over matching outputs (tensors or tuples of tensors)."""
+    outs, refs = _as_tensors(actual), _as_tensors(expected)
+    if len(outs) != len(refs):
+        raise AssertionError(f"expected {len(refs)} outputs, got {len(outs)}")
+    return max((relative_error(a, e) for a, e in zip(outs, refs)), default=0.0)
+
+
+def assert_close(actual, expected, rtol: float, what: str = "output") -> None:
+    """Assert every output's relative error is at most `rtol` (see `relative_error`)."""
+    outs, refs = _as_tensors(actual), _as_tensors(expected)
+    if len(outs) != len(refs):
+        raise AssertionError(f"{what}: expected {len(refs)} outputs, got {len(outs)}")
+    for i, (a, e) in enumerate(zip(outs, refs)):
+        err = relative_error(a, e)
+        if not err <= rtol:
+            raise AssertionError(f"{what}[{i}]: relative error {err:.3g} > {rtol:.3g}")
+
+
+# Relative-error budgets against an fp32/fp64 reference, by input dtype (METHOD.md's ranges).
+TOLERANCE = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 2e-2}

@@ -1,0 +1,428 @@
+"""The tuning database: trials, runs and tuned winners round trip; device and nearest-key matching; many
+writers, a killed writer and a damaged file.
+
+Spawned worker processes import this module, so it keeps torch (registry.device) out of its top level:
+workers describe their device with `DeviceDescriptor`, which has the same identity fields.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import multiprocessing
+import random
+import sqlite3
+import time
+from pathlib import Path
+
+import pytest
+
+from tuning_db.records import LaunchConfig, TrialResult, TunedConfig, canonical_json
+from tuning_db.store import (
+    DeviceDescriptor,
+    TuningDatabaseError,
+    TuningStore,
+    default_url,
+    is_length_field,
+    key_distance,
+)
+
+OP = "sparse_mla"
+SPAWN = multiprocessing.get_context("spawn")
+
+
+@pytest.fixture
+def presets():
+    from registry.device import preset  # not at the top: see the module docstring
+
+    return {name: preset(name) for name in ("h100", "h200", "mi300x", "mi355x")}
+
+
+@pytest.fixture
+def store() -> TuningStore:
+    db = TuningStore()  # conftest points KREG_TUNING_DB at this test's own file
+    yield db
+    db.close()
+
+
+def descriptor(device) -> dict:
+    return DeviceDescriptor.of(device).model_dump()
+
+
+def make_key(rng: random.Random, **fixed) -> str:
+    dims = {"h_q": 128, "d_qk": 576, "topk": 2048, "s_q": 1 << rng.randint(4, 16), "dtype": "bfloat16"}
+    return canonical_json({**dims, **fixed})
+
+
+def make_trials(n: int, device_key: str, seed: int,
+                variant: str = "sparse_mla_headblock") -> list[TrialResult]:
+    """`n` distinct trials (BLOCK_N differs per trial) with random times, statuses and keys."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        config = LaunchConfig(blocks={"BLOCK_H": rng.choice([16, 32, 64]), "BLOCK_N": 16 * (i + 1)},
+                              num_warps=rng.choice([4, 8]), num_stages=rng.randint(1, 3))
+        ok = rng.random() < 0.7
+        out.append(TrialResult(
+            op=OP, variant=variant, source_hash=f"h{seed}", device_key=device_key, tuning_key=make_key(rng),
+            config=config, status="ok" if ok else "compile_error",
+            time_ms=rng.uniform(0.01, 9.0) if ok else None,
+            error=None if ok else f"error {rng.random():.6f}", registers=rng.randint(32, 255) if ok else None,
+            spills=rng.randint(0, 9) if ok else None, shared_bytes=rng.randint(1, 1 << 17) if ok else None,
+            triton_version="3.6.0", torch_version="2.13.0"))
+    return out
+
+
+def make_tuned(device_key: str, tuning_key: str, rng: random.Random, variant: str = "sparse_mla_headblock",
+               source_hash: str = "abc123") -> TunedConfig:
+    config = LaunchConfig(blocks={"BLOCK_H": rng.choice([16, 32, 64]), "BLOCK_N": rng.choice([32, 64, 128])},
+                          num_warps=rng.choice([4, 8]), num_stages=rng.randint(1, 4))
+    return TunedConfig(op=OP, device_key=device_key, tuning_key=tuning_key, variant=variant,
+                       source_hash=source_hash, config=config, time_ms=rng.uniform(0.01, 5.0),
+                       triton_version="3.6.0", torch_version="2.13.0")
+
+
+def same_entry(a: TunedConfig | None, b: TunedConfig) -> bool:
+    return a is not None and a.model_dump(exclude={"updated_at"}) == b.model_dump(exclude={"updated_at"})
+
+
+def trial_id(trial: TrialResult) -> tuple[str, str, str, str]:
+    return (trial.variant, trial.source_hash, trial.tuning_key, trial.config.to_json())
+
+
+# ----------------------------------------------------------------------------- round trips
+def test_record_trials_and_done_configs(store, presets):
+    h200 = presets["h200"]
+    run = store.start_run(OP, h200, {"shapes": "tiny", "max_minutes": 5})
+    trials = make_trials(13, h200.key, seed=random.randrange(1 << 30))
+    assert all(store.record(run, t) for t in trials)
+    assert not store.record(run, trials[4])  # a trial is recorded once per run
+    assert store.trials(run_id=run) == trials
+    assert store.done_configs(run) == {trial_id(t) for t in trials}
+    ok = [t for t in trials if t.status == "ok"]
+    assert store.trials(op=OP, device_key=h200.key, status="ok") == ok
+    assert store.trials(device_key="amd-mi355x") == []
+    # The same trial in another run is another row.
+    other = store.start_run(OP, h200, {})
+    assert store.record(other, trials[4])
+    assert len(store.trials(op=OP)) == len(trials) + 1
+
+
+def test_record_rejects_bad_input(store, presets):
+    h200, mi355x = presets["h200"], presets["mi355x"]
+    run = store.start_run(OP, h200, {})
+    trial = make_trials(1, h200.key, seed=3)[0]
+    with pytest.raises(ValueError, match="run_id"):
+        store.record(run + 100, trial)
+    with pytest.raises(ValueError, match="device_key"):
+        store.record(run, trial.model_copy(update={"device_key": mi355x.key}))
+    with pytest.raises(TypeError, match="trial"):
+        store.record(run, trial.model_dump())
+    with pytest.raises(ValueError, match="tuning_key"):
+        store.record(run, trial.model_copy(update={"tuning_key": "[1, 2]"}))
+    with pytest.raises(ValueError, match="status"):
+        store.trials(status="fine")
+    with pytest.raises(TypeError, match="args"):
+        store.start_run(OP, h200, {"bad": object()})
+    assert store.trials() == []
+
+
+def test_runs_resume_order(store, presets):
+    h200, h100 = presets["h200"], presets["h100"]
+    first = store.start_run(OP, h200, {})
+    store.finish_run(first)
+    assert store.resumable_run(OP, h200) is None
+    stopped = store.start_run(OP, h200, {})
+    store.finish_run(stopped, "stopped")
+    killed = store.start_run(OP, h200, {})  # never finished: a SIGKILL'd sweep
+    assert store.resumable_run(OP, h200) == killed
+    assert store.resumable_run("decode", h200) is None
+    assert store.resumable_run(OP, h100) is None
+    store.finish_run(killed)
+    assert store.resumable_run(OP, h200) == stopped
+    with pytest.raises(ValueError, match="status"):
+        store.finish_run(stopped, "done")
+    with pytest.raises(ValueError, match="run_id"):
+        store.finish_run(killed + 10)
+
+
+def test_upsert_best_and_stale(store, presets):
+    h200 = presets["h200"]
+    rng = random.Random()
+    keys = sorted({make_key(rng) for _ in range(6)})
+    entries = [make_tuned(h200.key, k, rng, variant=f"v{i % 2}", source_hash=f"hash{i % 2}")
+               for i, k in enumerate(keys)]
+    for tuned in entries:
+        store.upsert_tuned(tuned, h200)
+    for tuned in entries:
+        # Key spelling does not matter: the store canonicalizes it.
+        spaced = json.dumps(dict(reversed(json.loads(tuned.tuning_key).items())), indent=1)
+        assert same_entry(store.best(OP, h200, spaced), tuned)
+    assert store.best("decode", h200, keys[0]) is None
+    assert store.best(OP, h200, make_key(rng, h_q=7)) is None
+
+    replaced = make_tuned(h200.key, keys[0], rng, variant="v9", source_hash="new")
+    store.upsert_tuned(replaced, h200)
+    assert same_entry(store.best(OP, h200, keys[0]), replaced)
+    assert len(store.tuned(op=OP, device_key=h200.key)) == len(keys)
+
+    stale = store.stale({"v0": "hash0", "v1": "changed"})
+    assert sorted(t.tuning_key for t in stale) == sorted(t.tuning_key for t in entries if t.variant == "v1")
+    assert store.stale({"v0": "hash0", "v1": "hash1", "v9": "new"}) == []
+
+    with pytest.raises(ValueError, match="device_key"):
+        store.upsert_tuned(replaced, presets["h100"])
+    with pytest.raises(ValueError, match="tuning_key"):
+        store.best(OP, h200, "not json")
+
+
+def test_import_tuned_is_all_or_nothing(store, presets, monkeypatch):
+    h200 = presets["h200"]
+    rng = random.Random()
+    rows = [make_tuned(h200.key, make_key(rng, s_q=1 << (4 + i)), rng) for i in range(5)]
+    with pytest.raises(ValueError, match=r"rows\[3\]\.device_key"):
+        store.import_tuned(rows[:3] + [rows[3].model_copy(update={"device_key": "amd-mi355x"})], h200)
+    assert store.tuned() == []
+
+    # A failure inside the transaction (after some rows were written) rolls every row back.
+    real_upsert = TuningStore._upsert
+    written = []
+
+    def failing_upsert(self, session, device_id, tuned):
+        if len(written) == 3:
+            raise RuntimeError("disk on fire")
+        written.append(tuned)
+        real_upsert(self, session, device_id, tuned)
+
+    monkeypatch.setattr(TuningStore, "_upsert", failing_upsert)
+    with pytest.raises(RuntimeError, match="disk on fire"):
+        store.import_tuned(rows, h200)
+    assert store.tuned() == []
+    monkeypatch.setattr(TuningStore, "_upsert", real_upsert)
+    assert store.import_tuned(rows, h200) == 5
+    assert all(same_entry(a, b) for a, b in zip(store.tuned(), sorted(rows, key=lambda t: t.tuning_key),
+                                                 strict=True))
+
+
+# ----------------------------------------------------------------------------- device matching
+def test_device_matching_order(store, presets):
+    h200, h100, mi300x, mi355x = presets["h200"], presets["h100"], presets["mi300x"], presets["mi355x"]
+    nvl = dataclasses.replace(h200, name="NVIDIA H200 NVL", pci_device_id=0x233B, num_sms=132)
+    other_sku = dataclasses.replace(h200, name="NVIDIA H200 (other)", pci_device_id=0x9999, num_sms=120)
+    mi325x = dataclasses.replace(mi300x, key="amd-mi325x", name="AMD Instinct MI325X", pci_device_id=0x74A5)
+    rng = random.Random()
+    key = make_key(rng)
+
+    sxm_entry = make_tuned(h200.key, key, rng, variant="sxm")
+    store.upsert_tuned(sxm_entry, h200)
+    nvl_entry = make_tuned(nvl.key, key, rng, variant="nvl")
+    store.upsert_tuned(nvl_entry, nvl)
+    assert len(store.devices()) == 2
+
+    assert same_entry(store.best(OP, h200, key), sxm_entry)  # same key, PCI id and SM count
+    assert same_entry(store.best(OP, nvl, key), nvl_entry)
+    # Same key only: both cards match equally, the latest update wins.
+    assert same_entry(store.best(OP, other_sku, key), nvl_entry)
+    # Same vendor and arch (sm_90): another model's entry, and it says where it was tuned.
+    fallback = store.best(OP, h100, key)
+    assert fallback is not None and fallback.device_key == h200.key
+    h100_entry = make_tuned(h100.key, key, rng, variant="h100")
+    store.upsert_tuned(h100_entry, h100)
+    assert same_entry(store.best(OP, h100, key), h100_entry)
+    assert same_entry(store.best(OP, h200, key), sxm_entry)
+
+    amd_key = make_key(rng)
+    mi300_entry = make_tuned(mi300x.key, amd_key, rng, variant="amd")
+    store.upsert_tuned(mi300_entry, mi300x)
+    assert same_entry(store.best(OP, mi325x, amd_key), mi300_entry)  # both gfx942
+    assert store.best(OP, mi355x, amd_key) is None  # gfx950
+    assert store.best(OP, mi355x, key) is None  # another vendor
+    assert store.ensure_device(h200) == store.ensure_device(h200)
+    assert {d.key for d in store.devices()} == {h200.key, h100.key, mi300x.key}
+
+
+# ----------------------------------------------------------------------------- nearest key
+def test_length_fields():
+    assert is_length_field("s_q", 4096) and is_length_field("s_kv", 2.0)
+    assert is_length_field("n", 64) and is_length_field("t", 128)
+    assert not is_length_field("h_q", 128) and not is_length_field("s_q", True)
+    assert not is_length_field("s_q", "4096") and not is_length_field("topk", 2048)
+    assert key_distance({"s_q": 1024, "h_q": 8}, {"s_q": 4096, "h_q": 8}) == pytest.approx(2.0)
+    assert key_distance({"s_q": 1024, "h_q": 8}, {"s_q": 1024, "h_q": 16}) is None
+    assert key_distance({"s_q": 1024}, {"s_q": 1024, "window": 128}) is None
+    assert key_distance({"causal": True, "t": 64}, {"causal": 1, "t": 64}) is None
+
+
+def test_nearest_matches_brute_force(store, presets):
+    h200, h100 = presets["h200"], presets["h100"]
+    rng = random.Random()
+    fixed = {"h_q": 128, "d_qk": 576, "topk": 2048, "dtype": "bfloat16"}
+    pairs = set()
+    while len(pairs) < 12:
+        pairs.add((1 << rng.randint(4, 17), 1 << rng.randint(10, 20)))
+    entries = [make_tuned(h200.key, canonical_json({**fixed, "s_q": s_q, "s_kv": s_kv}), rng)
+               for s_q, s_kv in pairs]
+    for tuned in entries:
+        store.upsert_tuned(tuned, h200)
+    # Closer in length but other heads: never a candidate.
+    decoy = {**fixed, "h_q": 64}
+    for s_q, s_kv in pairs:
+        store.upsert_tuned(make_tuned(h200.key, canonical_json({**decoy, "s_q": s_q + 1, "s_kv": s_kv}), rng),
+                           h200)
+
+    def reference_distance(dims: dict, tuned: TunedConfig) -> float:
+        have = json.loads(tuned.tuning_key)
+        return sum(abs(math.log2(dims[f] / have[f])) for f in ("s_q", "s_kv"))
+
+    checked = 0
+    while checked < 20:
+        dims = {**fixed, "s_q": rng.randint(16, 1 << 17), "s_kv": rng.randint(1024, 1 << 20)}
+        ranked = sorted(entries, key=lambda t: reference_distance(dims, t))
+        if reference_distance(dims, ranked[1]) - reference_distance(dims, ranked[0]) < 1e-9:
+            continue  # a tie: either answer is right
+        assert same_entry(store.nearest(OP, h200, dims), ranked[0])
+        # Another sm_90 card falls back to the h200 entries, with the same choice.
+        assert same_entry(store.nearest(OP, h100, dims), ranked[0])
+        checked += 1
+    assert store.nearest(OP, h200, {**fixed, "h_q": 32, "s_q": 128, "s_kv": 1024}) is None
+    assert store.nearest(OP, h200, {**fixed, "s_q": 128}) is None  # s_kv missing: another key shape
+    assert store.nearest(OP, presets["mi355x"], {**fixed, "s_q": 128, "s_kv": 1024}) is None
+    with pytest.raises(TypeError, match="dims"):
+        store.nearest(OP, h200, [("s_q", 128)])
+
+
+def test_nearest_prefers_the_most_specific_device(store, presets):
+    h200, h100 = presets["h200"], presets["h100"]
+    rng = random.Random()
+    own = make_tuned(h100.key, make_key(rng, s_q=256), rng, variant="own")
+    store.upsert_tuned(own, h100)
+    # An exact length match on another sm_90 model loses to a far one tuned on this model.
+    store.upsert_tuned(make_tuned(h200.key, make_key(rng, s_q=65536), rng, variant="other"), h200)
+    assert same_entry(store.nearest(OP, h100, json.loads(make_key(rng, s_q=65536))), own)
+
+
+# ----------------------------------------------------------------------------- files and processes
+def test_default_url(monkeypatch, tmp_path):
+    monkeypatch.setenv("KREG_TUNING_DB", "sqlite:////somewhere/else.db")
+    assert default_url() == "sqlite:////somewhere/else.db"
+    monkeypatch.delenv("KREG_TUNING_DB")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    assert default_url() == f"sqlite:///{tmp_path.resolve() / 'cache' / 'kreg' / 'tuning.db'}"
+    assert (tmp_path / "cache" / "kreg").is_dir()
+
+
+@pytest.mark.parametrize("content", ["random", "text"])
+def test_corrupted_file_is_a_clear_error(tmp_path, content):
+    path = tmp_path / "tuning.db"
+    if content == "random":
+        path.write_bytes(random.randbytes(8192))
+    else:
+        path.write_text("these are my notes, not a database\n" * 40)
+    with pytest.raises(TuningDatabaseError) as info:
+        TuningStore(f"sqlite:///{path}")
+    message = str(info.value)
+    assert str(path) in message and "not a database" in message
+    assert "move the file" in message and "KREG_TUNING_DB" in message
+
+
+def test_damaged_pages_fail_at_first_query(tmp_path, presets):
+    path = tmp_path / "tuning.db"
+    url = f"sqlite:///{path}"
+    db = TuningStore(url)
+    run = db.start_run(OP, presets["h200"], {})
+    for trial in make_trials(300, presets["h200"].key, seed=random.randrange(1 << 30)):
+        db.record(run, trial)
+    db.close()
+    page = 4096
+    data = bytearray(path.read_bytes())
+    assert len(data) > 4 * page
+    data[page:] = b"\xff" * (len(data) - page)  # keep the header and schema page, wreck the rest
+    path.write_bytes(bytes(data))
+    with pytest.raises(TuningDatabaseError, match="malformed|not a database") as info:
+        TuningStore(url).trials()
+    assert str(path) in str(info.value)
+
+
+def _concurrent_writer(url: str, run_id: int, worker: int, n: int, device: dict, shared: TrialResult,
+                       start, results) -> None:
+    store = TuningStore(url)
+    device_info = DeviceDescriptor(**device)
+    start.wait(timeout=60)
+    assert store.ensure_device(device_info) > 0
+    trials = make_trials(n, device_info.key, seed=1000 + worker, variant=f"worker{worker}")
+    new = sum(store.record(run_id, t) for t in trials)
+    results.put((worker, new, store.record(run_id, shared)))
+
+
+def test_four_processes_lose_no_trial(tmp_path, presets):
+    url = f"sqlite:///{tmp_path / 'shared.db'}"
+    h200 = presets["h200"]
+    store = TuningStore(url)
+    run = store.start_run(OP, h200, {})
+    shared = make_trials(1, h200.key, seed=7, variant="everyone")[0]
+    start, results = SPAWN.Barrier(4), SPAWN.Queue()
+    workers = [SPAWN.Process(target=_concurrent_writer,
+                             args=(url, run, w, 50, descriptor(h200), shared, start, results))
+               for w in range(4)]
+    for proc in workers:
+        proc.start()
+    got = [results.get(timeout=120) for _ in workers]
+    for proc in workers:
+        proc.join(timeout=60)
+        assert proc.exitcode == 0
+    assert sorted(new for _, new, _ in got) == [50] * 4
+    assert sum(won for _, _, won in got) == 1  # exactly one writer recorded the shared trial
+    recorded = store.trials(run_id=run)
+    assert len(recorded) == 201
+    expected = {trial_id(t) for w in range(4) for t in make_trials(50, h200.key, 1000 + w, f"worker{w}")}
+    assert {trial_id(t) for t in recorded} == expected | {trial_id(shared)}
+    assert len(store.devices()) == 1
+
+
+def _slow_writer(url: str, run_id: int, trials: list[TrialResult]) -> None:
+    store = TuningStore(url)
+    for trial in trials:
+        store.record(run_id, trial)
+        time.sleep(0.01)
+
+
+def test_killed_writer_loses_nothing_and_resumes(tmp_path, presets):
+    path = tmp_path / "sweep.db"
+    url = f"sqlite:///{path}"
+    h200 = presets["h200"]
+    store = TuningStore(url)
+    run = store.start_run(OP, h200, {"shapes": "full"})
+    trials = make_trials(400, h200.key, seed=random.randrange(1 << 30))
+    writer = SPAWN.Process(target=_slow_writer, args=(url, run, trials))
+    writer.start()
+    deadline = time.monotonic() + 120
+    while len(store.trials(run_id=run)) < 20:
+        assert time.monotonic() < deadline and writer.is_alive(), "the writer recorded nothing"
+        time.sleep(0.02)
+    writer.kill()  # SIGKILL, mid-sweep
+    writer.join()
+    store.close()
+
+    check = sqlite3.connect(path)
+    assert check.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+    check.close()
+    reopened = TuningStore(url)
+    kept = reopened.trials(run_id=run)
+    assert 20 <= len(kept) < len(trials)
+    assert kept == trials[: len(kept)]  # every committed trial, in order, intact
+
+    assert reopened.resumable_run(OP, h200) == run
+    done = reopened.done_configs(run)
+    resumed = [reopened.record(run, t) for t in trials if trial_id(t) not in done]
+    assert all(resumed) and len(resumed) == len(trials) - len(kept)
+    assert not any(reopened.record(run, t) for t in trials[:5])  # already there: nothing changes
+    assert reopened.trials(run_id=run) == trials  # each exactly once
+    reopened.finish_run(run)
+    assert reopened.resumable_run(OP, h200) is None
+
+
+def test_store_file_location_is_created(tmp_path):
+    nested = tmp_path / "a" / "b" / "tuning.db"
+    TuningStore(f"sqlite:///{nested}").close()
+    assert nested.is_file() and Path(nested).stat().st_size > 0

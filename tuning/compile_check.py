@@ -1,0 +1,228 @@
+"""Offline compiles for a target GPU that is not here: registers, spills and shared memory/LDS.
+
+`compile_config` compiles one kernel (a `CompileSpec`) with one config for a `DeviceInfo` target
+through `triton.compile`, and reads its resources: AMD from the amdgcn text's metadata, NVIDIA from the
+cubin through the `cuobjdump` Triton bundles. Shared memory/LDS is checked against the target's budget
+here, because an overflow does not fail the compile (it fails at launch).
+
+TRITON_INTERPRET is read when kernels are decorated, and an interpreted kernel cannot be compiled, so
+these checks run in a process without it: tests and CI call
+
+    python -m tuning.compile_check --variant flash_attention_tiled --vendor amd --target mi355x
+
+in a subprocess with TRITON_INTERPRET removed from the environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
+
+from tuning_db.records import LaunchConfig
+
+if TYPE_CHECKING:
+    from kernels.base import CompileSpec, Variant
+    from registry.device import DeviceInfo
+
+
+@dataclass(frozen=True)
+class CompileReport:
+    """Resources of one compiled kernel for one target and config.
+
+    registers: per thread (NVIDIA) or VGPRs per lane, AGPRs included (AMD); spills: NVIDIA, bytes of
+    per-thread stack/local memory (where ptxas spills; these kernels have no local arrays); AMD, VGPR
+    spills (SGPR spills go to VGPR lanes and are only listed in `detail`). None when it did not compile.
+    fits: compiled, no spills, shared memory/LDS within the target's budget; reason says why not.
+    """
+
+    registers: int | None
+    spills: int | None
+    shared_bytes: int | None
+    fits: bool
+    reason: str | None
+    seconds: float
+    kernel: str = ""
+    detail: dict[str, int] = field(default_factory=dict)
+
+
+def _full_signature(spec: CompileSpec) -> dict[str, str]:
+    """Every kernel argument in order, constexprs typed "constexpr" as the JIT passes them."""
+    signature = {}
+    for name in spec.fn.arg_names:
+        if name in spec.constexprs:
+            signature[name] = "constexpr"
+        elif name in spec.signature:
+            signature[name] = spec.signature[name]
+        else:
+            raise ValueError(f"spec: argument {name!r} of {spec.fn.__name__}: expected a type or a constexpr")
+    return signature
+
+
+def _alignment_attrs(spec: CompileSpec, signature: dict[str, str]) -> dict[tuple[int, ...], list]:
+    """What the JIT assumes for typical torch tensors: 16-byte aligned pointers and strides that are
+    multiples of 16 elements (hidden sizes are), so loads vectorize as they would at run time."""
+    divisible = [["tt.divisibility", 16]]
+    aligned = [name for name in spec.fn.arg_names if signature[name].startswith("*")
+               or (name.startswith("stride") and signature[name] != "constexpr")]
+    return {(spec.fn.arg_names.index(name),): divisible for name in aligned}
+
+
+def _nvidia_resources(cubin: bytes, kernel_name: str) -> dict[str, int]:
+    """REG, STACK and LOCAL of the kernel, from `cuobjdump --dump-resource-usage` on the cubin."""
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True,
+                              check=True).stdout
+    usage = text.split(f"Function {kernel_name}:", 1)[-1]
+    found = re.findall(r"\b(REG|STACK|LOCAL|SHARED):(\d+)", usage)
+    return {name.lower(): int(value) for name, value in found}
+
+
+def _amd_resources(amdgcn: str) -> dict[str, int]:
+    """The register counts of the kernel metadata in the amdgcn text."""
+    names = ("vgpr_count", "agpr_count", "sgpr_count", "vgpr_spill_count", "sgpr_spill_count")
+    return {name: int(m.group(1)) for name in names if (m := re.search(rf"\.{name}:\s+(\d+)", amdgcn))}
+
+
+def compile_config(spec: CompileSpec, config: LaunchConfig, target: DeviceInfo) -> CompileReport:
+    """Compile `spec` with `config`'s knobs for `target` (no GPU needed) and report its resources.
+
+    A compile error gives a report with fits False and reason "compile_error: ...". Raises
+    RuntimeError when the kernel was decorated under TRITON_INTERPRET (it cannot be compiled then).
+    """
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import JITFunction
+
+    if not isinstance(spec.fn, JITFunction):
+        raise RuntimeError(
+            f"spec: {getattr(spec.fn, '__name__', spec.fn)!r} is not a compilable JIT function (was it "
+            "decorated under TRITON_INTERPRET=1?); run `python -m tuning.compile_check` without it")
+    name = spec.fn.__name__
+    start = time.perf_counter()
+    signature = _full_signature(spec)
+    source = ASTSource(spec.fn, signature, constexprs=dict(spec.constexprs),
+                       attrs=_alignment_attrs(spec, signature))
+    try:
+        kernel = triton.compile(source, target=GPUTarget(*target.target),
+                                options={**config.knobs(), **spec.options})
+    except Exception as err:  # noqa: BLE001 - any compiler failure is this config's result
+        message = " ".join(str(err).split())[:500]
+        return CompileReport(None, None, None, False, f"compile_error: {type(err).__name__}: {message}",
+                             time.perf_counter() - start, name)
+    shared = int(kernel.metadata.shared)
+    if target.vendor == "amd":
+        detail = _amd_resources(kernel.asm["amdgcn"])
+        registers = detail.get("vgpr_count")
+        spills = detail.get("vgpr_spill_count", 0)
+    else:
+        detail = _nvidia_resources(kernel.asm["cubin"], kernel.metadata.name)
+        registers = detail.get("reg")
+        spills = detail.get("stack", 0) + detail.get("local", 0)
+    problems = []
+    if spills:
+        problems.append(f"spills {spills}")
+    if shared > target.shared_mem_bytes:
+        problems.append(f"shared memory {shared} B > {target.shared_mem_bytes} B")
+    return CompileReport(registers, spills, shared, not problems, "; ".join(problems) or None,
+                         time.perf_counter() - start, name, detail)
+
+
+def check_variant(variant: Variant, key: dict, config: LaunchConfig,
+                  target: DeviceInfo) -> list[CompileReport]:
+    """Compile every kernel one call of `variant` with this tuning key and config launches."""
+    specs = variant.compile_specs(key, config, dtype=key.get("dtype", "fp16"))
+    return [compile_config(spec, config, target) for spec in specs]
+
+
+# ----------------------------------------------------------------------------- command line
+def _find_variant(name: str, vendor: str) -> Variant:
+    from kernels.base import load_all
+
+    for variants in load_all().values():
+        for variant in variants:
+            if variant.name == name and variant.vendor == vendor:
+                return variant
+    known = sorted({f"{v.name} ({v.vendor})" for vs in load_all().values() for v in vs})
+    raise ValueError(f"--variant: no variant {name!r} for vendor {vendor!r}; known: {', '.join(known)}")
+
+
+def _preset_keys(op_name: str) -> list[dict]:
+    """The tuning keys of the op's "full" preset shapes, computed from meta tensors (nothing allocated)."""
+    import torch
+
+    from registry.ops import OPS
+
+    op = OPS[op_name]
+    keys = []
+    for shape in op.presets["full"]:
+        args = op.validate(**op.make_inputs(shape, device=torch.device("meta"), dtype=torch.bfloat16, seed=0))
+        key = dict(op.tuning_key(args))
+        if key not in keys:
+            keys.append(key)
+    return keys
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m tuning.compile_check`: one line per (key, target, config), or JSON lines with --json."""
+    from registry.device import preset
+
+    parser = argparse.ArgumentParser(prog="python -m tuning.compile_check",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--variant", required=True, help="variant name, e.g. flash_attention_tiled")
+    parser.add_argument("--vendor", required=True, choices=("nvidia", "amd"))
+    parser.add_argument("--target", required=True, help="presets, comma-separated (h200, mi300x, mi355x)")
+    parser.add_argument("--key-json", action="append", help="a tuning key as JSON (repeatable); "
+                        "default: the keys of the op's full preset shapes")
+    parser.add_argument("--config-json", action="append", help="a LaunchConfig as JSON (repeatable); "
+                        "default: the variant's default config for each key and target")
+    parser.add_argument("--space", action="store_true", help="every config of the space not pruned")
+    parser.add_argument("--json", action="store_true", help="print one JSON object per line")
+    opts = parser.parse_args(argv)
+
+    variant = _find_variant(opts.variant, opts.vendor)
+    targets = [preset(name) for name in opts.target.split(",")]
+    for target in targets:
+        if target.vendor != variant.vendor:
+            parser.error(f"--target: {target.key} is not a {variant.vendor} target")
+    keys = [json.loads(text) for text in opts.key_json] if opts.key_json else _preset_keys(variant.op)
+    all_fit = True
+    for key in keys:
+        for target in targets:
+            if opts.config_json:
+                configs = [LaunchConfig.from_json(text) for text in opts.config_json]
+            elif opts.space:
+                configs = [c for c in variant.space(key, target)
+                           if variant.prune_reason(c, key, target) is None]
+            else:
+                configs = [variant.default_config(key, target)]
+            for config in configs:
+                for report in check_variant(variant, key, config, target):
+                    all_fit &= report.fits
+                    if opts.json:
+                        row = {"target": target.key, "arch": target.arch, "key": key,
+                               "config": json.loads(config.to_json()), **asdict(report)}
+                        print(json.dumps(row), flush=True)
+                    else:
+                        why = f" ({report.reason})" if report.reason else ""
+                        print(f"{target.key} {target.arch} [{config}] {report.kernel}: "
+                              f"regs={report.registers} spills={report.spills} shared={report.shared_bytes} "
+                              f"fits={report.fits}{why}", flush=True)
+    return 0 if all_fit else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,184 @@
+"""Tuned tables out of the database: JSON per (device, op), a long CSV, or a Markdown table for docs.
+
+    python -m tuning.export --device h200 [--op OP] --format json|csv|md [--out DIR_OR_FILE] [--db URL]
+
+JSON files (`<device_key>__<op>.json`, the format of `tuning_db.store.TableFile`) are what
+`tuning_db/tables/` ships and what `python -m tuning.load` imports on another machine. Every file is
+written to a temporary name beside its target and renamed, so a reader never sees half a file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+import os
+import re
+import sys
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+from registry.device import PRESETS, DeviceInfo, preset
+from tuning_db.records import TunedConfig
+from tuning_db.store import (
+    StoredDevice,
+    TableFile,
+    TuningDatabaseError,
+    TuningStore,
+    match_level,
+)
+
+KNOBS = ("num_warps", "num_stages", "waves_per_eu", "matrix_instr_nonkdim", "kpack")
+_KEY_PATTERN = re.compile(r"[a-z0-9][a-z0-9._-]*")
+
+
+def resolve_device(device: str) -> tuple[str, DeviceInfo | None]:
+    """(device key, preset or None) of a preset name (h200, mi355, ...) or a device key (nvidia-h200)."""
+    try:
+        info = preset(device)
+        return info.key, info
+    except ValueError:
+        pass
+    for info in PRESETS.values():
+        if info.key == device:
+            return device, info
+    if not _KEY_PATTERN.fullmatch(device):
+        raise ValueError(f"device: expected a preset name ({', '.join(sorted(PRESETS))}) or a device key "
+                         f"such as 'nvidia-h200', got {device!r}")
+    return device, None
+
+
+def tables(store: TuningStore, device_key: str, op: str | None = None) -> list[TableFile]:
+    """One TableFile per op tuned on `device_key` (a preset name or a device key), ops sorted.
+
+    The database may hold several cards under one key (an H100 PCIe and an SXM are both nvidia-h100):
+    per tuning key the entry of the card that best matches the preset wins (then the latest one), and
+    the table names the card that gave most of its entries.
+    """
+    key, info = resolve_device(device_key)
+    by_op: dict[str, dict[str, tuple[tuple, StoredDevice, TunedConfig]]] = {}
+    for stored, tuned in store.tuned_rows(op=op, device_key=key):
+        level = match_level(info, stored) if info is not None else 0
+        recency = tuned.updated_at.timestamp() if tuned.updated_at else 0.0
+        rank = (level, -recency, -stored.id)
+        chosen = by_op.setdefault(tuned.op, {})
+        if tuned.tuning_key not in chosen or rank < chosen[tuned.tuning_key][0]:
+            chosen[tuned.tuning_key] = (rank, stored, tuned)
+    out = []
+    for name in sorted(by_op):
+        picks = list(by_op[name].values())
+        counts = Counter(stored.id for _, stored, _ in picks)
+        top = min(picks, key=lambda pick: (-counts[pick[1].id], pick[0]))[1]
+        out.append(TableFile.build(name, top, [tuned for _, _, tuned in picks]))
+    return out
+
+
+def write_atomic(path: str | Path, text: str) -> Path:
+    """Write `text` to a temporary file beside `path`, then rename it over `path`."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8", newline="") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.chmod(tmp, 0o644)  # mkstemp makes the file private; a table is meant to be shared
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def export_json(store: TuningStore, device_key: str, op: str | None = None,
+                out_dir: str | Path = ".") -> list[Path]:
+    """Write `<device_key>__<op>.json` into `out_dir` for each op tuned on the device; returns the paths."""
+    written = []
+    for table in tables(store, device_key, op):
+        written.append(write_atomic(Path(out_dir) / f"{table.device.key}__{table.op}.json", table.to_json()))
+    return written
+
+
+def export_csv(store: TuningStore, device_key: str, op: str | None = None) -> str:
+    """Long-format CSV, one row per tuned entry, config fields flattened to columns (block sizes by
+    name, then the launch knobs; empty where a variant has no such field)."""
+    rows = [(table, tuned) for table in tables(store, device_key, op) for tuned in table.tuned()]
+    blocks = sorted({name for _, tuned in rows for name in tuned.config.blocks})
+    header = ["op", "device_key", "tuning_key", "variant", "source_hash", *blocks, *KNOBS,
+              "time_ms", "triton_version", "torch_version"]
+    buffer = io.StringIO()
+    writer = csv.writer(buffer, lineterminator="\n")
+    writer.writerow(header)
+    for _, tuned in rows:
+        config = tuned.config
+        knobs = [getattr(config, name) for name in KNOBS]
+        writer.writerow([tuned.op, tuned.device_key, tuned.tuning_key, tuned.variant, tuned.source_hash,
+                         *(config.blocks.get(name, "") for name in blocks),
+                         *("" if value is None else value for value in knobs),
+                         "" if tuned.time_ms is None else tuned.time_ms,
+                         tuned.triton_version, tuned.torch_version])
+    return buffer.getvalue()
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def export_markdown(store: TuningStore, device_key: str, op: str | None = None) -> str:
+    """A Markdown table of the device's tuned entries for docs: op, key dims, variant, config, time."""
+    found = tables(store, device_key, op)
+    lines = ["| op | key | variant | config | time (ms) |", "|---|---|---|---|---:|"]
+    for table in found:
+        for tuned in table.tuned():
+            dims = " ".join(f"{k}={v}" for k, v in json.loads(tuned.tuning_key).items())
+            time_ms = "" if tuned.time_ms is None else f"{tuned.time_ms:.4g}"
+            cells = [table.op, dims, tuned.variant, str(tuned.config), time_ms]
+            lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _target(out: str | None, default_name: str) -> Path | None:
+    if out is None:
+        return None
+    path = Path(out)
+    return path / default_name if path.is_dir() or out.endswith(os.sep) else path
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI entry point; returns the exit code (0 written, 1 nothing tuned for the device, 2 error)."""
+    parser = argparse.ArgumentParser(prog="python -m tuning.export", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", required=True, help="preset name (h200, mi355, ...) or device key")
+    parser.add_argument("--op", help="only this op (default: every tuned op)")
+    parser.add_argument("--format", choices=("json", "csv", "md"), default="json")
+    parser.add_argument("--out", help="json: folder (default .); csv/md: file or folder (default stdout)")
+    parser.add_argument("--db", help="SQLAlchemy URL (default: KREG_TUNING_DB or the user cache file)")
+    args = parser.parse_args(argv)
+    try:
+        key, _ = resolve_device(args.device)
+        store = TuningStore(args.db)
+        if not store.tuned_rows(op=args.op, device_key=key):
+            what = f" of {args.op}" if args.op else ""
+            print(f"nothing tuned{what} for device {key} in {store!r}", file=sys.stderr)
+            return 1
+        if args.format == "json":
+            for path in export_json(store, args.device, args.op, args.out or "."):
+                print(path)
+            return 0
+        text = (export_csv if args.format == "csv" else export_markdown)(store, args.device, args.op)
+        suffix = f"__{args.op}" if args.op else ""
+        target = _target(args.out, f"{key}{suffix}.{args.format}")
+        if target is None:
+            sys.stdout.write(text)
+        else:
+            print(write_atomic(target, text))
+        return 0
+    except (ValueError, TuningDatabaseError, OSError) as err:
+        print(f"tuning.export: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
