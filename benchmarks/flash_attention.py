@@ -22,6 +22,10 @@ def _shape_name(s: dict) -> str:
     return f"b{s['b']} s{s['s_q']} h{s['h_q']}/{s['h_kv']} d{s['d']} {flags}"
 
 
+def _sdpa(causal: bool, gqa: bool):
+    return lambda qkv: F.scaled_dot_product_attention(*qkv, is_causal=causal, enable_gqa=gqa)
+
+
 def run(dtype: torch.dtype = torch.bfloat16) -> list[Row]:
     device = detect()
     handle = registry.get("flash_attention")
@@ -37,9 +41,8 @@ def run(dtype: torch.dtype = torch.bfloat16) -> list[Row]:
         # SDPA in its own [b, h, s, d] layout; bottom-right causal equals top-left when s_q == s_k.
         sdpa_sets = [tuple(a[n].transpose(1, 2).contiguous() for n in ("q", "k", "v")) for a in sets]
         gqa = shape["h_q"] != shape["h_kv"]
-        causal = bool(shape.get("causal"))
-        peer_ms = time_gpu(rotating(
-            lambda t: F.scaled_dot_product_attention(*t, is_causal=causal, enable_gqa=gqa), sdpa_sets))
+        sdpa = _sdpa(bool(shape.get("causal")), gqa)
+        peer_ms = time_gpu(rotating(sdpa, sdpa_sets))
         rows.append(Row("flash_attention", name, "torch-sdpa", peer_ms, flops / peer_ms / 1e9, "TFLOP/s", None,
                         device.name))
     return rows

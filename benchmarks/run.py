@@ -12,6 +12,7 @@ import torch
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.run")
     parser.add_argument("--csv", default=None, help="where to write the long-format rows")
+    parser.add_argument("--only", default=None, help="comma-separated families (flash_attention, sparse_mla)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("benchmarks need a CUDA or ROCm GPU; none is present", file=sys.stderr)
@@ -19,13 +20,15 @@ def main(argv: list[str] | None = None) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from benchmarks import flash_attention
+    from benchmarks import flash_attention, sparse_mla
     from benchmarks.common import measure_ceilings, write_csv
     from registry.device import detect
 
     device = detect()
     ceilings = measure_ceilings()
-    rows = flash_attention.run()
+    families = {"flash_attention": flash_attention.run, "sparse_mla": sparse_mla.run}
+    chosen = args.only.split(",") if args.only else list(families)
+    rows = [row for name in chosen for row in families[name]()]
     table = Table(title=f"{device.name}: GEMM ceiling {ceilings.gemm_tflops:.0f} TFLOP/s, "
                         f"copy ceiling {ceilings.copy_tbps:.2f} TB/s")
     for col in ("op", "shape", "ours ms", "ours rate", "peer", "peer ms", "ours/peer speed", "of ceiling", "rel err"):
@@ -37,11 +40,12 @@ def main(argv: list[str] | None = None) -> int:
         table.add_row(r.op, r.shape, f"{r.ms:.3f}", f"{r.rate:.0f} {r.unit}", peer.provider if peer else "-",
                       f"{peer.ms:.3f}" if peer else "-", f"{peer.ms / r.ms:.2f}x" if peer else "-",
                       f"{r.rate / ceiling:.0%}", f"{r.rel_err:.1e}")
-    reg_us, direct_us = flash_attention.dispatch_overhead()
-    console = Console()
+    console = Console(width=200)
     console.print(table)
-    console.print(f"dispatch: registry.get(op)(...) {reg_us:.2f} us/call vs direct launch {direct_us:.2f} us/call "
-                  f"-> overhead {reg_us - direct_us:.2f} us")
+    if "flash_attention" in chosen:
+        reg_us, direct_us = flash_attention.dispatch_overhead()
+        console.print(f"dispatch: registry.get(op)(...) {reg_us:.2f} us/call vs direct launch {direct_us:.2f} "
+                      f"us/call -> overhead {reg_us - direct_us:.2f} us")
     write_csv(rows, args.csv or f"benchmarks-{device.key}.csv")
     return 0
 

@@ -72,7 +72,7 @@ def _model_from_name(vendor: str, name: str) -> str:
     return slug.removeprefix(f"{vendor}-") or "unknown"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _detect_gpu(index: int) -> DeviceInfo:
     props = torch.cuda.get_device_properties(index)
     smem = int(getattr(props, "shared_memory_per_block_optin", 0) or getattr(props, "shared_memory_per_block", 0))

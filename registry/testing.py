@@ -42,7 +42,7 @@ def max_relative_error(actual, expected) -> float:
     outs, refs = _as_tensors(actual), _as_tensors(expected)
     if len(outs) != len(refs):
         raise AssertionError(f"expected {len(refs)} outputs, got {len(outs)}")
-    return max((relative_error(a, e) for a, e in zip(outs, refs)), default=0.0)
+    return max((relative_error(a, e) for a, e in zip(outs, refs, strict=True)), default=0.0)
 
 
 def assert_close(actual, expected, rtol: float, what: str = "output") -> None:
@@ -50,7 +50,7 @@ def assert_close(actual, expected, rtol: float, what: str = "output") -> None:
     outs, refs = _as_tensors(actual), _as_tensors(expected)
     if len(outs) != len(refs):
         raise AssertionError(f"{what}: expected {len(refs)} outputs, got {len(outs)}")
-    for i, (a, e) in enumerate(zip(outs, refs)):
+    for i, (a, e) in enumerate(zip(outs, refs, strict=True)):
         err = relative_error(a, e)
         if not err <= rtol:
             raise AssertionError(f"{what}[{i}]: relative error {err:.3g} > {rtol:.3g}")

@@ -167,9 +167,9 @@ def test_upsert_best_and_stale(store, presets):
     assert same_entry(store.best(OP, h200, keys[0]), replaced)
     assert len(store.tuned(op=OP, device_key=h200.key)) == len(keys)
 
-    stale = store.stale({"v0": "hash0", "v1": "changed"})
+    stale = store.stale({("nvidia", "v0"): "hash0", ("nvidia", "v1"): "changed", ("amd", "v0"): "other"})
     assert sorted(t.tuning_key for t in stale) == sorted(t.tuning_key for t in entries if t.variant == "v1")
-    assert store.stale({"v0": "hash0", "v1": "hash1", "v9": "new"}) == []
+    assert store.stale({("nvidia", "v0"): "hash0", ("nvidia", "v1"): "hash1", ("nvidia", "v9"): "new"}) == []
 
     with pytest.raises(ValueError, match="device_key"):
         store.upsert_tuned(replaced, presets["h100"])

@@ -26,7 +26,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
-from tuning_db.records import LaunchConfig
+from tuning_db.records import LaunchConfig, canonical_json
 
 if TYPE_CHECKING:
     from kernels.base import CompileSpec, Variant
@@ -120,7 +120,8 @@ def compile_config(spec: CompileSpec, config: LaunchConfig, target: DeviceInfo) 
         kernel = triton.compile(source, target=GPUTarget(*target.target),
                                 options={**config.knobs(), **spec.options})
     except Exception as err:  # noqa: BLE001 - any compiler failure is this config's result
-        message = " ".join(str(err).split())[:500]
+        # Triton puts the source excerpt first and the cause last: keep the end.
+        message = " ".join(str(err).split())[-500:]
         return CompileReport(None, None, None, False, f"compile_error: {type(err).__name__}: {message}",
                              time.perf_counter() - start, name)
     shared = int(kernel.metadata.shared)
@@ -197,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     targets = [preset(name) for name in opts.target.split(",")]
     for target in targets:
         if target.vendor != variant.vendor:
-            parser.error(f"--target: {target.key} is not a {variant.vendor} target")
+            parser.error(f"--target: expected a target of vendor {variant.vendor}, got {target.key} ({target.vendor})")
     keys = [json.loads(text) for text in opts.key_json] if opts.key_json else _preset_keys(variant.op)
     all_fit = True
     for key in keys:
@@ -218,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
                         print(json.dumps(row), flush=True)
                     else:
                         why = f" ({report.reason})" if report.reason else ""
-                        print(f"{target.key} {target.arch} [{config}] {report.kernel}: "
+                        print(f"{target.key} {target.arch} {canonical_json(key)} [{config}] {report.kernel}: "
                               f"regs={report.registers} spills={report.spills} shared={report.shared_bytes} "
                               f"fits={report.fits}{why}", flush=True)
     return 0 if all_fit else 1

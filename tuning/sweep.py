@@ -61,7 +61,8 @@ def _versions() -> tuple[str, str]:
     return triton.__version__, torch.__version__
 
 
-def _gate_and_time(op, variant, config, gate_args, gate_ref, full_sets, tol, device) -> tuple[str, float | None, str | None]:
+def _gate_and_time(op, variant, config, gate_args, gate_ref, full_sets, tol,
+                   device) -> tuple[str, float | None, str | None]:
     """Correctness gate on `gate_args`, then a timing on the full-shape input sets."""
     from registry.testing import max_relative_error
     from tuning.bench import rotating, time_call
@@ -267,13 +268,46 @@ def _sweep_on_args(op, variants, device_info, torch_device, args, store):
 
 
 # --------------------------------------------------------------------------------------------- CLI
+def _parse_filter(text: str | None) -> dict[str, int]:
+    if not text:
+        return {}
+    out = {}
+    for item in text.split(","):
+        name, sep, value = item.partition("=")
+        if not sep or not value.strip().lstrip("-").isdigit():
+            raise ValueError(f"expected K=V pairs with integer values, got {item!r}")
+        out[name.strip()] = int(value)
+    return out
+
+
+class _FilteredVariant:
+    """A variant whose space keeps only configs with the requested block sizes and knob values."""
+
+    def __init__(self, variant, wanted: dict[str, int]) -> None:
+        self._variant, self._wanted = variant, wanted
+
+    def __getattr__(self, name):
+        return getattr(self._variant, name)
+
+    def space(self, key, device):
+        def keep(config):
+            values = {**config.blocks, **config.knobs()}
+            return all(values.get(k) == v for k, v in self._wanted.items())
+
+        return [c for c in self._variant.space(key, device) if keep(c)]
+
+
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m tuning.sweep", description=__doc__.split("\n\n")[0])
     p.add_argument("--device", required=True,
                    help="target: h100, h200, mi300x (mi300), mi355x (mi355), cpu (the interpreter) "
                    "or auto (the device present)")
     p.add_argument("--op", action="append", help="op to sweep (repeatable; default: every op with variants)")
-    p.add_argument("--shapes", default=None, help="preset name: tiny or full (default: tiny on cpu, full on a GPU)")
+    p.add_argument("--shapes", default=None,
+                   help="preset name, tiny or full (default: tiny on cpu, full on a GPU), optionally with the "
+                        "indices of its shapes to sweep: full:0,2")
+    p.add_argument("--filter", default=None, metavar="K=V,...",
+                   help="only configs whose blocks/knobs have these values, e.g. BLOCK_H=64,num_stages=2")
     p.add_argument("--dtype", choices=["fp16", "bf16"], default=None,
                    help="input dtype (default: bf16 on a GPU, fp16 in the interpreter)")
     p.add_argument("--db", default=None, help="SQLAlchemy URL (default: KREG_TUNING_DB or the user cache file)")
@@ -360,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     registry_variants = load_all()
     if args.stale:
-        hashes = {v.name: v.source_hash for vs in registry_variants.values() for v in vs}
+        hashes = {(v.vendor, v.name): v.source_hash for vs in registry_variants.values() for v in vs}
         stale = store.stale(hashes)
         for t in stale:
             print(f"stale: {t.op} {t.device_key} {t.tuning_key} {t.variant} (tuned for source {t.source_hash})")
@@ -381,10 +415,16 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         print(f"error: --op: unknown op {unknown[0]!r}; expected one of {', '.join(OPS)}", file=sys.stderr)
         return 2
-    preset_name = args.shapes or ("tiny" if device_info.key == "cpu" or args.compile_only else "full")
+    preset_name, _, picks = (args.shapes or ("tiny" if device_info.key == "cpu" or args.compile_only
+                                             else "full")).partition(":")
+    try:
+        wanted = _parse_filter(args.filter)
+    except ValueError as err:
+        print(f"error: --filter: {err}", file=sys.stderr)
+        return 2
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, None: None}[args.dtype] or (
         torch.bfloat16 if torch_device.type == "cuda" or args.compile_only else torch.float16)
-    deadline = time.monotonic() + 60 * args.max_minutes if args.max_minutes else None
+    deadline = time.monotonic() + 60 * args.max_minutes if args.max_minutes is not None else None
 
     columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                TextColumn("rejected {task.fields[rejected]}"), TimeElapsedColumn(),
@@ -398,7 +438,15 @@ def main(argv: list[str] | None = None) -> int:
             if not variants:
                 console.print(f"{name}: no {vendor} variant yet, skipped")
                 continue
+            if preset_name not in op.presets:
+                print(f"error: --shapes: {name} has presets {', '.join(op.presets)}, got {preset_name!r}",
+                      file=sys.stderr)
+                return 2
             shapes = list(op.presets[preset_name])
+            if picks:
+                shapes = [shapes[int(i)] for i in picks.split(",")]
+            if wanted:
+                variants = [_FilteredVariant(v, wanted) for v in variants]
             if args.compile_only:
                 rows, finished = compile_only_op(op, variants, device_info, shapes, dtype, store,
                                                  resume=args.resume, deadline=deadline, progress=progress)
@@ -409,7 +457,8 @@ def main(argv: list[str] | None = None) -> int:
             if not finished:
                 console.print(f"stopped after {args.max_minutes} min; `--resume` continues the sweep")
                 break
-    out = Console()
+    # Piped output (logs, CI) keeps whole rows instead of wrapping at 80 columns.
+    out = Console(width=None if sys.stdout.isatty() else 220)
     if args.compile_only:
         out.print(_resources_table(device_info, resources))
     else:

@@ -61,6 +61,10 @@ class LaunchConfig(BaseModel):
             raise ValueError(f"num_stages must be >= 1, got {n}")
         return n
 
+    def __hash__(self) -> int:
+        # `blocks` is a dict, so the generated frozen-model hash cannot hash it.
+        return hash((tuple(self.blocks.items()), tuple(self.knobs().items())))
+
     def knobs(self) -> dict[str, int]:
         """Keyword arguments for a Triton launch or `triton.compile` options (unset AMD knobs left out)."""
         out = {"num_warps": self.num_warps, "num_stages": self.num_stages}

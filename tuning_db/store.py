@@ -550,11 +550,19 @@ class TuningStore:
         """Tuned winners, filtered by op and device key."""
         return [tuned for _, tuned in self.tuned_rows(op=op, device_key=device_key)]
 
-    def stale(self, variant_hashes: Mapping[str, str]) -> list[TunedConfig]:
-        """Tuned entries whose source hash differs from their variant's current hash in
-        `variant_hashes` (variants missing from it are not judged)."""
-        return [t for t in self.tuned()
-                if t.variant in variant_hashes and t.source_hash != variant_hashes[t.variant]]
+    def stale(self, variant_hashes: Mapping[tuple[str, str], str]) -> list[TunedConfig]:
+        """Tuned entries whose source hash differs from their variant's current hash.
+
+        `variant_hashes` maps (vendor, variant name) to the hash; the vendor is the entry's device's
+        (interpreter entries, device "cpu", are judged against the NVIDIA variant, which CPU sweeps time).
+        Variants missing from the mapping are not judged."""
+        out = []
+        for device, tuned in self.tuned_rows():
+            vendor = "nvidia" if device.vendor == "cpu" else device.vendor
+            current = variant_hashes.get((vendor, tuned.variant))
+            if current is not None and current != tuned.source_hash:
+                out.append(tuned)
+        return out
 
 
 # ----------------------------------------------------------------------------- table files

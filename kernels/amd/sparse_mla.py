@@ -13,7 +13,7 @@ class SparseMLAHeadBlockAmd(SparseMLAHeadBlockBase, Variant):
     vendor = "amd"
     SPACE = {
         "BLOCK_H": (16, 32, 64, 128),
-        "BLOCK_TOPK": (32, 64, 128),
+        "BLOCK_TOPK": (16, 32, 64, 128),
         "num_warps": (4, 8),
         "num_stages": (1, 2),
         "waves_per_eu": (0, 1, 2),
@@ -21,7 +21,15 @@ class SparseMLAHeadBlockAmd(SparseMLAHeadBlockBase, Variant):
         "kpack": (1, 2),
     }
     ACC_REGS_LIMIT = 256
-    DEFAULT = {"num_warps": 8, "num_stages": 1, "waves_per_eu": 0, "matrix_instr_nonkdim": 16, "kpack": 1}
+    Q_IN_SHARED = False
+    # At the V3.2 shape with 8 warps (2 waves per SIMD, 256 VGPRs each), no spills and 64 KiB of LDS:
+    # gfx942 needs the narrower top-k tile, gfx950 takes 32.
+    DEFAULTS = {
+        "gfx942": {"BLOCK_H": 64, "BLOCK_TOPK": 16, "num_warps": 8, "num_stages": 2, "waves_per_eu": 0,
+                   "matrix_instr_nonkdim": 16, "kpack": 1},
+        "*": {"BLOCK_H": 64, "BLOCK_TOPK": 32, "num_warps": 8, "num_stages": 1, "waves_per_eu": 0,
+              "matrix_instr_nonkdim": 16, "kpack": 1},
+    }
 
     def _knob_values(self, name: str, device) -> tuple:
         # gfx950 has no kpack choice: Triton forces it to 1 there.

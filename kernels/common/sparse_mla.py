@@ -20,8 +20,9 @@ from kernels.base import CompileSpec
 from registry.ops.sparse_mla import SparseMLAOutput
 from tuning_db.records import LaunchConfig
 
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
+# Kernels can only read globals that are constexprs.
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
 
 
 def dim_blocks(d_qk: int, d_v: int) -> tuple[int, int]:
@@ -257,7 +258,7 @@ def _forward(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, config: Laun
     grid, head_blocks = _grid(s_q, h_q, h_kv, b, blocks["BLOCK_H"])
     _sparse_mla_fwd_kernel[grid](
         q, kv, indices, attn_sink, topk_length, out, max_logits, lse,
-        s_kv, indices.shape[-1], h_q // h_kv, head_blocks, sm_scale * LOG2E,
+        s_kv, indices.shape[-1], h_q // h_kv, head_blocks, sm_scale * LOG2E.value,
         *_strides(q, 3), *_strides(kv, 3), *_strides(indices, 3), *_strides(topk_length, 2),
         *_strides(out, 3), *_strides(lse, 2),
         D_V=d_v, D_TAIL=d_qk - d_v, BLOCK_DV=block_dv, BLOCK_DT=block_dt,
@@ -365,8 +366,12 @@ class SparseMLAHeadBlockBase:
 
     SPACE: lists of values per block and knob (the sweep's product), each list filtered per key;
     ACC_REGS_LIMIT: the fp32 accumulator registers per thread (BLOCK_H * BLOCK_DV / threads) above
-        which a config cannot avoid spilling on that vendor (AMD's unified VGPR/AGPR file is larger);
-    DEFAULT: knob defaults for the heuristic config.
+        which a config cannot avoid spilling on that vendor (AMD's unified VGPR/AGPR file is larger),
+        further capped at half of each thread's share of the register file;
+    Q_IN_SHARED: whether Q stays in shared memory for the whole loop (Hopper's wgmma reads its A
+        operand from there) or only passes through it once on its way to registers (AMD);
+    DEFAULTS: the heuristic config per arch ("*" for any other), as found free of spills by the
+        offline compile check (`python -m tuning.sweep --compile-only`; benchmarks/NOTES.md).
     """
 
     op = "sparse_mla"
@@ -374,7 +379,8 @@ class SparseMLAHeadBlockBase:
     source_modules = ("kernels.common.sparse_mla",)
     SPACE: dict[str, tuple] = {}
     ACC_REGS_LIMIT = 128
-    DEFAULT: dict = {}
+    Q_IN_SHARED = True
+    DEFAULTS: dict[str, dict] = {}
 
     def supports(self, key: dict, device) -> bool:
         return key["dtype"] in ("fp16", "bf16") and key["d_qk"] <= 1024
@@ -393,7 +399,7 @@ class SparseMLAHeadBlockBase:
         for block_h in (h for h in self.SPACE["BLOCK_H"] if h <= cap):
             for block_topk in self.SPACE["BLOCK_TOPK"]:
                 for values in _product([self._knob_values(n, device) for n in knob_names]):
-                    knobs = dict(zip(knob_names, values))
+                    knobs = dict(zip(knob_names, values, strict=True))
                     configs.append(LaunchConfig(blocks={"BLOCK_H": block_h, "BLOCK_TOPK": block_topk}, **knobs))
         return configs
 
@@ -401,17 +407,22 @@ class SparseMLAHeadBlockBase:
         return self.SPACE[name]
 
     def prune_reason(self, config: LaunchConfig, key: dict, device) -> str | None:
+        """Static pruning of what cannot fit; loose on purpose (the compile check is authoritative)."""
         if device.key == "cpu":
             return None
-        block_dv, block_dt = dim_blocks(key["d_qk"], key["d_v"])
+        block_dv, _ = dim_blocks(key["d_qk"], key["d_v"])
         threads = config.num_warps * device.warp_size
         acc_regs = config.blocks["BLOCK_H"] * block_dv // threads
-        if acc_regs > self.ACC_REGS_LIMIT:
-            return f"accumulator needs {acc_regs} registers per thread (> {self.ACC_REGS_LIMIT})"
-        elem = 2
-        kv_tile = config.blocks["BLOCK_TOPK"] * (block_dv + block_dt) * elem
-        q_tile = config.blocks["BLOCK_H"] * (block_dv + block_dt) * elem
-        smem = kv_tile * max(1, config.num_stages) + q_tile
+        # The accumulator may take at most half of a thread's share of the register file.
+        limit = min(self.ACC_REGS_LIMIT, device.registers_per_sm // threads // 2)
+        if acc_regs > limit:
+            return f"accumulator needs {acc_regs} registers per thread (> {limit})"
+        # The value part dominates the tiles: the gathered kv tile stays resident for the pipeline's
+        # stages in flight; Q stays resident on NVIDIA and passes through once on AMD.
+        kv_tile = config.blocks["BLOCK_TOPK"] * block_dv * 2
+        q_tile = config.blocks["BLOCK_H"] * block_dv * 2
+        resident = kv_tile * max(1, config.num_stages - 1)
+        smem = resident + q_tile if self.Q_IN_SHARED else max(resident, q_tile)
         if smem > device.shared_mem_bytes:
             return f"needs ~{smem} B of shared memory/LDS (> {device.shared_mem_bytes})"
         return None
@@ -419,14 +430,9 @@ class SparseMLAHeadBlockBase:
     def default_config(self, key: dict, device) -> LaunchConfig:
         if device.key == "cpu":
             return LaunchConfig(blocks={"BLOCK_H": 16, "BLOCK_TOPK": 16})
-        block_h = min(64, self._head_cap(key))
-        config = LaunchConfig(blocks={"BLOCK_H": block_h, "BLOCK_TOPK": 64}, **self.DEFAULT)
-        # Fall back to smaller tiles until the static estimate fits this device.
-        for block_topk in (64, 32, 16):
-            config = config.model_copy(update={"blocks": {"BLOCK_H": block_h, "BLOCK_TOPK": block_topk}})
-            if self.prune_reason(config, key, device) is None:
-                break
-        return config
+        chosen = dict(self.DEFAULTS.get(device.arch, self.DEFAULTS["*"]))
+        blocks = {"BLOCK_H": min(chosen.pop("BLOCK_H"), self._head_cap(key)), "BLOCK_TOPK": chosen.pop("BLOCK_TOPK")}
+        return LaunchConfig(blocks=blocks, **chosen)
 
     def launch(self, args: dict, config: LaunchConfig) -> SparseMLAOutput:
         return sparse_mla_forward(args, config)

@@ -14,9 +14,10 @@ class SparseMLAHeadBlockNvidia(SparseMLAHeadBlockBase, Variant):
     vendor = "nvidia"
     SPACE = {
         "BLOCK_H": (16, 32, 64, 128),
-        "BLOCK_TOPK": (32, 64, 128),
+        "BLOCK_TOPK": (16, 32, 64, 128),
         "num_warps": (4, 8, 16),
         "num_stages": (1, 2, 3, 4),
     }
     ACC_REGS_LIMIT = 128
-    DEFAULT = {"num_warps": 8, "num_stages": 2}
+    # sm_90: 255 registers, no spills, 147 KB of shared memory at the V3.2 shape.
+    DEFAULTS = {"*": {"BLOCK_H": 64, "BLOCK_TOPK": 32, "num_warps": 8, "num_stages": 2}}

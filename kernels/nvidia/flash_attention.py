@@ -1,0 +1,40 @@
+"""flash_attention on NVIDIA Hopper (H100/H200): the shared tiled kernel with NVIDIA's config space.
+
+Triton pipelines K and V through shared memory with `num_stages` buffers each, next to the Q tile, so
+deep pipelines fit the 227 KiB only with narrow key tiles. Measured with tuning.compile_check (sm_90,
+bf16, causal): d 128 needs 8 warps for BLOCK_M 128 (4 warps spill), d 256 needs 8 warps at BLOCK_M 128.
+8 warps are two warpgroups of 64 query rows each (wgmma's M), which is why BLOCK_M 64 keeps 4.
+"""
+
+from kernels.base import Variant, register
+from kernels.common.flash_attention import FlashAttentionTiledBase
+from tuning_db.records import LaunchConfig
+
+
+@register
+class FlashAttentionTiledNvidia(FlashAttentionTiledBase, Variant):
+    vendor = "nvidia"
+    SPACE = {
+        "BLOCK_M": (64, 128),
+        "BLOCK_N": (32, 64, 128),
+        "num_warps": (4, 8),
+        "num_stages": (2, 3, 4, 5),
+    }
+    # Best of the space on an H100/H200 at s 8192 (bf16, 2026-11): d 64 128x64 (w8 405 vs w4 370
+    # TFLOP/s causal), d 128 128x128 (459-473 vs 432-442 for 128x64); d 256 is the largest tile that fits.
+    DEFAULTS = (
+        (64, {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}),
+        (128, {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3}),
+        (256, {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2}),
+    )
+
+    @staticmethod
+    def keep(config: LaunchConfig) -> bool:
+        """8 warps are two warpgroups of 64 query rows each: with BLOCK_M 64 they only split the keys."""
+        return not (config.num_warps == 8 and config.blocks["BLOCK_M"] < 128)
+
+    @staticmethod
+    def shared_bytes(config: LaunchConfig, block_d: int, elem: int) -> int:
+        """The Q tile plus `num_stages` buffers of the K and V tiles (matches sm_90 compiles exactly)."""
+        blocks = config.blocks
+        return elem * block_d * (blocks["BLOCK_M"] + 2 * config.num_stages * blocks["BLOCK_N"])

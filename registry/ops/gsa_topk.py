@@ -1,0 +1,157 @@
+"""gsa_topk: each query's top-k keys under the Gated Sparse Attention indexer's scores."""
+
+from __future__ import annotations
+
+import torch
+
+from registry.ops import gsa_indexer
+from registry.ops._contract import (
+    Op,
+    bucket_pow2,
+    require_int32,
+    require_last_contiguous,
+    require_positive_int,
+    require_same_device,
+    require_tensor,
+)
+from registry.ops.sparse_mla import DTYPE_NAMES
+
+
+def validate(
+    q_idx: torch.Tensor,
+    k_idx: torch.Tensor,
+    w: torch.Tensor,
+    bias: torch.Tensor,
+    k: int,
+    sm_scale: float | None = None,
+    topk_length: torch.Tensor | None = None,
+) -> dict:
+    """Top-k key selection under the GSA indexer scores.
+
+    gsa_topk(q_idx, k_idx, w, bias, k, sm_scale=None, topk_length=None) -> indices
+
+    q_idx [b, t, h_i, d_i], k_idx [b, t, d_i], w [b, t, h_i], bias [h_i] and sm_scale are the indexer's
+    (see gsa_indexer: scores[b, i, j] over the causal keys j <= i). k is a positive int;
+    topk_length [b, t] int32 (optional) caps each query's count.
+
+    Returns indices [b, t, k] int32: query i's min(k, i + 1, topk_length[b, i]) highest-scoring keys,
+    in no particular order, then -1 in the remaining slots (a negative topk_length selects nothing).
+    Ties may break either way. Fused kernels never materialize the [b, t, t] scores.
+
+    Raises ValueError/TypeError naming the argument as gsa_indexer does, for a k that is not a
+    positive int, and for a topk_length that is not int32 [b, t] on q_idx's device.
+    """
+    args = gsa_indexer.validate(q_idx, k_idx, w, bias, sm_scale)
+    if type(k) is not int or k <= 0:
+        require_positive_int("k", k)
+    args["k"] = k
+    args["topk_length"] = topk_length
+    if topk_length is not None:
+        require_tensor("topk_length", topk_length)
+        if topk_length.dtype != torch.int32:
+            require_int32("topk_length", topk_length)
+        if topk_length.shape != q_idx.shape[:2]:
+            raise ValueError(
+                f"topk_length: expected shape [b, t] = {list(q_idx.shape[:2])}, got {list(topk_length.shape)}"
+            )
+        if topk_length.device != q_idx.device:
+            require_same_device([("q_idx", q_idx), ("topk_length", topk_length)])
+        if topk_length.stride(-1) != 1:
+            require_last_contiguous("topk_length", topk_length)
+    return args
+
+
+def reference(
+    q_idx: torch.Tensor,
+    k_idx: torch.Tensor,
+    w: torch.Tensor,
+    bias: torch.Tensor,
+    k: int,
+    sm_scale: float,
+    topk_length: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The PyTorch semantics of `gsa_topk` (see `validate`), chunked over queries: indices [b, t, k].
+
+    Within a row the selected keys come sorted by descending score.
+    """
+    b, t = q_idx.shape[:2]
+    width = min(k, t)
+    slots = torch.arange(width, device=q_idx.device)
+    chunks = []
+    for start, scores in gsa_indexer.score_chunks(q_idx, k_idx, w, bias, sm_scale):
+        rows = torch.arange(start, start + scores.shape[1], device=q_idx.device)
+        # Future keys score -inf, so the first i + 1 picks are the causal ones.
+        count = torch.clamp(rows + 1, max=k).expand(b, -1)
+        if topk_length is not None:
+            count = torch.minimum(count, topk_length[:, rows])
+        picks = scores.topk(width, dim=-1).indices
+        chunks.append(torch.where(slots < count[..., None], picks, -1))
+    indices = torch.cat(chunks, dim=1).to(torch.int32)
+    if width < k:
+        indices = torch.nn.functional.pad(indices, (0, k - width), value=-1)
+    return indices
+
+
+def tuning_key(args: dict) -> tuple:
+    """(name, value) pairs that pick a config; the sequence length is bucketed."""
+    q = args["q_idx"]
+    return (
+        ("d_i", q.shape[3]),
+        ("dtype", DTYPE_NAMES[q.dtype]),
+        ("h_i", q.shape[2]),
+        ("k", args["k"]),
+        ("t", bucket_pow2(q.shape[1])),
+    )
+
+
+def flops(args: dict) -> float:
+    """The indexer's scoring FLOPs (selection itself is comparisons, not counted)."""
+    return gsa_indexer.flops(args)
+
+
+def bytes_moved(args: dict) -> float:
+    """Indexer inputs read once and the int32 [b, t, k] indices written once (no [b, t, t] scores)."""
+    b, t = args["q_idx"].shape[:2]
+    names = ("q_idx", "k_idx", "w", "bias", "topk_length")
+    read = sum(args[n].numel() * args[n].element_size() for n in names if args[n] is not None)
+    return float(read + b * t * args["k"] * 4)
+
+
+def make_inputs(shape: dict, *, device, dtype, seed: int) -> dict:
+    """Random arguments for a preset shape (the indexer's keys plus k, and flag topk_length)."""
+    args = gsa_indexer.make_inputs(shape, device=device, dtype=dtype, seed=seed)
+    args["k"] = shape["k"]
+    if shape.get("topk_length"):
+        gen = torch.Generator().manual_seed(seed + 1)
+        lengths = torch.randint(0, shape["k"] + 2, (shape["b"], shape["t"]), generator=gen, dtype=torch.int32)
+        args["topk_length"] = lengths.to(device)
+    return args
+
+
+def reduce_shape(shape: dict) -> dict:
+    """Same heads, head dim and k; at most 2048 positions."""
+    return gsa_indexer.reduce_shape(shape)
+
+
+presets = {
+    "tiny": [
+        {"b": 2, "t": 37, "h_i": 4, "d_i": 16, "k": 8},
+        {"b": 1, "t": 17, "h_i": 2, "d_i": 8, "k": 40, "topk_length": True},
+    ],
+    "full": [{**shape, "k": 2048} for shape in gsa_indexer.presets["full"]],
+}
+
+OP = Op(
+    name="gsa_topk",
+    summary="Gated Sparse Attention top-k: each query's k best causal keys under the indexer scores",
+    validate=validate,
+    reference=reference,
+    tuning_key=tuning_key,
+    flops=flops,
+    bytes_moved=bytes_moved,
+    make_inputs=make_inputs,
+    presets=presets,
+    reduce_shape=reduce_shape,
+    outputs=("indices",),
+    differentiable=False,
+)

@@ -1,0 +1,370 @@
+"""sparse_mla: DeepSeek-V3.2 sparse MLA attention, FlashMLA's `flash_mla_sparse_fwd` contract.
+
+Also home of two reference helpers the other sparse ops import: `masked_softmax` (a softmax over a
+masked last dimension that stays finite for empty rows, gradients included) and `random_indices` (the
+causal-like random index sets with fillers and duplicates that `make_inputs` hands to kernels).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+
+from registry.ops._contract import (
+    FLOAT_DTYPES,
+    Op,
+    bucket_pow2,
+    random_normal,
+    require_float,
+    require_int32,
+    require_last_contiguous,
+    require_nonempty,
+    require_positive_int,
+    require_same_device,
+    require_same_dtype,
+    require_tensor,
+    resolve_scale,
+)
+
+DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+
+# Elements of the gathered keys/values and logits one query chunk of the reference may hold.
+_CHUNK_ELEMS = 1 << 25
+
+_LAYOUTS = {
+    False: {
+        "q": "[s_q, h_q, d_qk]",
+        "kv": "[s_kv, h_kv, d_qk]",
+        "indices": "[s_q, h_kv, topk]",
+        "topk_length": "[s_q]",
+    },
+    True: {
+        "q": "[b, s_q, h_q, d_qk]",
+        "kv": "[b, s_kv, h_kv, d_qk]",
+        "indices": "[b, s_q, h_kv, topk]",
+        "topk_length": "[b, s_q]",
+    },
+}
+
+
+class SparseMLAOutput(NamedTuple):
+    """What `sparse_mla` returns: `out` in the input dtype, `max_logits` and `lse` in fp32."""
+
+    out: torch.Tensor
+    max_logits: torch.Tensor
+    lse: torch.Tensor
+
+
+def validate(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    indices: torch.Tensor,
+    sm_scale: float | None = None,
+    d_v: int = 512,
+    attn_sink: torch.Tensor | None = None,
+    topk_length: torch.Tensor | None = None,
+) -> dict:
+    """Sparse MLA forward (DeepSeek-V3.2), FlashMLA-compatible.
+
+    sparse_mla(q, kv, indices, sm_scale=None, d_v=512, attn_sink=None, topk_length=None)
+        -> SparseMLAOutput(out, max_logits, lse)
+
+    Layouts (unbatched, or batched with a leading b and indices local to each batch row):
+        q            [s_q, h_q, d_qk]     or [b, s_q, h_q, d_qk]      bf16/fp16 (fp32: reference only)
+        kv           [s_kv, h_kv, d_qk]   or [b, s_kv, h_kv, d_qk]    same dtype as q
+        indices      [s_q, h_kv, topk]    or [b, s_q, h_kv, topk]     int32
+        attn_sink    [h_q] fp32, optional: raw logits (not scaled by sm_scale)
+        topk_length  [s_q] or [b, s_q] int32, optional: only the first topk_length slots are valid
+    Every tensor's last dimension must be contiguous; other strides are free.
+
+    Math: query head h reads kv group g = h // (h_q // h_kv). For each valid slot j of
+    indices[t, g], z_j = sm_scale * q[t, h] . kv[idx_j, g, :] (all d_qk dims) and the value is
+    kv[idx_j, g, :d_v]. out = sum_j softmax(z)_j V_j, lse = ln sum_j exp(z_j), max_logits = max_j z_j.
+    With a sink: out = out * sigmoid(lse - attn_sink[h]); lse and max_logits never include the sink.
+    sm_scale defaults to d_qk ** -0.5 (DeepSeek-V3.2 passes its own); d_v <= d_qk.
+
+    Indices: there is no causal flag, causality lives in the indices. A slot is invalid when its index
+    lies outside [0, s_kv) (-1, -7, s_kv and 2**31-1 alike) or its position is >= topk_length; invalid
+    slots are masked, never read. Duplicates count with multiplicity. A row with no valid slot returns
+    out = 0, lse = +inf and max_logits = -inf, whatever the sink.
+
+    Returns SparseMLAOutput(out [.., s_q, h_q, d_v] like q, max_logits [.., s_q, h_q] fp32,
+    lse [.., s_q, h_q] fp32).
+
+    Differentiable for q, kv (through its key and its value role) and attn_sink; max_logits carries no
+    gradient. Kernel backwards may accumulate dkv with atomics (non-deterministic summation order).
+
+    Raises ValueError/TypeError naming the argument for wrong ranks, shapes, dtypes (indices and
+    topk_length int32, attn_sink fp32) or devices, a non-contiguous last dimension, h_q not divisible
+    by h_kv, d_v > d_qk, or an empty tensor.
+    """
+    # Each tensor attribute read costs ~0.1-0.4 us: fast compares first, the helpers only word errors.
+    main = (("q", q), ("kv", kv), ("indices", indices))
+    tensor = torch.Tensor
+    if not (isinstance(q, tensor) and isinstance(kv, tensor) and isinstance(indices, tensor)):
+        for name, x in main:
+            require_tensor(name, x)
+    qs, ks, js = q.shape, kv.shape, indices.shape
+    rank = len(qs)
+    if rank != 3 and rank != 4:
+        raise ValueError(f"q: expected shape [s_q, h_q, d_qk] or [b, s_q, h_q, d_qk], got {list(qs)}")
+    batched = rank == 4
+    layout = _LAYOUTS[batched]
+    s_q, h_q, d_qk = qs[-3], qs[-2], qs[-1]
+    if len(ks) != rank or ks[-1] != d_qk or (batched and ks[0] != qs[0]):
+        want = f"b = {qs[0]}, " if batched else ""
+        raise ValueError(f"kv: expected shape {layout['kv']} with {want}d_qk = {d_qk}, got {list(ks)}")
+    h_kv = ks[-2]
+    if len(js) != rank or js[-3] != s_q or js[-2] != h_kv or (batched and js[0] != qs[0]):
+        want = f"b = {qs[0]}, " if batched else ""
+        raise ValueError(
+            f"indices: expected shape {layout['indices']} with {want}s_q = {s_q}, h_kv = {h_kv}, "
+            f"got {list(js)}"
+        )
+    if 0 in qs or 0 in ks or 0 in js:
+        for name, x in main:
+            require_nonempty(name, x)
+    dtype = q.dtype
+    if dtype not in FLOAT_DTYPES:
+        require_float("q", q)
+    if kv.dtype != dtype:
+        require_same_dtype([("q", q), ("kv", kv)])
+    if indices.dtype != torch.int32:
+        require_int32("indices", indices)
+    if h_q % h_kv:
+        raise ValueError(f"kv: expected h_kv dividing q's h_q = {h_q} (GQA), got h_kv = {h_kv}")
+    if type(d_v) is not int or d_v <= 0:
+        require_positive_int("d_v", d_v)
+    if d_v > d_qk:
+        raise ValueError(f"d_v: expected at most d_qk = {d_qk}, got {d_v}")
+    sm_scale = d_qk**-0.5 if sm_scale is None else resolve_scale("sm_scale", sm_scale, d_qk)
+    device = q.device
+    if kv.device != device or indices.device != device:
+        require_same_device(main)
+    if q.stride(-1) != 1 or kv.stride(-1) != 1 or indices.stride(-1) != 1:
+        for name, x in main:
+            require_last_contiguous(name, x)
+    if attn_sink is not None:
+        if not isinstance(attn_sink, tensor):
+            require_tensor("attn_sink", attn_sink)
+        if attn_sink.dtype != torch.float32:
+            require_float("attn_sink", attn_sink, (torch.float32,))
+        if attn_sink.shape != (h_q,):
+            raise ValueError(f"attn_sink: expected shape [h_q] = [{h_q}], got {list(attn_sink.shape)}")
+        if attn_sink.device != device:
+            require_same_device([("q", q), ("attn_sink", attn_sink)])
+        if attn_sink.stride(-1) != 1:
+            require_last_contiguous("attn_sink", attn_sink)
+    if topk_length is not None:
+        if not isinstance(topk_length, tensor):
+            require_tensor("topk_length", topk_length)
+        if topk_length.dtype != torch.int32:
+            require_int32("topk_length", topk_length)
+        if topk_length.shape != qs[:-2]:
+            raise ValueError(
+                f"topk_length: expected shape {layout['topk_length']} = {list(qs[:-2])}, "
+                f"got {list(topk_length.shape)}"
+            )
+        if topk_length.device != device:
+            require_same_device([("q", q), ("topk_length", topk_length)])
+        if topk_length.stride(-1) != 1:
+            require_last_contiguous("topk_length", topk_length)
+    return {
+        "q": q,
+        "kv": kv,
+        "indices": indices,
+        "sm_scale": sm_scale,
+        "d_v": d_v,
+        "attn_sink": attn_sink,
+        "topk_length": topk_length,
+    }
+
+
+def masked_softmax(z: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax of `z` over its last dim restricted to `valid` (broadcastable to z).
+
+    Returns (p, lse): p is 0 at invalid entries and on rows with no valid entry; lse (last dim
+    dropped) is -inf on those rows. No inf - inf or 0/0 is ever formed, so gradients stay finite.
+    """
+    z = torch.where(valid, z, float("-inf"))
+    if z.shape[-1] == 0:  # no entries at all (e.g. NSA before the first complete block)
+        return z, z.new_full(z.shape[:-1], float("-inf"))
+    # The shift cancels out of both p and lse, so it is a constant for autograd.
+    shift = z.amax(-1, keepdim=True).detach()
+    shift = torch.where(torch.isfinite(shift), shift, 0.0)
+    e = torch.exp(z - shift)
+    den = e.sum(-1, keepdim=True)
+    nonempty = den > 0
+    den = torch.where(nonempty, den, 1.0)
+    lse = torch.where(nonempty, torch.log(den) + shift, float("-inf"))
+    return e / den, lse.squeeze(-1)
+
+
+def reference(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    indices: torch.Tensor,
+    sm_scale: float,
+    d_v: int,
+    attn_sink: torch.Tensor | None = None,
+    topk_length: torch.Tensor | None = None,
+) -> SparseMLAOutput:
+    """The PyTorch semantics of `sparse_mla` (see `validate`), in fp32, chunked over queries.
+
+    fp64 inputs (tests' gradcheck only) are computed and returned in fp64.
+    """
+    batched = q.dim() == 4
+    if not batched:
+        q, kv, indices = q[None], kv[None], indices[None]
+        topk_length = None if topk_length is None else topk_length[None]
+    ct = torch.float64 if q.dtype == torch.float64 else torch.float32
+    b, s_q, h_q, d_qk = q.shape
+    s_kv, h_kv = kv.shape[1], kv.shape[2]
+    topk = indices.shape[-1]
+    group = h_q // h_kv
+    valid = (indices >= 0) & (indices < s_kv)
+    if topk_length is not None:
+        valid = valid & (torch.arange(topk, device=q.device) < topk_length[:, :, None, None])
+    # Invalid slots gather row 0 and are masked out of the softmax.
+    idx = torch.where(valid, indices, 0).long()
+    kvf = kv.to(ct)
+    sink = None if attn_sink is None else attn_sink.to(ct).view(h_kv, group)
+    batch_ids = torch.arange(b, device=q.device).view(b, 1, 1, 1)
+    group_ids = torch.arange(h_kv, device=q.device).view(1, 1, h_kv, 1)
+    chunk = max(1, _CHUNK_ELEMS // (b * h_kv * topk * (d_qk + 3 * group)))
+    outs, maxes, lses = [], [], []
+    for start in range(0, s_q, chunk):
+        rows = slice(start, start + chunk)
+        qc = q[:, rows].to(ct).unflatten(2, (h_kv, group))  # [b, c, g, r, d_qk]
+        kc = kvf[batch_ids, idx[:, rows], group_ids]  # [b, c, g, topk, d_qk]
+        z = torch.einsum("bcgrd,bcgtd->bcgrt", qc, kc) * sm_scale
+        p, lse = masked_softmax(z, valid[:, rows, :, None, :])
+        o = torch.einsum("bcgrt,bcgtd->bcgrd", p, kc[..., :d_v])
+        if sink is not None:
+            # Empty rows have o = 0; a finite stand-in for their lse keeps sinks of +-inf NaN-free.
+            o = o * torch.sigmoid(torch.where(torch.isfinite(lse), lse, 0.0) - sink)[..., None]
+        outs.append(o.flatten(2, 3))
+        z = torch.where(valid[:, rows, :, None, :], z.detach(), float("-inf"))
+        maxes.append(z.amax(-1).flatten(2, 3))
+        lses.append(torch.where(torch.isfinite(lse), lse, float("inf")).flatten(2, 3))
+    out = torch.cat(outs, 1).to(q.dtype)
+    max_logits, lse = torch.cat(maxes, 1), torch.cat(lses, 1)
+    if not batched:
+        out, max_logits, lse = out[0], max_logits[0], lse[0]
+    return SparseMLAOutput(out, max_logits, lse)
+
+
+def _query_rows(q: torch.Tensor) -> int:
+    """Query rows of one call: s_q, or b * s_q when batched."""
+    return q.shape[0] * q.shape[1] if q.dim() == 4 else q.shape[0]
+
+
+def tuning_key(args: dict) -> tuple:
+    """(name, value) pairs that pick a config; `s_q` is the bucketed number of query rows (b * s_q)."""
+    q, kv, indices = args["q"], args["kv"], args["indices"]
+    return (
+        ("batched", q.dim() == 4),
+        ("d_qk", q.shape[-1]),
+        ("d_v", args["d_v"]),
+        ("dtype", DTYPE_NAMES[q.dtype]),
+        ("h_kv", kv.shape[-2]),
+        ("h_q", q.shape[-2]),
+        ("s_q", bucket_pow2(_query_rows(q))),
+        ("topk", indices.shape[-1]),
+    )
+
+
+def flops(args: dict) -> float:
+    """PERF.md's forward count: 2 * rows * h_q * topk * (d_qk + d_v) (QK^T and PV over every slot)."""
+    q = args["q"]
+    return 2.0 * _query_rows(q) * q.shape[-2] * args["indices"].shape[-1] * (q.shape[-1] + args["d_v"])
+
+
+def bytes_moved(args: dict) -> float:
+    """Inputs read once, out/max_logits/lse written once."""
+    q = args["q"]
+    read = sum(
+        t.numel() * t.element_size()
+        for t in (q, args["kv"], args["indices"], args["attn_sink"], args["topk_length"])
+        if t is not None
+    )
+    rows = _query_rows(q) * q.shape[-2]
+    return float(read + rows * (args["d_v"] * q.element_size() + 2 * 4))
+
+
+def random_indices(limits: torch.Tensor, shape: Sequence[int], *, generator: torch.Generator) -> torch.Tensor:
+    """Random int32 indices of `shape` [..., topk], drawn on the CPU.
+
+    Each row [..., :] draws with replacement (so duplicates occur) from [0, limit), where `limits`
+    broadcasts to shape[:-1]; slots at or past the row's limit hold -1 (the filler when fewer keys exist
+    than slots) and about one slot in 32 is dropped to -1 anywhere.
+    """
+    limits = limits.to(torch.int64)[..., None]
+    # float64 keeps u * limit strictly below the limit for any int32 limit.
+    picks = (torch.rand(tuple(shape), generator=generator, dtype=torch.float64) * limits).long()
+    slots = torch.arange(shape[-1])
+    dropped = torch.rand(tuple(shape), generator=generator) < 1 / 32
+    return torch.where((slots < limits) & ~dropped, picks, -1).to(torch.int32)
+
+
+def make_inputs(shape: dict, *, device, dtype, seed: int) -> dict:
+    """Random arguments for a preset shape (keys s_q, s_kv, h_q, h_kv, d_qk, d_v, topk; optional b
+    for the batched layout, and flags sink / topk_length).
+
+    Query t picks from the keys up to its bottom-right-aligned position, [0, s_kv - s_q + t] (at least
+    key 0), with duplicates and -1 fillers.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    lead = (shape["b"],) if "b" in shape else ()
+    s_q, s_kv, h_q, h_kv, topk = shape["s_q"], shape["s_kv"], shape["h_q"], shape["h_kv"], shape["topk"]
+    q = random_normal((*lead, s_q, h_q, shape["d_qk"]), device=device, dtype=dtype, generator=gen)
+    kv = random_normal((*lead, s_kv, h_kv, shape["d_qk"]), device=device, dtype=dtype, generator=gen)
+    limits = (torch.arange(s_q) + s_kv - s_q + 1).clamp(1, s_kv)[:, None]
+    indices = random_indices(limits, (*lead, s_q, h_kv, topk), generator=gen).to(device)
+    args = {"q": q, "kv": kv, "indices": indices, "d_v": shape["d_v"]}
+    if shape.get("sink"):
+        args["attn_sink"] = random_normal((h_q,), device=device, dtype=torch.float32, generator=gen)
+    if shape.get("topk_length"):
+        lengths = torch.randint(0, topk + 1, (*lead, s_q), generator=gen, dtype=torch.int32)
+        args["topk_length"] = lengths.to(device)
+    return args
+
+
+def reduce_shape(shape: dict) -> dict:
+    """Same heads, head dims and topk; at most 512 queries (the keys stay: they are small)."""
+    return {**shape, "s_q": min(shape["s_q"], 512)}
+
+
+_FULL = {"h_kv": 1, "d_qk": 576, "d_v": 512, "topk": 2048}
+presets = {
+    "tiny": [
+        {"s_q": 5, "s_kv": 37, "h_q": 16, "h_kv": 1, "d_qk": 96, "d_v": 64, "topk": 40},
+        {"b": 2, "s_q": 17, "s_kv": 13, "h_q": 8, "h_kv": 2, "d_qk": 48, "d_v": 32, "topk": 16,
+         "sink": True, "topk_length": True},
+    ],
+    "full": [
+        {"s_q": 4096, "s_kv": 8192, "h_q": 128, **_FULL},
+        {"s_q": 8192, "s_kv": 8192, "h_q": 128, **_FULL},
+        {"s_q": 8192, "s_kv": 16384, "h_q": 128, **_FULL},
+        {"s_q": 16384, "s_kv": 16384, "h_q": 128, **_FULL},
+        {"s_q": 8192, "s_kv": 8192, "h_q": 64, **_FULL},
+        {"s_q": 16384, "s_kv": 16384, "h_q": 64, **_FULL},
+    ],
+}
+
+OP = Op(
+    name="sparse_mla",
+    summary="DeepSeek-V3.2 sparse MLA: attention over per-query top-k gathered latent KV (FlashMLA API)",
+    validate=validate,
+    reference=reference,
+    tuning_key=tuning_key,
+    flops=flops,
+    bytes_moved=bytes_moved,
+    make_inputs=make_inputs,
+    presets=presets,
+    reduce_shape=reduce_shape,
+    outputs=("out", "max_logits", "lse"),
+    differentiable=True,
+)

@@ -1,0 +1,119 @@
+"""Offline compile checks (no GPU): the flash_attention variants' defaults fit sm_90, gfx942 and gfx950.
+
+Compiles run in a subprocess without TRITON_INTERPRET, which conftest sets on machines without a GPU
+(an interpreted kernel cannot be compiled).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from kernels.base import load_all
+from registry import device as device_info
+from tuning.compile_check import compile_config, main
+from tuning_db.records import LaunchConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+KEY = {"causal": True, "d": 128, "dtype": "bf16", "h_kv": 8, "h_q": 32, "s_k": 8192, "s_q": 8192,
+       "varlen": False, "window": None}
+
+
+def _env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+
+
+def _compile_check(*argv: str) -> tuple[int, list[dict]]:
+    proc = subprocess.run([sys.executable, "-m", "tuning.compile_check", "--json", *argv], cwd=ROOT, env=_env(),
+                          capture_output=True, text=True, timeout=300)
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert rows, proc.stderr[-3000:]
+    return proc.returncode, rows
+
+
+def _variant(vendor: str):
+    return next(v for v in load_all()["flash_attention"] if v.vendor == vendor and v.name == "flash_attention_tiled")
+
+
+def test_nvidia_default_fits_h200_and_oversized_does_not():
+    h200 = device_info.preset("h200")
+    default = _variant("nvidia").default_config(KEY, h200)
+    huge = LaunchConfig(blocks={"BLOCK_M": 128, "BLOCK_N": 128}, num_warps=8, num_stages=5)
+    rc, rows = _compile_check("--variant", "flash_attention_tiled", "--vendor", "nvidia", "--target", "h200",
+                              "--key-json", json.dumps(KEY), "--config-json", default.to_json(),
+                              "--config-json", huge.to_json())
+    assert rc == 1  # something did not fit
+    fit, big = rows
+    assert fit["arch"] == "sm_90" and fit["config"] == json.loads(default.to_json())
+    assert fit["fits"] and fit["spills"] == 0 and fit["reason"] is None
+    assert 0 < fit["registers"] <= 255 and 0 < fit["shared_bytes"] <= h200.shared_mem_bytes
+    assert not big["fits"] and big["shared_bytes"] > h200.shared_mem_bytes
+    assert "shared memory" in big["reason"]
+
+
+def test_amd_default_fits_gfx942_and_gfx950_and_lds_overflow_is_caught():
+    variant = _variant("amd")
+    defaults = {variant.default_config(KEY, device_info.preset(t)).to_json() for t in ("mi300x", "mi355x")}
+    assert len(defaults) == 1  # one default for both here, so one call checks it on both targets
+    # LDS overflow compiles fine on AMD: only the check against the target's budget catches it.
+    wide = LaunchConfig(blocks={"BLOCK_M": 128, "BLOCK_N": 128}, num_warps=8, num_stages=2, kpack=1)
+    rc, rows = _compile_check("--variant", "flash_attention_tiled", "--vendor", "amd", "--target", "mi300x,mi355x",
+                              "--key-json", json.dumps(KEY), "--config-json", defaults.pop(),
+                              "--config-json", wide.to_json())
+    assert rc == 1
+    by_arch = {(row["arch"], row["config"]["blocks"]["BLOCK_N"]): row for row in rows}
+    for arch in ("gfx942", "gfx950"):
+        row = by_arch[arch, 64]
+        assert row["fits"] and row["spills"] == 0 and row["detail"]["vgpr_spill_count"] == 0, row
+        assert 0 < row["registers"] <= 512 and 0 < row["shared_bytes"] <= 65536
+    overflow = by_arch["gfx942", 128]
+    assert not overflow["fits"] and overflow["shared_bytes"] > 65536 and "shared memory" in overflow["reason"]
+
+
+def test_compile_error_is_a_report(tmp_path):
+    script = tmp_path / "broken.py"
+    script.write_text(textwrap.dedent("""
+        import json, sys
+        import triton
+        import triton.language as tl
+        import registry
+        from kernels.base import CompileSpec
+        from registry.device import preset
+        from tuning.compile_check import compile_config
+        from tuning_db.records import LaunchConfig
+
+        @triton.jit
+        def _broken_kernel(X, BLOCK: tl.constexpr):
+            tl.store(X + tl.arange(0, BLOCK), 1.0)  # arange needs a power of two
+
+        spec = CompileSpec(_broken_kernel, {"X": "*fp32"}, {"BLOCK": 3})
+        report = compile_config(spec, LaunchConfig(), preset(sys.argv[1]))
+        print(json.dumps({"fits": report.fits, "reason": report.reason, "registers": report.registers}))
+    """))
+    proc = subprocess.run([sys.executable, str(script), "mi355x"], cwd=ROOT, env={**_env(), "PYTHONPATH": str(ROOT)},
+                          capture_output=True, text=True, timeout=120)
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["fits"] is False and report["registers"] is None
+    assert report["reason"].startswith("compile_error: ")
+
+
+def test_interpreted_kernels_are_refused_in_process():
+    if not device_info.interpreter_enabled():
+        pytest.skip("kernels here were decorated without TRITON_INTERPRET")
+    (spec,) = _variant("amd").compile_specs(KEY, LaunchConfig(blocks={"BLOCK_M": 64, "BLOCK_N": 32}))
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
+        compile_config(spec, LaunchConfig(), device_info.preset("mi355x"))
+
+
+def test_cli_rejects_a_target_of_another_vendor(capsys):
+    with pytest.raises(SystemExit):
+        main(["--variant", "flash_attention_tiled", "--vendor", "amd", "--target", "h200"])
+    assert "expected a target of vendor amd, got nvidia-h200" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="no variant"):
+        main(["--variant", "nope", "--vendor", "amd", "--target", "mi300x"])

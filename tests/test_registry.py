@@ -1,0 +1,187 @@
+"""The public API: op listing, contracts, dispatch to references and variants, and the config lookup order."""
+
+import json
+import warnings
+
+import pytest
+import torch
+
+import registry
+from registry import dispatch
+from registry.device import CPU
+from registry.ops import OPS
+from tuning_db.records import LaunchConfig, TunedConfig, canonical_json
+
+EXPECTED_OPS = ["sparse_mla", "gsa_indexer", "gsa_topk", "gsa_sparse_attention", "sink_attention",
+                "flash_attention", "decode", "nsa"]
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dispatch():
+    """Each test resolves keys anew against its own (empty) database."""
+    registry.clear_caches()
+    yield
+    registry.clear_caches()
+
+
+def _tiny_args(op_name: str, index: int = 0, dtype=torch.float16) -> dict:
+    op = OPS[op_name]
+    return op.make_inputs(op.presets["tiny"][index], device="cpu", dtype=dtype, seed=11)
+
+
+def test_ops_lists_every_op_in_order():
+    assert registry.ops() == EXPECTED_OPS
+
+
+@pytest.mark.parametrize("op", EXPECTED_OPS)
+def test_describe_prints_contract_and_variants(op, capsys):
+    text = registry.describe(op)
+    printed = capsys.readouterr().out
+    assert text in printed
+    assert f"{op}(" in text and "Variants:" in text and "nvidia:" in text and "amd:" in text
+    assert OPS[op].validate.__doc__.strip().splitlines()[0] in text
+
+
+@pytest.mark.parametrize("op", EXPECTED_OPS)
+def test_cpu_call_runs_the_reference(op):
+    kwargs = _tiny_args(op)
+    got = registry.get(op)(**kwargs)
+    want = OPS[op].reference(**OPS[op].validate(**kwargs))
+    got_t = [got] if isinstance(got, torch.Tensor) else list(got)
+    want_t = [want] if isinstance(want, torch.Tensor) else list(want)
+    assert len(got_t) == len(want_t)
+    for a, b in zip(got_t, want_t, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_unknown_names_are_clear_errors():
+    with pytest.raises(ValueError, match="op: expected one of"):
+        registry.get("dense_mla")
+    with pytest.raises(ValueError, match="vendor"):
+        registry.get("flash_attention", vendor="intel")
+    with pytest.raises(ValueError, match="variant"):
+        registry.get("flash_attention", vendor="nvidia", variant="nope")(**_tiny_args("flash_attention"))
+    with pytest.raises(ValueError, match="op: expected one of"):
+        registry.describe("nope")
+
+
+def test_bad_arguments_name_the_argument():
+    kwargs = _tiny_args("sparse_mla")
+    with pytest.raises(TypeError, match="indices"):
+        registry.get("sparse_mla")(**{**kwargs, "indices": kwargs["indices"].long()})
+    with pytest.raises(ValueError, match="q"):
+        registry.get("flash_attention")(torch.randn(3, 4, 64), torch.randn(3, 4, 64), torch.randn(3, 4, 64))
+
+
+@pytest.mark.parametrize("vendor", ["nvidia", "amd"])
+def test_forced_vendor_runs_the_triton_variant_in_the_interpreter(vendor):
+    kwargs = _tiny_args("flash_attention")
+    handle = registry.get("flash_attention", vendor=vendor)
+    choice = handle.choice(**kwargs)
+    assert choice.variant is not None and choice.variant.vendor == vendor and choice.source == "default"
+    from registry.testing import TOLERANCE, assert_close
+
+    assert_close(handle(**kwargs), OPS["flash_attention"].reference(**OPS["flash_attention"].validate(**kwargs)),
+                 TOLERANCE[torch.float16])
+
+
+def test_forced_vendor_on_cpu_without_interpreter_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    handle = dispatch.OpHandle(OPS["flash_attention"], "nvidia", None)
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        handle(**_tiny_args("flash_attention"))
+
+
+def test_fp32_inputs_fall_back_to_the_reference_with_a_warning():
+    kwargs = _tiny_args("flash_attention", dtype=torch.float32)
+    with pytest.warns(RuntimeWarning, match="running the PyTorch reference"):
+        out = registry.get("flash_attention", vendor="nvidia")(**kwargs)
+    assert torch.equal(out, OPS["flash_attention"].reference(**OPS["flash_attention"].validate(**kwargs)))
+
+
+def _key_json(op_name: str, kwargs: dict) -> tuple[dict, str]:
+    op = OPS[op_name]
+    dims = dict(op.tuning_key(op.validate(**kwargs)))
+    return dims, canonical_json(dims)
+
+
+def _tuned(op: str, key_json: str, config: LaunchConfig, variant: str = "flash_attention_tiled") -> TunedConfig:
+    from kernels.base import load_all
+
+    source = next(v.source_hash for v in load_all()[op] if v.name == variant)
+    return TunedConfig(op=op, device_key="cpu", tuning_key=key_json, variant=variant, source_hash=source,
+                       config=config, time_ms=1.0, triton_version="3.6.0", torch_version=torch.__version__)
+
+
+def test_lookup_order_database_then_tables_then_nearest_then_default(tmp_path, monkeypatch):
+    from tuning.export import export_json
+
+    kwargs = _tiny_args("flash_attention")
+    dims, key_json = _key_json("flash_attention", kwargs)
+    handle = registry.get("flash_attention", vendor="nvidia")
+    assert handle.choice(**kwargs).source == "default"
+
+    # Shipped tables: a table exported from another database, placed in the tables folder.
+    other = __import__("tuning_db.store", fromlist=["TuningStore"]).TuningStore(f"sqlite:///{tmp_path / 'o.db'}")
+    shipped = LaunchConfig(blocks={"BLOCK_M": 16, "BLOCK_N": 32}, num_warps=4, num_stages=2)
+    other.upsert_tuned(_tuned("flash_attention", key_json, shipped), CPU)
+    tables = tmp_path / "tables"
+    export_json(other, "cpu", "flash_attention", tables)
+    from tuning_db import store as store_module
+
+    monkeypatch.setattr(store_module.ShippedTables, "__init__",
+                        lambda self, folder=None, _init=store_module.ShippedTables.__init__: _init(self, tables))
+    registry.clear_caches()
+    choice = handle.choice(**kwargs)
+    assert (choice.source, choice.config) == ("tables", shipped)
+
+    # The user's database wins over shipped tables.
+    mine = LaunchConfig(blocks={"BLOCK_M": 32, "BLOCK_N": 16}, num_warps=4, num_stages=2)
+    dispatch.user_store().upsert_tuned(_tuned("flash_attention", key_json, mine), CPU)
+    registry.clear_caches()
+    choice = handle.choice(**kwargs)
+    assert (choice.source, choice.config) == ("database", mine)
+
+    # A key never tuned takes the nearest tuned key (same heads/dims, closest lengths).
+    longer = {**kwargs, "q": torch.randn(2, 70, 4, 64).half(), "k": torch.randn(2, 70, 2, 64).half(),
+              "v": torch.randn(2, 70, 2, 64).half()}
+    choice = handle.choice(**longer)
+    assert (choice.source, choice.config) == ("nearest-database", mine)
+
+
+def test_later_calls_do_not_touch_the_database(monkeypatch):
+    from tuning_db.store import TuningStore
+
+    calls = []
+    original = TuningStore.best
+    monkeypatch.setattr(TuningStore, "best", lambda self, *a, **k: calls.append(1) or original(self, *a, **k))
+    kwargs = _tiny_args("flash_attention")
+    handle = registry.get("flash_attention", vendor="amd")
+    for _ in range(3):
+        handle(**kwargs)
+    assert len(calls) == 1
+
+
+def test_corrupted_database_warns_and_still_runs(tmp_path, monkeypatch):
+    bad = tmp_path / "broken.db"
+    bad.write_bytes(b"this is not a database at all" * 200)
+    monkeypatch.setenv("KREG_TUNING_DB", f"sqlite:///{bad}")
+    registry.clear_caches()
+    kwargs = _tiny_args("flash_attention")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dispatch._warned.clear()
+        choice = registry.get("flash_attention", vendor="nvidia").choice(**kwargs)
+    assert choice.source == "default"
+    assert any("tuning database unusable" in str(w.message) and str(bad) in str(w.message) for w in caught)
+
+
+def test_shipped_tables_are_valid_and_name_known_variants():
+    from kernels.base import load_all
+    from tuning_db.store import ShippedTables
+
+    names = {(v.op, v.name) for vs in load_all().values() for v in vs}
+    tables = ShippedTables()
+    for tuned in tables.tuned():
+        assert (tuned.op, tuned.variant) in names
+        assert json.loads(tuned.tuning_key)

@@ -1,0 +1,178 @@
+"""sparse_mla Triton variants (both vendors) against the PyTorch reference, forward and backward.
+
+On the CPU they run in the Triton interpreter in fp16 (its tl.dot is wrong for bf16); on a GPU, bf16.
+"""
+
+import pytest
+import torch
+
+from kernels.base import load_all
+from registry.device import CPU, detect
+from registry.ops.sparse_mla import make_inputs, reference, validate
+from registry.testing import TOLERANCE, assert_close
+from tuning_db.records import LaunchConfig
+
+from .conftest import HAS_GPU, gpu
+
+VARIANTS = [v for v in load_all()["sparse_mla"] if v.name == "sparse_mla_headblock"]
+DTYPE = torch.bfloat16 if HAS_GPU else torch.float16
+TOL = TOLERANCE[DTYPE]
+
+
+def _device_info():
+    return detect() if HAS_GPU else CPU
+
+
+def _configs(variant, args):
+    """The variant's default config here, plus one other block shape (CPU: the interpreter's space)."""
+    from registry.ops.sparse_mla import tuning_key
+
+    key = dict(tuning_key(args))
+    info = _device_info()
+    default = variant.default_config(key, info)
+    others = [c for c in variant.space(key, info) if c != default and variant.prune_reason(c, key, info) is None]
+    return [default] + others[:1]
+
+
+def _inputs(device, seed=0, **shape):
+    return validate(**make_inputs(shape, device=device, dtype=DTYPE, seed=seed))
+
+
+@pytest.fixture(params=VARIANTS, ids=lambda v: v.vendor)
+def variant(request):
+    if HAS_GPU and request.param.vendor != detect().vendor:
+        pytest.skip(f"{request.param.vendor} variant cannot run on this GPU")
+    return request.param
+
+
+SHAPES = {
+    # V3.2 head dims with few queries; topk 100 is no multiple of any tile.
+    "h16-d576": dict(s_q=2, s_kv=150, h_q=16, h_kv=1, d_qk=576, d_v=512, topk=100),
+    "h64-d96": dict(s_q=3, s_kv=77, h_q=64, h_kv=1, d_qk=96, d_v=64, topk=45),
+    "h128-d96": dict(s_q=2, s_kv=61, h_q=128, h_kv=1, d_qk=96, d_v=64, topk=33),
+    "hkv2-sink-len": dict(s_q=5, s_kv=40, h_q=32, h_kv=2, d_qk=96, d_v=64, topk=50, sink=True, topk_length=True),
+    "batched": dict(b=2, s_q=4, s_kv=29, h_q=16, h_kv=1, d_qk=96, d_v=64, topk=37, sink=True, topk_length=True),
+}
+
+
+@pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
+def test_forward_matches_reference(variant, device, shape):
+    args = _inputs(device, **shape)
+    expected = reference(**args)
+    for config in _configs(variant, args):
+        assert_close(variant.launch(args, config), expected, TOL, what=f"{variant.vendor} {config}")
+
+
+def test_every_kind_of_invalid_index_and_empty_rows(variant, device):
+    args = _inputs(device, seed=3, s_q=4, s_kv=20, h_q=16, h_kv=1, d_qk=96, d_v=64, topk=24)
+    idx = args["indices"].clone()
+    s_kv = args["kv"].shape[0]
+    # Row 0: every kind of invalid value among valid ones, plus duplicates.
+    idx[0, 0, :8] = torch.tensor([-1, -7, s_kv, 2**31 - 1, 3, 3, 3, s_kv - 1], dtype=torch.int32)
+    idx[1, 0, :] = -1  # row 1: all invalid
+    idx[2, 0, :] = torch.tensor([s_kv + 5] * 12 + [-(2**31)] * 12, dtype=torch.int32)  # row 2: out of range
+    args["indices"] = idx.to(device)
+    out, max_logits, lse = variant.launch(args, _configs(variant, args)[0])
+    expected = reference(**args)
+    assert_close((out, max_logits, lse), expected, TOL)
+    for row in (1, 2):
+        assert torch.all(out[row] == 0)
+        assert torch.all(lse[row] == float("inf"))
+        assert torch.all(max_logits[row] == float("-inf"))
+
+
+@pytest.mark.parametrize("sink_value", [-1e4, 1e4, float("inf"), float("-inf")])
+def test_large_sinks(variant, device, sink_value):
+    args = _inputs(device, seed=4, s_q=3, s_kv=30, h_q=16, h_kv=1, d_qk=96, d_v=64, topk=20)
+    args["attn_sink"] = torch.full((16,), sink_value, device=device)
+    args["indices"][1] = -1
+    out = variant.launch(args, _configs(variant, args)[0])
+    assert not torch.isnan(out.out).any()
+    assert_close(out, reference(**args), TOL)
+
+
+def test_topk_length_zero_and_over_topk(variant, device):
+    args = _inputs(device, seed=5, s_q=3, s_kv=30, h_q=16, h_kv=1, d_qk=96, d_v=64, topk=20)
+    args["topk_length"] = torch.tensor([0, 7, 1000], dtype=torch.int32, device=device)
+    out = variant.launch(args, _configs(variant, args)[0])
+    assert torch.all(out.lse[0] == float("inf"))
+    assert_close(out, reference(**args), TOL)
+
+
+@pytest.mark.parametrize("shape", [SHAPES["hkv2-sink-len"], SHAPES["batched"],
+                                   dict(s_q=2, s_kv=70, h_q=16, h_kv=1, d_qk=576, d_v=512, topk=40)],
+                         ids=["hkv2-sink-len", "batched", "d576"])
+def test_backward_matches_reference_autograd(variant, device, shape):
+    args = _inputs(device, seed=6, **shape)
+    config = _configs(variant, args)[0]
+    leaves = {"q": args["q"], "kv": args["kv"]}
+    if args["attn_sink"] is not None:
+        leaves["attn_sink"] = args["attn_sink"]
+    ours = {n: t.detach().clone().requires_grad_() for n, t in leaves.items()}
+    theirs = {n: t.detach().float().requires_grad_() for n, t in leaves.items()}
+    out = variant.launch({**args, **ours}, config).out
+    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(7)).to(device, out.dtype)
+    got = torch.autograd.grad(out, list(ours.values()), grad_out)
+    ref_out = reference(**{**args, **theirs}).out
+    want = torch.autograd.grad(ref_out, list(theirs.values()), grad_out.float())
+    for name, g, w in zip(ours, got, want):
+        assert_close(g.float(), w, 2 * TOL, what=f"d{name}")
+
+
+def test_invalid_slots_get_no_gradient(variant, device):
+    """Rows of kv that no valid slot selects keep a zero gradient, whatever invalid indices point at."""
+    args = _inputs(device, seed=8, s_q=3, s_kv=40, h_q=16, h_kv=1, d_qk=96, d_v=64, topk=16)
+    idx = torch.full_like(args["indices"], -1)
+    idx[:, 0, :4] = torch.tensor([1, 2, 2, 5], dtype=torch.int32)
+    idx[:, 0, 4:8] = torch.tensor([40, 41, 2**31 - 1, -3], dtype=torch.int32)
+    args["indices"] = idx
+    kv = args["kv"].detach().clone().requires_grad_()
+    out = variant.launch({**args, "kv": kv}, _configs(variant, args)[0]).out
+    (grad,) = torch.autograd.grad(out.float().sum(), [kv])
+    untouched = torch.ones(40, dtype=torch.bool)
+    untouched[[1, 2, 5]] = False
+    assert torch.all(grad[untouched.to(device)] == 0)
+    assert torch.all(grad[[1, 2, 5]].abs().sum(-1) > 0)
+
+
+@gpu
+def test_v32_shape_bf16_on_gpu():
+    """The DeepSeek-V3.2 shape on the GPU through the registry, in bf16."""
+    import registry
+
+    shape = dict(s_q=64, s_kv=4096, h_q=128, h_kv=1, d_qk=576, d_v=512, topk=2048)
+    args = _inputs("cuda", seed=9, **shape)
+    out = registry.get("sparse_mla")(**args)
+    assert_close(out, reference(**args), TOLERANCE[torch.bfloat16])
+
+
+def test_interpreter_space_is_small_and_valid():
+    info = CPU
+    for variant in VARIANTS:
+        key = {"d_qk": 576, "d_v": 512, "h_q": 128, "h_kv": 1, "dtype": "fp16", "topk": 2048}
+        space = variant.space(key, info)
+        assert 1 <= len(space) <= 4
+        assert all(isinstance(c, LaunchConfig) for c in space)
+
+
+def test_gpu_spaces_offer_wide_head_blocks():
+    """BLOCK_H 16..128 is offered for h_q 128 on every target; NVIDIA prunes what cannot hold the
+    d_v 512 accumulator, AMD keeps BLOCK_H 128 and offers num_stages 1-2 (kpack fixed to 1 on gfx950)."""
+    from registry.device import preset
+
+    key = {"d_qk": 576, "d_v": 512, "h_q": 128, "h_kv": 1, "dtype": "bf16", "topk": 2048}
+    for variant in VARIANTS:
+        target = preset("h200") if variant.vendor == "nvidia" else preset("mi355x")
+        space = variant.space(key, target)
+        assert {c.blocks["BLOCK_H"] for c in space} == {16, 32, 64, 128}
+        kept = [c for c in space if variant.prune_reason(c, key, target) is None]
+        assert kept and variant.prune_reason(variant.default_config(key, target), key, target) is None
+        if variant.vendor == "amd":
+            assert {c.num_stages for c in space} == {1, 2}
+            assert {c.kpack for c in space} == {1}
+            assert 128 in {c.blocks["BLOCK_H"] for c in kept}
+        else:
+            assert 128 not in {c.blocks["BLOCK_H"] for c in kept}
+    # A group of 8 heads never gets a head block wider than 16.
+    small = {**key, "h_q": 16, "h_kv": 2}
+    assert {c.blocks["BLOCK_H"] for c in VARIANTS[0].space(small, preset("h200"))} == {16}

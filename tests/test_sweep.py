@@ -1,0 +1,176 @@
+"""The sweep: correctness gate before timing, every trial recorded, clean stops and resumes, device
+checks, compile-only reports and stale detection."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from kernels.base import Variant, load_all
+from registry.device import CPU
+from registry.ops import OPS
+from tuning.sweep import sweep_op
+from tuning_db.records import LaunchConfig
+from tuning_db.store import TuningStore
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _cli(*args: str, db: str, interpret: bool = True, timeout: int = 600) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    if interpret:
+        env["TRITON_INTERPRET"] = "1"
+    return subprocess.run([sys.executable, "-m", "tuning.sweep", *args, "--db", db, "--no-progress"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+class _Gated(Variant):
+    """A fake variant: BLOCK=1 is right, BLOCK=2 is wrong, BLOCK=3 raises. Only BLOCK=1 may win."""
+
+    op, vendor, name = "flash_attention", "nvidia", "flash_attention_gate_probe"
+
+    def space(self, key, device):
+        return [LaunchConfig(blocks={"BLOCK": b}) for b in (1, 2, 3, 4)]
+
+    def prune_reason(self, config, key, device):
+        return "too big" if config.blocks["BLOCK"] == 4 else None
+
+    def launch(self, args, config):
+        out = OPS["flash_attention"].reference(**args)
+        if config.blocks["BLOCK"] == 2:
+            return out + 1
+        if config.blocks["BLOCK"] == 3:
+            raise RuntimeError("boom")
+        return out
+
+
+def test_gate_rejects_wrong_configs_and_the_right_one_wins(tmp_path):
+    store = TuningStore(f"sqlite:///{tmp_path / 's.db'}")
+    op = OPS["flash_attention"]
+    shape = op.presets["tiny"][0]
+    stats, finished = sweep_op(op, [_Gated()], CPU, torch.device("cpu"), [shape], torch.float16, store,
+                               resume=False, deadline=None)
+    assert finished
+    status = {t.config.blocks["BLOCK"]: t.status for t in store.trials()}
+    assert status == {1: "ok", 2: "wrong_result", 3: "runtime_error", 4: "pruned"}
+    assert all(t.time_ms is None for t in store.trials() if t.status != "ok")
+    (winner,) = store.tuned(op="flash_attention")
+    assert winner.config.blocks == {"BLOCK": 1} and winner.device_key == "cpu"
+
+
+def test_cli_sweeps_in_the_interpreter_and_prints_winners(tmp_path):
+    db = f"sqlite:///{tmp_path / 'cli.db'}"
+    done = _cli("--device", "cpu", "--op", "sparse_mla", "--shapes", "tiny:0", db=db)
+    assert done.returncode == 0, done.stderr
+    assert "tuned configs on cpu" in done.stdout and "sparse_mla_headblock" in done.stdout
+    store = TuningStore(db)
+    trials = store.trials(op="sparse_mla")
+    assert trials and all(t.device_key == "cpu" for t in trials)
+    assert {t.status for t in trials} == {"ok"}
+    assert len(store.tuned(op="sparse_mla", device_key="cpu")) == 1
+
+
+def _space_size(op_name: str, preset_index: int = 0) -> int:
+    op = OPS[op_name]
+    args = op.validate(**op.make_inputs(op.presets["tiny"][preset_index], device="cpu", dtype=torch.float16, seed=0))
+    variant = next(v for v in load_all()[op_name] if v.vendor == "nvidia")
+    return len({tuple(c.blocks.items()) for c in variant.space(dict(op.tuning_key(args)), CPU)})
+
+
+def _assert_one_complete_run(store: TuningStore, expected: int) -> None:
+    trials = store.trials()
+    keys = [(t.variant, t.tuning_key, t.config.to_json()) for t in trials]
+    assert len(keys) == len(set(keys)) == expected
+
+
+def test_max_minutes_stops_cleanly_and_resume_finishes_without_duplicates(tmp_path):
+    db = f"sqlite:///{tmp_path / 'slices.db'}"
+    first = _cli("--device", "cpu", "--op", "flash_attention", "--shapes", "tiny:0", "--max-minutes", "0", db=db)
+    assert first.returncode == 0, first.stderr
+    assert "--resume" in first.stderr
+    store = TuningStore(db)
+    assert store.trials() == []
+    second = _cli("--device", "cpu", "--op", "flash_attention", "--shapes", "tiny:0", "--resume", db=db)
+    assert second.returncode == 0, second.stderr
+    _assert_one_complete_run(store, _space_size("flash_attention"))
+
+
+def test_sweep_killed_with_sigkill_resumes_without_duplicates(tmp_path):
+    db = f"sqlite:///{tmp_path / 'killed.db'}"
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "tuning.sweep", "--device", "cpu", "--op", "flash_attention",
+                             "--shapes", "tiny:0", "--db", db, "--no-progress"], cwd=ROOT, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    store = TuningStore(db)
+    deadline = time.monotonic() + 300
+    while not store.trials() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    recorded = len(store.trials())
+    assert recorded >= 1
+    done = _cli("--device", "cpu", "--op", "flash_attention", "--shapes", "tiny:0", "--resume", db=db)
+    assert done.returncode == 0, done.stderr
+    _assert_one_complete_run(store, _space_size("flash_attention"))
+
+
+def test_timing_a_device_that_is_not_present_is_a_clear_error(tmp_path):
+    done = _cli("--device", "mi355", "--op", "flash_attention", db=f"sqlite:///{tmp_path / 'x.db'}")
+    assert done.returncode == 2
+    assert "--compile-only" in done.stderr and "amd-mi355x" in done.stderr
+
+
+def test_unknown_device_op_and_filter_are_clear_errors(tmp_path):
+    db = f"sqlite:///{tmp_path / 'x.db'}"
+    assert "unknown device" in _cli("--device", "tpu", db=db).stderr
+    assert "--op" in _cli("--device", "cpu", "--op", "nope", db=db).stderr
+    assert "--filter" in _cli("--device", "cpu", "--filter", "BLOCK_H", db=db).stderr
+
+
+def test_corrupted_database_is_a_clear_cli_error(tmp_path):
+    bad = tmp_path / "bad.db"
+    bad.write_text("not sqlite\n" * 100)
+    done = _cli("--device", "cpu", "--op", "flash_attention", db=f"sqlite:///{bad}")
+    assert done.returncode == 2 and str(bad) in done.stderr
+
+
+def test_compile_only_records_resources_for_gfx950(tmp_path):
+    db = f"sqlite:///{tmp_path / 'cc.db'}"
+    done = _cli("--device", "mi355x", "--compile-only", "--op", "sparse_mla", "--shapes", "tiny:0",
+                "--filter", "BLOCK_TOPK=32,num_warps=4,waves_per_eu=0,matrix_instr_nonkdim=16",
+                db=db, interpret=False)
+    assert done.returncode == 0, done.stderr
+    assert "compile-only resources for amd-mi355x" in done.stdout
+    trials = TuningStore(db).trials(op="sparse_mla")
+    assert trials and all(t.device_key == "amd-mi355x" for t in trials)
+    ok = [t for t in trials if t.status == "ok"]
+    assert ok and all(t.registers and t.spills == 0 and t.shared_bytes is not None for t in ok)
+
+
+def test_stale_lists_configs_of_an_older_kernel(tmp_path):
+    from tuning_db.records import TunedConfig
+
+    db = f"sqlite:///{tmp_path / 'stale.db'}"
+    store = TuningStore(db)
+    store.upsert_tuned(TunedConfig(op="flash_attention", device_key="cpu", tuning_key='{"d":64}',
+                                   variant="flash_attention_tiled", source_hash="0000older0000000",
+                                   config=LaunchConfig(blocks={"BLOCK_M": 16, "BLOCK_N": 16}),
+                                   triton_version="3.6.0", torch_version="2.13.0"), CPU)
+    done = _cli("--device", "cpu", "--stale", db=db)
+    assert done.returncode == 0
+    assert "1 stale tuned config(s)" in done.stdout and "0000older0000000" in done.stdout
+
+
+@pytest.mark.parametrize("device", ["h100", "h200"])
+def test_compile_only_refuses_cpu_and_accepts_nvidia_targets(tmp_path, device):
+    db = f"sqlite:///{tmp_path / 'n.db'}"
+    assert _cli("--device", "cpu", "--compile-only", db=db).returncode == 2
+    done = _cli("--device", device, "--compile-only", "--op", "sparse_mla", "--shapes", "tiny:0",
+                "--filter", "BLOCK_TOPK=32,num_warps=4,num_stages=1", db=db, interpret=False)
+    assert done.returncode == 0, done.stderr
+    assert TuningStore(db).trials(op="sparse_mla")
