@@ -21,7 +21,7 @@ import torch
 from kernels.base import Variant, load_all
 from registry.device import CPU, DeviceInfo, detect, interpreter_enabled
 from registry.ops import OPS
-from registry.ops._contract import Op
+from registry.ops._contract import Args, Op
 from tuning_db.records import LaunchConfig, TunedConfig, canonical_json
 
 
@@ -132,7 +132,12 @@ def resolve(op: Op, vendor: str, variant: str | None, key: tuple, device: Device
 
 
 class OpHandle:
-    """`registry.get(op)`: validates a call, dispatches it, and caches the launcher per key."""
+    """`registry.get(op)`: validates a call, dispatches it, and caches the launcher per key.
+
+    Two caches per device: by the raw key an op's validation returns (`Args.key`: shapes, dtype and
+    flags as read), so a repeated call costs one dict lookup; and by the canonical tuning key, so new
+    raw keys that bucket to a known tuning key (another sequence length) reuse its resolution.
+    """
 
     def __init__(self, op: Op, vendor: str | None, variant: str | None) -> None:
         if vendor not in (None, "nvidia", "amd"):
@@ -141,26 +146,36 @@ class OpHandle:
         self.vendor = vendor
         self.variant = variant
         self._validate = op.validate
-        self._key = op.tuning_key
         self._device_arg = next(iter(inspect.signature(op.validate).parameters))
-        self._choices: dict[tuple, Choice] = {}
-        self._devices: dict[torch.device, tuple[str, DeviceInfo]] = {}
+        # torch.device -> (vendor or "" for the reference, DeviceInfo, {raw key: Choice})
+        self._devices: dict[torch.device, tuple[str, DeviceInfo, dict]] = {}
+        self._by_tuning_key: dict[tuple[str, tuple], Choice] = {}
         self._lock = threading.Lock()
         self.__doc__ = op.validate.__doc__
 
-    def _device(self, dev: torch.device) -> tuple[str, DeviceInfo]:
+    def _device(self, dev: torch.device) -> tuple[str, DeviceInfo, dict]:
         if dev.type == "cpu":
             if self.vendor is None and self.variant is None:
-                return "", CPU  # plain CPU call: the reference
+                return "", CPU, {}  # plain CPU call: the reference
             if not interpreter_enabled():
                 raise RuntimeError(
                     f"{self.op.name}: a Triton variant on CPU tensors needs the interpreter; "
                     "set TRITON_INTERPRET=1 before importing kreg, or pass CUDA/ROCm tensors")
-            return self.vendor or "nvidia", CPU
+            return self.vendor or "nvidia", CPU, {}
         info = detect(dev)
         if self.vendor is not None and self.vendor != info.vendor:
             raise ValueError(f"vendor: {self.vendor!r} variants cannot run on {info.name} ({info.vendor})")
-        return info.vendor, info
+        return info.vendor, info, {}
+
+    def _resolve(self, vendor: str, info: DeviceInfo, choices: dict, raw, a: dict) -> Choice:
+        with self._lock:
+            key = self.op.tuning_key(a)
+            choice = self._by_tuning_key.get((info.key, key))
+            if choice is None:
+                choice = resolve(self.op, vendor, self.variant, key, info, a)
+                self._by_tuning_key[(info.key, key)] = choice
+            choices[raw] = choice
+            return choice
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         a = self._validate(*args, **kwargs)
@@ -168,31 +183,27 @@ class OpHandle:
         found = self._devices.get(dev)
         if found is None:
             found = self._devices[dev] = self._device(dev)
-        vendor, info = found
+        vendor, info, choices = found
         if not vendor:
             return self.op.reference(**a)
-        key = self._key(a)
-        choice = self._choices.get((info.key, key))
+        raw = a.key if a.__class__ is Args else self.op.tuning_key(a)
+        choice = choices.get(raw)
         if choice is None:
-            with self._lock:
-                choice = self._choices.get((info.key, key))
-                if choice is None:
-                    choice = resolve(self.op, vendor, self.variant, key, info, a)
-                    self._choices[(info.key, key)] = choice
+            choice = self._resolve(vendor, info, choices, raw, a)
         return choice.launcher(a)
 
     def choice(self, *args: Any, **kwargs: Any) -> Choice:
         """What a call with these arguments runs (variant, config, where the config came from)."""
         a = self._validate(*args, **kwargs)
-        vendor, info = self._device(a[self._device_arg].device)
+        vendor, info, choices = self._device(a[self._device_arg].device)
         if not vendor:
             return Choice(None, None, "reference", lambda x: self.op.reference(**x))
         self(*args, **kwargs)
-        return self._choices[(info.key, self._key(a))]
+        return self._by_tuning_key[(info.key, self.op.tuning_key(a))]
 
     def clear_cache(self) -> None:
-        self._choices.clear()
         self._devices.clear()
+        self._by_tuning_key.clear()
 
 
 _handles: dict[tuple[str, str | None, str | None], OpHandle] = {}

@@ -224,7 +224,9 @@ def test_defaults_survive_pruning(d):
             config = variant.default_config(key, device)
             assert variant.prune_reason(config, key, device) is None, (variant.vendor, device.key, config)
             if device.key != "cpu":
-                assert variant.keep(config) and config in variant.space(key, device)
+                assert variant.keep(config)
+                # NVIDIA's d 256 default runs num_stages 1 (no spills), below the sweep's stages.
+                assert config in variant.space(key, device) or (variant.vendor, d) == ("nvidia", 256)
     # Short sequences shrink the tiles to the smallest the space has.
     for variant, device in zip(sorted(_variants(), key=lambda v: v.vendor),
                                (PRESETS["mi355x"], PRESETS["h200"]), strict=True):

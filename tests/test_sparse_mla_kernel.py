@@ -115,7 +115,7 @@ def test_backward_matches_reference_autograd(variant, device, shape):
     got = torch.autograd.grad(out, list(ours.values()), grad_out)
     ref_out = reference(**{**args, **theirs}).out
     want = torch.autograd.grad(ref_out, list(theirs.values()), grad_out.float())
-    for name, g, w in zip(ours, got, want):
+    for name, g, w in zip(ours, got, want, strict=True):
         assert_close(g.float(), w, 2 * TOL, what=f"d{name}")
 
 

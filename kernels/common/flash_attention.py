@@ -1,9 +1,10 @@
 """Dense attention forward (FlashAttention-2): the Triton kernel body both vendors share.
 
 Reads top-down: the inner loop over key blocks, the kernel, the launcher, the autograd Function, the
-public entry point (`flash_attention_forward`) and the offline compile specs. The vendor files
-(`kernels/nvidia/flash_attention.py`, `kernels/amd/flash_attention.py`) differ only in config spaces
-and heuristics; the semantics are `registry.ops.flash_attention.reference` (SPEC.md "flash_attention").
+public entry point (`flash_attention_forward`), the offline compile specs and the variant logic. The
+vendor files (`kernels/nvidia/flash_attention.py`, `kernels/amd/flash_attention.py`) subclass that
+logic with their config spaces and heuristics only; the semantics are
+`registry.ops.flash_attention.reference` (SPEC.md "flash_attention").
 
 Masking in stages: for one query block, the key range [lo, hi) that can hold an allowed key is split
 into an unmasked middle [mid_lo, mid_hi), whose key blocks are fully allowed for every query row of the
@@ -22,9 +23,6 @@ import triton.language as tl
 
 from kernels.base import CompileSpec
 from tuning_db.records import LaunchConfig
-
-# Triton type strings of the element dtypes a tuning key names.
-_TRITON_DTYPES = {"fp16": "fp16", "bf16": "bf16", "fp32": "fp32"}
 
 
 def head_block(d: int) -> int:
@@ -244,8 +242,8 @@ def _launch(args: dict, config: LaunchConfig) -> tuple[torch.Tensor, torch.Tenso
 class _FlashAttentionFunction(torch.autograd.Function):
     """Forward through the Triton kernel; backward by recomputing the PyTorch reference under autograd.
 
-    The recomputing backward is correct but materializes the score matrix; a Triton backward kernel is
-    a later issue. Only used when grad is enabled and q, k or v requires grad.
+    The recomputing backward is exact but runs the PyTorch reference (fp32, chunked over queries) again;
+    a Triton backward kernel is a later issue. Only used when grad is enabled and q, k or v requires grad.
     """
 
     @staticmethod
@@ -292,7 +290,9 @@ def flash_attention_compile_specs(key: dict, config: LaunchConfig, dtype: str = 
     `key["dtype"]` picks the element type when present (`dtype` otherwise). The spec compiles with
     RETURN_LSE on (the heavier of the two), and marks a GQA group of 1 constexpr as the JIT does.
     """
-    elem = _TRITON_DTYPES[key.get("dtype", dtype)]
+    elem = key.get("dtype", dtype)
+    if elem not in ("fp16", "bf16", "fp32"):
+        raise ValueError(f"dtype: expected fp16, bf16 or fp32, got {elem!r}")
     varlen = bool(key["varlen"])
     ptr = f"*{elem}"
     group = int(key["h_q"]) // int(key["h_kv"])

@@ -313,17 +313,9 @@ class _SparseMLAFunction(torch.autograd.Function):
         return dq, dkv, None, None, None, dsink, None, None, None
 
 
-def backward_config(config: LaunchConfig) -> LaunchConfig:
-    """The backward's launch config: the forward's head/top-k blocks, capped where its extra
-    accumulators (dq, dO, the dkv tile) would not fit."""
-    blocks = dict(config.blocks)
-    blocks["BLOCK_H"] = min(blocks["BLOCK_H"], 64)
-    blocks["BLOCK_TOPK"] = min(blocks["BLOCK_TOPK"], 32)
-    return config.model_copy(update={"blocks": blocks, "num_stages": 1})
-
-
-def sparse_mla_forward(args: dict, config: LaunchConfig) -> SparseMLAOutput:
-    """Launch sparse MLA on validated arguments (registry.ops.sparse_mla's dict) with `config`."""
+def sparse_mla_forward(args: dict, config: LaunchConfig, bwd_config: LaunchConfig) -> SparseMLAOutput:
+    """Launch sparse MLA on validated arguments (registry.ops.sparse_mla's dict) with `config`; a
+    backward, when autograd asks for one, runs with `bwd_config`."""
     q, kv, indices = args["q"], args["kv"], args["indices"]
     batched = q.dim() == 4
     qb, kvb, ib = _batched(q, batched), _batched(kv, batched), _batched(indices, batched)
@@ -333,7 +325,7 @@ def sparse_mla_forward(args: dict, config: LaunchConfig) -> SparseMLAOutput:
                                               or (sink is not None and sink.requires_grad))
     if wants_grad:
         out, max_logits, lse = _SparseMLAFunction.apply(qb, kvb, ib, args["sm_scale"], args["d_v"], sink, lengths,
-                                                        config, backward_config(config))
+                                                        config, bwd_config)
     else:
         out, max_logits, lse = _forward(qb, kvb, ib, args["sm_scale"], args["d_v"], sink, lengths, config)
     if not batched:
@@ -342,22 +334,31 @@ def sparse_mla_forward(args: dict, config: LaunchConfig) -> SparseMLAOutput:
 
 
 # ----------------------------------------------------------------------------- offline compiles
-def sparse_mla_compile_specs(key: dict, config: LaunchConfig, dtype: str = "bf16") -> list[CompileSpec]:
-    """The forward kernel as one call with this key and config launches it (with sink and topk_length,
-    the heaviest variant), for offline compile checks."""
+def _compile_signature(names: list[str], pointers: dict[str, str], floats: tuple[str, ...]) -> dict[str, str]:
+    """Type strings for a kernel's non-constexpr arguments: the given pointers, fp32 scalars, i32 otherwise."""
+    return {n: pointers.get(n, "fp32" if n in floats else "i32") for n in names}
+
+
+def sparse_mla_compile_specs(key: dict, config: LaunchConfig, bwd_config: LaunchConfig,
+                             dtype: str = "bf16") -> list[CompileSpec]:
+    """The forward and backward kernels as a call with this key and config launches them (with sink and
+    topk_length, the heaviest variants), for offline compile checks."""
     block_dv, block_dt = dim_blocks(key["d_qk"], key["d_v"])
     elem = f"*{key.get('dtype', dtype)}"
-    ints = ["s_kv", "topk", "heads_per_group", "head_blocks"]
-    strides = [f"stride_{n}" for n in ("qb", "qs", "qh", "kvb", "kvs", "kvh", "ib", "is", "ih", "lb", "ls",
-                                      "ob", "os", "oh", "mb", "ms")]
-    signature = {"Q": elem, "KV": elem, "IDX": "*i32", "SINK": "*fp32", "TOPK_LEN": "*i32", "OUT": elem,
-                 "MAX_LOGITS": "*fp32", "LSE": "*fp32", **{n: "i32" for n in ints}, "qk_scale": "fp32",
-                 **{n: "i64" for n in strides}}
-    constexprs = {"D_V": key["d_v"], "D_TAIL": key["d_qk"] - key["d_v"], "BLOCK_DV": block_dv,
-                  "BLOCK_DT": block_dt, "BLOCK_H": config.blocks["BLOCK_H"],
-                  "BLOCK_TOPK": config.blocks["BLOCK_TOPK"], "HAS_SINK": True, "HAS_TOPK_LEN": True}
-    signature.update({n: "constexpr" for n in constexprs})
-    return [CompileSpec(_sparse_mla_fwd_kernel, signature, constexprs)]
+    specs = []
+    for fn, cfg, floats in ((_sparse_mla_fwd_kernel, config, ("qk_scale",)),
+                            (_sparse_mla_bwd_kernel, bwd_config, ("sm_scale",))):
+        constexprs = {"D_V": key["d_v"], "D_TAIL": key["d_qk"] - key["d_v"], "BLOCK_DV": block_dv,
+                      "BLOCK_DT": block_dt, "BLOCK_H": cfg.blocks["BLOCK_H"], "BLOCK_TOPK": cfg.blocks["BLOCK_TOPK"],
+                      "HAS_SINK": True, "HAS_TOPK_LEN": True}
+        names = [n for n in fn.arg_names if n not in constexprs]
+        pointers = {n: elem for n in ("Q", "KV", "OUT", "DOUT", "DQ")}
+        pointers.update({n: "*fp32" for n in ("SINK", "MAX_LOGITS", "LSE", "DKV", "DSINK")})
+        pointers.update({n: "*i32" for n in ("IDX", "TOPK_LEN")})
+        signature = _compile_signature(names, {n: t for n, t in pointers.items() if n in names}, floats)
+        options = {} if cfg is config else {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+        specs.append(CompileSpec(fn, {**signature, **{n: "constexpr" for n in constexprs}}, constexprs, options))
+    return specs
 
 
 # ----------------------------------------------------------------------------- the variant
@@ -370,6 +371,7 @@ class SparseMLAHeadBlockBase:
         further capped at half of each thread's share of the register file;
     Q_IN_SHARED: whether Q stays in shared memory for the whole loop (Hopper's wgmma reads its A
         operand from there) or only passes through it once on its way to registers (AMD);
+    BACKWARD: the backward kernel's tiles and warps (BLOCK_H is also capped by the forward's);
     DEFAULTS: the heuristic config per arch ("*" for any other), as found free of spills by the
         offline compile check (`python -m tuning.sweep --compile-only`; benchmarks/NOTES.md).
     """
@@ -380,6 +382,7 @@ class SparseMLAHeadBlockBase:
     SPACE: dict[str, tuple] = {}
     ACC_REGS_LIMIT = 128
     Q_IN_SHARED = True
+    BACKWARD: dict = {}
     DEFAULTS: dict[str, dict] = {}
 
     def supports(self, key: dict, device) -> bool:
@@ -434,11 +437,23 @@ class SparseMLAHeadBlockBase:
         blocks = {"BLOCK_H": min(chosen.pop("BLOCK_H"), self._head_cap(key)), "BLOCK_TOPK": chosen.pop("BLOCK_TOPK")}
         return LaunchConfig(blocks=blocks, **chosen)
 
+    def backward_config(self, config: LaunchConfig) -> LaunchConfig:
+        """The backward's config: the forward's knobs with BACKWARD's tiles and warps (its extra
+        accumulators, dq and the dkv tile, need smaller tiles than the forward)."""
+        blocks = {"BLOCK_H": min(config.blocks["BLOCK_H"], self.BACKWARD["BLOCK_H"]),
+                  "BLOCK_TOPK": self.BACKWARD["BLOCK_TOPK"]}
+        knobs = {k: v for k, v in self.BACKWARD.items() if k not in blocks}
+        return config.model_copy(update={"blocks": blocks, **knobs})
+
     def launch(self, args: dict, config: LaunchConfig) -> SparseMLAOutput:
-        return sparse_mla_forward(args, config)
+        return sparse_mla_forward(args, config, self.backward_config(config))
+
+    def bind(self, config: LaunchConfig):
+        bwd = self.backward_config(config)
+        return lambda args: sparse_mla_forward(args, config, bwd)
 
     def compile_specs(self, key: dict, config: LaunchConfig, dtype: str = "bf16") -> list[CompileSpec]:
-        return sparse_mla_compile_specs(key, config, dtype)
+        return sparse_mla_compile_specs(key, config, self.backward_config(config), dtype)
 
 
 def _product(lists: list[tuple]) -> list[tuple]:

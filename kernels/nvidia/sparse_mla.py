@@ -19,5 +19,7 @@ class SparseMLAHeadBlockNvidia(SparseMLAHeadBlockBase, Variant):
         "num_stages": (1, 2, 3, 4),
     }
     ACC_REGS_LIMIT = 128
+    # sm_90, V3.2 dims: 248 registers, no spills, 100 KB of shared memory.
+    BACKWARD = {"BLOCK_H": 16, "BLOCK_TOPK": 32, "num_warps": 8, "num_stages": 1}
     # sm_90: 255 registers, no spills, 147 KB of shared memory at the V3.2 shape.
     DEFAULTS = {"*": {"BLOCK_H": 64, "BLOCK_TOPK": 32, "num_warps": 8, "num_stages": 2}}

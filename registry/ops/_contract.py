@@ -7,13 +7,22 @@ Triton or vendors.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# A frozenset: membership is one hash lookup on the hot path.
+FLOAT_DTYPES = frozenset((torch.float16, torch.bfloat16, torch.float32))
+
+
+class Args(dict):
+    """Validated arguments by name, plus `key`: a cheap hashable summary of everything the tuning key
+    depends on (raw shapes, dtype, flags), built from what validation already read, so the dispatch
+    hot path finds its cached launcher without reading the tensors again."""
+
+    __slots__ = ("key",)
 
 
 @dataclass(frozen=True)
@@ -23,7 +32,8 @@ class Op:
     validate(*args, **kwargs) -> dict: has the op's public signature and its docstring is the op's
         contract (what `registry.describe` prints); takes the user's call as that signature reads,
         raises ValueError/TypeError naming the argument, and returns every argument by name with
-        defaults resolved (sm_scale filled in). This dict is what references and variants receive.
+        defaults resolved (sm_scale filled in). This dict is what references and variants receive;
+        an op on a hot path returns an `Args` whose `key` lets dispatch skip `tuning_key`.
     reference(**args): the semantics, in PyTorch; kernels are right when they match it.
     tuning_key(args) -> tuple: hashable (name, value) pairs that pick a config (sequence lengths
         bucketed); cheap, since it runs on every call.
@@ -70,9 +80,9 @@ def require_tensor(name: str, value: Any) -> torch.Tensor:
     return value
 
 
-def require_float(name: str, t: torch.Tensor, dtypes: tuple[torch.dtype, ...] = FLOAT_DTYPES) -> None:
+def require_float(name: str, t: torch.Tensor, dtypes: Collection[torch.dtype] = FLOAT_DTYPES) -> None:
     if t.dtype not in dtypes:
-        allowed = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
+        allowed = ", ".join(sorted(str(d).removeprefix("torch.") for d in dtypes))
         raise TypeError(f"{name}: expected dtype in ({allowed}), got {str(t.dtype).removeprefix('torch.')}")
 
 

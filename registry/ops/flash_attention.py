@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from registry.ops._contract import Op
+from registry.ops._contract import Args, Op
 from registry.ops._dense_attention import (
     check_dense_args,
     dense_bytes,
@@ -58,22 +58,24 @@ def validate(
     non-contiguous last dimension, h_q not divisible by h_kv, an empty batch, a window without
     causal, or varlen without max_seqlen_q/max_seqlen_k.
     """
-    scale = check_dense_args(
+    scale, key = check_dense_args(
         q, k, v, causal, sm_scale, window, return_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
     )
-    return {
-        "q": q,
-        "k": k,
-        "v": v,
-        "causal": causal,
-        "sm_scale": scale,
-        "window": window,
-        "return_lse": return_lse,
-        "cu_seqlens_q": cu_seqlens_q,
-        "cu_seqlens_k": cu_seqlens_k,
-        "max_seqlen_q": max_seqlen_q,
-        "max_seqlen_k": max_seqlen_k,
-    }
+    args = Args(
+        q=q,
+        k=k,
+        v=v,
+        causal=causal,
+        sm_scale=scale,
+        window=window,
+        return_lse=return_lse,
+        cu_seqlens_q=cu_seqlens_q,
+        cu_seqlens_k=cu_seqlens_k,
+        max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen_k,
+    )
+    args.key = key
+    return args
 
 
 def reference(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from registry.ops._contract import Op
+from registry.ops._contract import Args, Op
 from registry.ops._dense_attention import (
     check_dense_args,
     check_sinks,
@@ -60,25 +60,27 @@ def validate(
     fp32) or devices, a non-contiguous last dimension, h_q not divisible by h_kv, an empty batch, a
     window without causal, or varlen without max_seqlen_q/max_seqlen_k.
     """
-    scale = check_dense_args(
+    scale, key = check_dense_args(
         q, k, v, causal, sm_scale, window, return_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
     )
     if sinks is not None:
         check_sinks(sinks, q.shape[-2], q)
-    return {
-        "q": q,
-        "k": k,
-        "v": v,
-        "sinks": sinks,
-        "window": window,
-        "causal": causal,
-        "sm_scale": scale,
-        "return_lse": return_lse,
-        "cu_seqlens_q": cu_seqlens_q,
-        "cu_seqlens_k": cu_seqlens_k,
-        "max_seqlen_q": max_seqlen_q,
-        "max_seqlen_k": max_seqlen_k,
-    }
+    args = Args(
+        q=q,
+        k=k,
+        v=v,
+        sinks=sinks,
+        window=window,
+        causal=causal,
+        sm_scale=scale,
+        return_lse=return_lse,
+        cu_seqlens_q=cu_seqlens_q,
+        cu_seqlens_k=cu_seqlens_k,
+        max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen_k,
+    )
+    args.key = (*key, sinks is None)
+    return args
 
 
 def reference(

@@ -14,6 +14,7 @@ import torch
 
 from registry.ops._contract import (
     FLOAT_DTYPES,
+    Args,
     Op,
     bucket_pow2,
     random_normal,
@@ -143,7 +144,9 @@ def validate(
     device = q.device
     if kv.device != device or indices.device != device:
         require_same_device(main)
-    if q.stride(-1) != 1 or kv.stride(-1) != 1 or indices.stride(-1) != 1:
+    # is_contiguous() is a cheap C call; only strided views pay for reading their strides.
+    if not (q.is_contiguous() and kv.is_contiguous() and indices.is_contiguous()) and (
+            q.stride(-1) != 1 or kv.stride(-1) != 1 or indices.stride(-1) != 1):
         for name, x in main:
             require_last_contiguous(name, x)
     if attn_sink is not None:
@@ -171,15 +174,10 @@ def validate(
             require_same_device([("q", q), ("topk_length", topk_length)])
         if topk_length.stride(-1) != 1:
             require_last_contiguous("topk_length", topk_length)
-    return {
-        "q": q,
-        "kv": kv,
-        "indices": indices,
-        "sm_scale": sm_scale,
-        "d_v": d_v,
-        "attn_sink": attn_sink,
-        "topk_length": topk_length,
-    }
+    args = Args(q=q, kv=kv, indices=indices, sm_scale=sm_scale, d_v=d_v, attn_sink=attn_sink,
+                topk_length=topk_length)
+    args.key = (qs, ks, js, dtype, d_v)
+    return args
 
 
 def masked_softmax(z: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
