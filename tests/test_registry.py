@@ -8,9 +8,18 @@ import torch
 
 import registry
 from registry import dispatch
-from registry.device import CPU
+from registry.device import CPU, detect
 from registry.ops import OPS
 from tuning_db.records import LaunchConfig, TunedConfig, canonical_json
+
+from .conftest import HAS_GPU
+
+# Kernel dispatch runs where kernels run: the GPU's own vendor in bf16, or both vendors through the
+# interpreter in fp16 (its bf16 dot is wrong) on CPU tensors.
+KERNEL_DEVICE = "cuda" if HAS_GPU else "cpu"
+KERNEL_DTYPE = torch.bfloat16 if HAS_GPU else torch.float16
+KERNEL_INFO = detect() if HAS_GPU else CPU
+VENDORS = [KERNEL_INFO.vendor] if HAS_GPU else ["nvidia", "amd"]
 
 EXPECTED_OPS = ["sparse_mla", "gsa_indexer", "gsa_topk", "gsa_sparse_attention", "sink_attention",
                 "flash_attention", "decode", "nsa"]
@@ -24,9 +33,13 @@ def _fresh_dispatch():
     registry.clear_caches()
 
 
-def _tiny_args(op_name: str, index: int = 0, dtype=torch.float16) -> dict:
+def _tiny_args(op_name: str, index: int = 0, dtype=torch.float16, device="cpu") -> dict:
     op = OPS[op_name]
-    return op.make_inputs(op.presets["tiny"][index], device="cpu", dtype=dtype, seed=11)
+    return op.make_inputs(op.presets["tiny"][index], device=device, dtype=dtype, seed=11)
+
+
+def _kernel_args(op_name: str, dtype=KERNEL_DTYPE) -> dict:
+    return _tiny_args(op_name, dtype=dtype, device=KERNEL_DEVICE)
 
 
 def test_ops_lists_every_op_in_order():
@@ -60,7 +73,7 @@ def test_unknown_names_are_clear_errors():
     with pytest.raises(ValueError, match="vendor"):
         registry.get("flash_attention", vendor="intel")
     with pytest.raises(ValueError, match="variant"):
-        registry.get("flash_attention", vendor="nvidia", variant="nope")(**_tiny_args("flash_attention"))
+        registry.get("flash_attention", vendor=VENDORS[0], variant="nope")(**_kernel_args("flash_attention"))
     with pytest.raises(ValueError, match="op: expected one of"):
         registry.describe("nope")
 
@@ -73,16 +86,16 @@ def test_bad_arguments_name_the_argument():
         registry.get("flash_attention")(torch.randn(3, 4, 64), torch.randn(3, 4, 64), torch.randn(3, 4, 64))
 
 
-@pytest.mark.parametrize("vendor", ["nvidia", "amd"])
-def test_forced_vendor_runs_the_triton_variant_in_the_interpreter(vendor):
-    kwargs = _tiny_args("flash_attention")
+@pytest.mark.parametrize("vendor", VENDORS)
+def test_forced_vendor_runs_the_triton_variant(vendor):
+    kwargs = _kernel_args("flash_attention")
     handle = registry.get("flash_attention", vendor=vendor)
     choice = handle.choice(**kwargs)
     assert choice.variant is not None and choice.variant.vendor == vendor and choice.source == "default"
     from registry.testing import TOLERANCE, assert_close
 
     assert_close(handle(**kwargs), OPS["flash_attention"].reference(**OPS["flash_attention"].validate(**kwargs)),
-                 TOLERANCE[torch.float16])
+                 TOLERANCE[KERNEL_DTYPE])
 
 
 def test_forced_vendor_on_cpu_without_interpreter_is_a_clear_error(monkeypatch):
@@ -93,9 +106,9 @@ def test_forced_vendor_on_cpu_without_interpreter_is_a_clear_error(monkeypatch):
 
 
 def test_fp32_inputs_fall_back_to_the_reference_with_a_warning():
-    kwargs = _tiny_args("flash_attention", dtype=torch.float32)
+    kwargs = _kernel_args("flash_attention", dtype=torch.float32)
     with pytest.warns(RuntimeWarning, match="running the PyTorch reference"):
-        out = registry.get("flash_attention", vendor="nvidia")(**kwargs)
+        out = registry.get("flash_attention", vendor=VENDORS[0])(**kwargs)
     assert torch.equal(out, OPS["flash_attention"].reference(**OPS["flash_attention"].validate(**kwargs)))
 
 
@@ -109,24 +122,24 @@ def _tuned(op: str, key_json: str, config: LaunchConfig, variant: str = "flash_a
     from kernels.base import load_all
 
     source = next(v.source_hash for v in load_all()[op] if v.name == variant)
-    return TunedConfig(op=op, device_key="cpu", tuning_key=key_json, variant=variant, source_hash=source,
+    return TunedConfig(op=op, device_key=KERNEL_INFO.key, tuning_key=key_json, variant=variant, source_hash=source,
                        config=config, time_ms=1.0, triton_version="3.6.0", torch_version=torch.__version__)
 
 
 def test_lookup_order_database_then_tables_then_nearest_then_default(tmp_path, monkeypatch):
     from tuning.export import export_json
 
-    kwargs = _tiny_args("flash_attention")
+    kwargs = _kernel_args("flash_attention")
     dims, key_json = _key_json("flash_attention", kwargs)
-    handle = registry.get("flash_attention", vendor="nvidia")
+    handle = registry.get("flash_attention", vendor=VENDORS[0])
     assert handle.choice(**kwargs).source == "default"
 
     # Shipped tables: a table exported from another database, placed in the tables folder.
     other = __import__("tuning_db.store", fromlist=["TuningStore"]).TuningStore(f"sqlite:///{tmp_path / 'o.db'}")
     shipped = LaunchConfig(blocks={"BLOCK_M": 16, "BLOCK_N": 32}, num_warps=4, num_stages=2)
-    other.upsert_tuned(_tuned("flash_attention", key_json, shipped), CPU)
+    other.upsert_tuned(_tuned("flash_attention", key_json, shipped), KERNEL_INFO)
     tables = tmp_path / "tables"
-    export_json(other, "cpu", "flash_attention", tables)
+    export_json(other, KERNEL_INFO.key, "flash_attention", tables)
     from tuning_db import store as store_module
 
     monkeypatch.setattr(store_module.ShippedTables, "__init__",
@@ -137,14 +150,14 @@ def test_lookup_order_database_then_tables_then_nearest_then_default(tmp_path, m
 
     # The user's database wins over shipped tables.
     mine = LaunchConfig(blocks={"BLOCK_M": 32, "BLOCK_N": 16}, num_warps=4, num_stages=2)
-    dispatch.user_store().upsert_tuned(_tuned("flash_attention", key_json, mine), CPU)
+    dispatch.user_store().upsert_tuned(_tuned("flash_attention", key_json, mine), KERNEL_INFO)
     registry.clear_caches()
     choice = handle.choice(**kwargs)
     assert (choice.source, choice.config) == ("database", mine)
 
     # A key never tuned takes the nearest tuned key (same heads/dims, closest lengths).
-    longer = {**kwargs, "q": torch.randn(2, 70, 4, 64).half(), "k": torch.randn(2, 70, 2, 64).half(),
-              "v": torch.randn(2, 70, 2, 64).half()}
+    longer = {**kwargs, **{name: torch.randn(2, 70, heads, 64).to(KERNEL_DEVICE, KERNEL_DTYPE)
+                           for name, heads in (("q", 4), ("k", 2), ("v", 2))}}
     choice = handle.choice(**longer)
     assert (choice.source, choice.config) == ("nearest-database", mine)
 
@@ -155,8 +168,8 @@ def test_later_calls_do_not_touch_the_database(monkeypatch):
     calls = []
     original = TuningStore.best
     monkeypatch.setattr(TuningStore, "best", lambda self, *a, **k: calls.append(1) or original(self, *a, **k))
-    kwargs = _tiny_args("flash_attention")
-    handle = registry.get("flash_attention", vendor="amd")
+    kwargs = _kernel_args("flash_attention")
+    handle = registry.get("flash_attention", vendor=VENDORS[-1])
     for _ in range(3):
         handle(**kwargs)
     assert len(calls) == 1
@@ -167,11 +180,11 @@ def test_corrupted_database_warns_and_still_runs(tmp_path, monkeypatch):
     bad.write_bytes(b"this is not a database at all" * 200)
     monkeypatch.setenv("KREG_TUNING_DB", f"sqlite:///{bad}")
     registry.clear_caches()
-    kwargs = _tiny_args("flash_attention")
+    kwargs = _kernel_args("flash_attention")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         dispatch._warned.clear()
-        choice = registry.get("flash_attention", vendor="nvidia").choice(**kwargs)
+        choice = registry.get("flash_attention", vendor=VENDORS[0]).choice(**kwargs)
     assert choice.source == "default"
     assert any("tuning database unusable" in str(w.message) and str(bad) in str(w.message) for w in caught)
 
