@@ -27,8 +27,11 @@ endif
 test: $(VENV)/.installed
 	$(PY) -m pytest -q
 
+# On a GPU a full sweep takes hours: each `make sweep` runs a slice and the next one resumes it.
+SWEEP_ARGS ?= $(if $(HAS_GPU),--max-minutes 30 --resume,)
+
 sweep: $(VENV)/.installed
-	$(PY) -m tuning.sweep --device auto --no-progress
+	$(PY) -m tuning.sweep --device auto --no-progress $(SWEEP_ARGS)
 ifneq ($(HAS_GPU),1)
 	# No GPU here: also compile every tiny-preset config for the MI355X (gfx950) and print its resources.
 	$(PY) -m tuning.sweep --device mi355x --compile-only --no-progress

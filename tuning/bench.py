@@ -10,8 +10,9 @@ from typing import Any
 
 import torch
 
-# Below this many microseconds a launch is dominated by launch overhead: time a CUDA graph instead.
-GRAPH_BELOW_US = 50.0
+# Below this many microseconds a call may be bound by the host (Python, launch), not the GPU: it is
+# also timed as a CUDA-graph replay, as serving code that captures graphs would run it.
+GRAPH_BELOW_US = 200.0
 
 
 def rotating(call: Callable[[dict], Any], arg_sets: Sequence[dict]) -> Callable[[], Any]:
@@ -28,15 +29,16 @@ def rotating(call: Callable[[dict], Any], arg_sets: Sequence[dict]) -> Callable[
 
 
 def time_gpu(fn: Callable[[], Any], *, warmup_ms: float = 25, rep_ms: float = 100) -> float:
-    """Median milliseconds of `fn` on the current GPU."""
+    """Median milliseconds of `fn` on the current GPU: eager, or a CUDA-graph replay when that is
+    faster for a short call (the same rule for every provider, ours and the peers)."""
     import triton.testing
 
     ms = triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
     if ms * 1000.0 < GRAPH_BELOW_US:
         try:
             with torch.cuda.stream(torch.cuda.Stream()):
-                ms = triton.testing.do_bench_cudagraph(fn, rep=rep_ms, return_mode="median")
-        except Exception:  # noqa: BLE001 - a kernel that cannot be captured keeps its eager time
+                ms = min(ms, triton.testing.do_bench_cudagraph(fn, rep=rep_ms, return_mode="median"))
+        except Exception:  # noqa: BLE001 - a call that cannot be captured keeps its eager time
             pass
     return float(ms)
 

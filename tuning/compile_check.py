@@ -142,11 +142,24 @@ def compile_config(spec: CompileSpec, config: LaunchConfig, target: DeviceInfo) 
                          time.perf_counter() - start, name, detail)
 
 
+_reports: dict[tuple, CompileReport] = {}
+
+
 def check_variant(variant: Variant, key: dict, config: LaunchConfig,
                   target: DeviceInfo) -> list[CompileReport]:
-    """Compile every kernel one call of `variant` with this tuning key and config launches."""
+    """Compile every kernel one call of `variant` with this tuning key and config launches.
+
+    Reports are remembered per process by what the compile depends on (kernel, signature,
+    constexprs, options, target), so sweeping many shapes of one head dim compiles each config once."""
     specs = variant.compile_specs(key, config, dtype=key.get("dtype", "fp16"))
-    return [compile_config(spec, config, target) for spec in specs]
+    reports = []
+    for spec in specs:
+        memo = (spec.fn.__name__, tuple(spec.signature.items()), tuple(sorted(spec.constexprs.items())),
+                tuple(sorted({**config.knobs(), **spec.options}.items())), target)
+        if memo not in _reports:
+            _reports[memo] = compile_config(spec, config, target)
+        reports.append(_reports[memo])
+    return reports
 
 
 # ----------------------------------------------------------------------------- command line

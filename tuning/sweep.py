@@ -82,6 +82,21 @@ def _gate_and_time(op, variant, config, gate_args, gate_ref, full_sets, tol,
         return _classify(exc), None, _short_error(exc)
 
 
+def _spills_or_overflows(cand, dims: dict, device_info: DeviceInfo) -> tuple[str, None, str] | None:
+    """On a GPU, a config whose kernels spill registers or overflow shared memory/LDS is rejected
+    before it is timed (shipped configs must be spill-free): (status, None, reason), or None when it
+    fits. The interpreter has no registers to check."""
+    if device_info.key == "cpu":
+        return None
+    from tuning.compile_check import check_variant
+
+    bad = [r for r in check_variant(cand.variant, dims, cand.config, device_info) if not r.fits]
+    if not bad:
+        return None
+    reason = f"{bad[0].kernel}: {bad[0].reason}"
+    return ("compile_error" if (bad[0].reason or "").startswith("compile_error") else "out_of_resources"), None, reason
+
+
 def _input_sets(op, shape: dict, device: torch.device, dtype: torch.dtype, count: int, seed: int) -> list[dict]:
     return [op.validate(**op.make_inputs(shape, device=device, dtype=dtype, seed=seed + i)) for i in range(count)]
 
@@ -134,6 +149,8 @@ def sweep_op(op, variants, device_info: DeviceInfo, torch_device: torch.device, 
                 return stats, False
             if cand.pruned:
                 status, ms, error = "pruned", None, cand.pruned
+            elif (unfit := _spills_or_overflows(cand, dims, device_info)) is not None:
+                status, ms, error = unfit
             else:
                 status, ms, error = _gate_and_time(op, cand.variant, cand.config, gate_args, gate_ref,
                                                    full_sets, tol, torch_device)
