@@ -10,18 +10,8 @@ HAS_GPU := $(shell $(PYTHON) -c "import torch, sys; sys.exit(0 if torch.cuda.is_
 
 .PHONY: test sweep bench lint clean
 
-$(VENV)/.installed: pyproject.toml
-ifeq ($(HAS_GPU),1)
-	$(PYTHON) -m venv --system-site-packages $(VENV)
-	if [ -d .whl ]; then $(PY) -m pip install -q --no-index --no-deps --no-compile .whl/*.whl; fi
-	$(PY) -m pip install -q --no-index --no-deps --no-build-isolation -e .
-else
-	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	# Torch first: on this workplace's CPU machines pip finds the CPU build of 2.13.0 on disk.
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev]'
-endif
+$(VENV)/.installed: pyproject.toml scripts/make_venv.sh
+	scripts/make_venv.sh $(if $(HAS_GPU),gpu,cpu) $(PYTHON) $(VENV)
 	touch $@
 
 test: $(VENV)/.installed
