@@ -48,12 +48,25 @@ def run(dtype: torch.dtype = torch.bfloat16) -> list[Row]:
     return rows
 
 
-def dispatch_overhead() -> tuple[float, float]:
-    """Host microseconds per call: registry.get(op)(...) vs the same variant and config launched directly."""
+def dispatch_overhead() -> dict[str, float]:
+    """Host microseconds per call: registry.get(op)(...) vs the same variant and config launched
+    directly, and the parts of the difference (validation alone; the dispatch without a launch)."""
+    import time
+
     args = OP.validate(**OP.make_inputs({"b": 1, "s_q": 128, "s_k": 128, "h_q": 2, "h_kv": 2, "d": 64,
                                          "causal": True}, device="cuda", dtype=torch.bfloat16, seed=0))
     choice = registry.get("flash_attention").choice(**args)
     q, k, v = args["q"], args["k"], args["v"]
     via_registry = lambda: registry.get("flash_attention")(q, k, v, causal=True)
     direct = lambda: choice.variant.launch(args, choice.config)
-    return host_overhead_us(via_registry, direct)
+    ours, theirs = host_overhead_us(via_registry, direct)
+
+    def per_call_us(fn, n: int = 20000) -> float:
+        fn()
+        start = time.perf_counter()
+        for _ in range(n):
+            fn()
+        return (time.perf_counter() - start) / n * 1e6
+
+    validate_us = per_call_us(lambda: OP.validate(q, k, v, causal=True))
+    return {"registry_us": ours, "direct_us": theirs, "overhead_us": ours - theirs, "validate_us": validate_us}

@@ -43,9 +43,10 @@ def main(argv: list[str] | None = None) -> int:
     console = Console(width=200)
     console.print(table)
     if "flash_attention" in chosen:
-        reg_us, direct_us = flash_attention.dispatch_overhead()
-        console.print(f"dispatch: registry.get(op)(...) {reg_us:.2f} us/call vs direct launch {direct_us:.2f} "
-                      f"us/call -> overhead {reg_us - direct_us:.2f} us")
+        o = flash_attention.dispatch_overhead()
+        console.print(f"dispatch: registry.get(op)(...) {o['registry_us']:.2f} us/call vs direct launch "
+                      f"{o['direct_us']:.2f} us/call -> overhead {o['overhead_us']:.2f} us "
+                      f"(of which validation {o['validate_us']:.2f} us)")
     write_csv(rows, args.csv or f"benchmarks-{device.key}.csv")
     return 0
 
