@@ -69,4 +69,16 @@ def dispatch_overhead() -> dict[str, float]:
         return (time.perf_counter() - start) / n * 1e6
 
     validate_us = per_call_us(lambda: OP.validate(q, k, v, causal=True))
-    return {"registry_us": ours, "direct_us": theirs, "overhead_us": ours - theirs, "validate_us": validate_us}
+    # The dispatch alone: a private handle whose cached launchers do nothing.
+    from dataclasses import replace
+
+    from registry.dispatch import OpHandle
+
+    probe = OpHandle(OP, None, None)
+    probe(q, k, v, causal=True)
+    for _, _, choices in probe._devices.values():
+        for raw, cached in list(choices.items()):
+            choices[raw] = replace(cached, launcher=lambda a: None)
+    no_launch_us = per_call_us(lambda: probe(q, k, v, causal=True))
+    return {"registry_us": ours, "direct_us": theirs, "overhead_us": ours - theirs, "validate_us": validate_us,
+            "dispatch_no_launch_us": no_launch_us}

@@ -46,7 +46,8 @@ def main(argv: list[str] | None = None) -> int:
         o = flash_attention.dispatch_overhead()
         console.print(f"dispatch: registry.get(op)(...) {o['registry_us']:.2f} us/call vs direct launch "
                       f"{o['direct_us']:.2f} us/call -> overhead {o['overhead_us']:.2f} us "
-                      f"(of which validation {o['validate_us']:.2f} us)")
+                      f"(validation alone {o['validate_us']:.2f} us; validation + dispatch without a launch "
+                      f"{o['dispatch_no_launch_us']:.2f} us)")
     write_csv(rows, args.csv or f"benchmarks-{device.key}.csv")
     return 0
 
