@@ -31,7 +31,8 @@ class Variant:
     """One way to run an op on one vendor's GPUs.
 
     Subclasses set `op`, `vendor`, `name`, `priority` and `source_modules` (the modules whose source
-    defines the kernel: their hash marks tuned configs of an older kernel as stale), and implement the
+    defines the kernel, default: the variant's own module; their hash marks tuned configs of an older
+    kernel as stale), and implement the
     methods below. `key` is the op's tuning key as a dict. A variant never validates user input again
     (the op contract did) and masks every index inside its kernels.
     """
@@ -75,7 +76,9 @@ class Variant:
         cached = self.__dict__.get("_source_hash")
         if cached is None:
             digest = hashlib.sha256()
-            for module in (type(self).__module__, *self.source_modules):
+            # The kernel's own modules: a vendor file that only holds config data (spaces, defaults)
+            # can change without marking the configs tuned for an unchanged kernel as stale.
+            for module in self.source_modules or (type(self).__module__,):
                 digest.update(inspect.getsource(importlib.import_module(module)).encode())
             cached = self.__dict__["_source_hash"] = digest.hexdigest()[:16]
         return cached

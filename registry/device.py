@@ -72,12 +72,24 @@ def _model_from_name(vendor: str, name: str) -> str:
     return slug.removeprefix(f"{vendor}-") or "unknown"
 
 
+def _pci_product_id(props) -> int | None:
+    """The PCI product id (0x2335 for an H200 SXM) from sysfs; torch's `pci_device_id` is the slot on
+    the bus, not the model. None where sysfs does not show the device."""
+    address = (f"{getattr(props, 'pci_domain_id', 0):04x}:{getattr(props, 'pci_bus_id', 0):02x}:"
+               f"{getattr(props, 'pci_device_id', 0):02x}.0")
+    try:
+        with open(f"/sys/bus/pci/devices/{address}/device") as f:
+            return int(f.read().strip(), 16)
+    except (OSError, ValueError):
+        return None
+
+
 @functools.cache
 def _detect_gpu(index: int) -> DeviceInfo:
     props = torch.cuda.get_device_properties(index)
     smem = int(getattr(props, "shared_memory_per_block_optin", 0) or getattr(props, "shared_memory_per_block", 0))
     regs = int(getattr(props, "regs_per_multiprocessor", 65536))
-    pci = getattr(props, "pci_device_id", None)
+    pci = _pci_product_id(props)
     if torch.version.hip:
         arch = props.gcnArchName.split(":")[0]
         model = _model_from_name("amd", props.name)

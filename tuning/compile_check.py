@@ -190,6 +190,17 @@ def _preset_keys(op_name: str) -> list[dict]:
     return keys
 
 
+def _shipped_configs(variant: Variant) -> dict[str, list[LaunchConfig]]:
+    """The configs the shipped tables hold for this variant on its vendor's devices, by tuning key."""
+    from tuning_db.store import ShippedTables
+
+    out: dict[str, list[LaunchConfig]] = {}
+    for tuned in ShippedTables().tuned(variant.op):
+        if tuned.variant == variant.name and tuned.device_key.startswith(f"{variant.vendor}-"):
+            out.setdefault(tuned.tuning_key, []).append(tuned.config)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     """`python -m tuning.compile_check`: one line per (key, target, config), or JSON lines with --json."""
     from registry.device import preset
@@ -204,6 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config-json", action="append", help="a LaunchConfig as JSON (repeatable); "
                         "default: the variant's default config for each key and target")
     parser.add_argument("--space", action="store_true", help="every config of the space not pruned")
+    parser.add_argument("--tables", action="store_true",
+                        help="the shipped tuned configs of this variant (tuning_db/tables) instead of defaults")
     parser.add_argument("--json", action="store_true", help="print one JSON object per line")
     opts = parser.parse_args(argv)
 
@@ -213,10 +226,15 @@ def main(argv: list[str] | None = None) -> int:
         if target.vendor != variant.vendor:
             parser.error(f"--target: expected a target of vendor {variant.vendor}, got {target.key} ({target.vendor})")
     keys = [json.loads(text) for text in opts.key_json] if opts.key_json else _preset_keys(variant.op)
+    shipped = _shipped_configs(variant) if opts.tables else {}
+    if opts.tables:
+        keys = [json.loads(k) for k in shipped]
     all_fit = True
     for key in keys:
         for target in targets:
-            if opts.config_json:
+            if opts.tables:
+                configs = shipped[canonical_json(key)]
+            elif opts.config_json:
                 configs = [LaunchConfig.from_json(text) for text in opts.config_json]
             elif opts.space:
                 configs = [c for c in variant.space(key, target)

@@ -170,10 +170,22 @@ def sweep_op(op, variants, device_info: DeviceInfo, torch_device: torch.device, 
             tuned = TunedConfig(op=op.name, device_key=device_info.key, tuning_key=key_json,
                                 variant=winner.variant, source_hash=winner.source_hash, config=winner.config,
                                 time_ms=winner.time_ms, triton_version=triton_v, torch_version=torch_v)
-            store.upsert_tuned(tuned, device_info)
-            stats.winners.append(tuned)
+            if _improves(store, tuned, device_info):
+                store.upsert_tuned(tuned, device_info)
+                stats.winners.append(tuned)
     store.finish_run(run_id, "finished")
     return stats, True
+
+
+def _improves(store, tuned, device_info: DeviceInfo) -> bool:
+    """Whether `tuned` should replace the stored winner of its key: always, unless that winner was
+    measured on this very device for the same kernel source and versions and is faster (a sweep slice
+    over part of a space must not undo a better result of an earlier slice)."""
+    current = store.best(tuned.op, device_info, tuned.tuning_key)
+    same_measurement = current is not None and (
+        (current.device_key, current.variant, current.source_hash, current.triton_version, current.torch_version)
+        == (tuned.device_key, tuned.variant, tuned.source_hash, tuned.triton_version, tuned.torch_version))
+    return not (same_measurement and current.time_ms is not None and current.time_ms <= tuned.time_ms)
 
 
 def _winner(store, run_id: int, op: str, device_key: str, key_json: str):

@@ -21,5 +21,6 @@ class SparseMLAHeadBlockNvidia(SparseMLAHeadBlockBase, Variant):
     ACC_REGS_LIMIT = 128
     # sm_90, V3.2 dims: 248 registers, no spills, 100 KB of shared memory.
     BACKWARD = {"BLOCK_H": 16, "BLOCK_TOPK": 32, "num_warps": 8, "num_stages": 1}
-    # sm_90: 255 registers, no spills, 147 KB of shared memory at the V3.2 shape.
-    DEFAULTS = {"*": {"BLOCK_H": 64, "BLOCK_TOPK": 32, "num_warps": 8, "num_stages": 2}}
+    # The fastest spill-free config of the H200 sweep at the V3.2 shape (benchmarks/NOTES.md): 32 heads
+    # per program, 128-slot tiles, 2 stages.
+    DEFAULTS = {"*": {"BLOCK_H": 32, "BLOCK_TOPK": 128, "num_warps": 8, "num_stages": 2}}

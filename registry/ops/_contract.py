@@ -150,6 +150,10 @@ def require_window(window: Any, causal: bool) -> None:
 
 
 def random_normal(shape: Sequence[int], *, device, dtype, generator: torch.Generator, scale: float = 1.0):
-    """Random inputs drawn on the CPU with a seeded generator, then moved (same values on every device)."""
+    """Random inputs drawn on the CPU with a seeded generator, then moved (same values on every device).
+
+    On the "meta" device (shapes only, as sweeps compute tuning keys) nothing is drawn."""
+    if torch.device(device).type == "meta":
+        return torch.empty(tuple(shape), device="meta", dtype=dtype)
     x = torch.randn(tuple(shape), generator=generator, dtype=torch.float32) * scale
     return x.to(device=device, dtype=dtype)

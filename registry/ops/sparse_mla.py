@@ -320,7 +320,10 @@ def make_inputs(shape: dict, *, device, dtype, seed: int) -> dict:
     q = random_normal((*lead, s_q, h_q, shape["d_qk"]), device=device, dtype=dtype, generator=gen)
     kv = random_normal((*lead, s_kv, h_kv, shape["d_qk"]), device=device, dtype=dtype, generator=gen)
     limits = (torch.arange(s_q) + s_kv - s_q + 1).clamp(1, s_kv)[:, None]
-    indices = random_indices(limits, (*lead, s_q, h_kv, topk), generator=gen).to(device)
+    if torch.device(device).type == "meta":  # shapes only: nothing to draw
+        indices = torch.empty((*lead, s_q, h_kv, topk), device="meta", dtype=torch.int32)
+    else:
+        indices = random_indices(limits, (*lead, s_q, h_kv, topk), generator=gen).to(device)
     args = {"q": q, "kv": kv, "indices": indices, "d_v": shape["d_v"]}
     if shape.get("sink"):
         args["attn_sink"] = random_normal((h_q,), device=device, dtype=torch.float32, generator=gen)
