@@ -21,10 +21,10 @@ test: $(VENV)/.installed
 SWEEP_ARGS ?= $(if $(HAS_GPU),--max-minutes 30 --resume,)
 
 sweep: $(VENV)/.installed
-	$(PY) -m tuning.sweep --device auto --no-progress $(SWEEP_ARGS)
+	$(PY) -m tuning.sweep --device auto $(SWEEP_ARGS)
 ifneq ($(HAS_GPU),1)
 	# No GPU here: also compile every tiny-preset config for the MI355X (gfx950) and print its resources.
-	$(PY) -m tuning.sweep --device mi355x --compile-only --no-progress
+	$(PY) -m tuning.sweep --device mi355x --compile-only
 endif
 
 bench: $(VENV)/.installed

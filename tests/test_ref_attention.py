@@ -11,45 +11,21 @@ import torch
 from registry.ops import _dense_attention, flash_attention, sink_attention
 from registry.testing import TOLERANCE, assert_close
 
+from .brute_force import brute_masked_attention
+
 FA, SA = flash_attention.OP, sink_attention.OP
 
 
 # ----------------------------------------------------------------------------- brute force
 def brute_attention(q, k, v, *, scale, causal, window=None, sinks=None):
-    """Loop over batch, head, query and key in float64 Python; the sink joins the softmax as one more
-    logit with a zero value. Returns out [b, s_q, h_q, d] and lse [b, h_q, s_q] (+inf when no key)."""
-    b, s_q, h_q, d = q.shape
-    s_k, h_kv = k.shape[1], k.shape[2]
-    Q, K, V = q.double().tolist(), k.double().tolist(), v.double().tolist()
-    S = None if sinks is None else sinks.double().tolist()
-    out = torch.zeros(b, s_q, h_q, d, dtype=torch.float64)
-    lse = torch.full((b, h_q, s_q), math.inf, dtype=torch.float64)
-    for bi in range(b):
-        for h in range(h_q):
-            g = h // (h_q // h_kv)
-            for i in range(s_q):
-                p = s_k - s_q + i
-                logits = {}
-                for j in range(s_k):
-                    if causal and j > p:
-                        continue
-                    if window is not None and not 0 <= p - j <= window - 1:
-                        continue
-                    logits[j] = scale * sum(a * c for a, c in zip(Q[bi][i][h], K[bi][j][g], strict=True))
-                if not logits:
-                    continue
-                top = max(logits.values())
-                row_lse = top + math.log(sum(math.exp(z - top) for z in logits.values()))
-                total = row_lse
-                if S is not None and S[h] == math.inf:
-                    total = math.inf
-                elif S is not None and S[h] != -math.inf:
-                    hi = max(row_lse, S[h])
-                    total = hi + math.log(math.exp(row_lse - hi) + math.exp(S[h] - hi))
-                for c in range(d):
-                    out[bi, i, h, c] = sum(math.exp(z - total) * V[bi][j][g][c] for j, z in logits.items())
-                lse[bi, h, i] = row_lse
-    return out, lse
+    """The brute-force loop with bottom-right causal alignment and the window, as SPEC.md defines them."""
+    s_q, s_k = q.shape[1], k.shape[1]
+
+    def allowed(_b, i, j):
+        p = s_k - s_q + i
+        return not (causal and j > p) and (window is None or 0 <= p - j <= window - 1)
+
+    return brute_masked_attention(q, k, v, scale=scale, allowed=allowed, sinks=sinks)
 
 
 def rand(*shape, dtype=torch.float32, seed=0):

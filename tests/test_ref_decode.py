@@ -11,6 +11,8 @@ import torch
 from registry.ops import decode, sink_attention
 from registry.testing import TOLERANCE, assert_close
 
+from .brute_force import brute_masked_attention
+
 DEC = decode.OP
 
 
@@ -20,42 +22,16 @@ def rand(*shape, dtype=torch.float32, seed=0):
 
 
 def brute_decode(q, keys, values, lens, *, scale, window=None, sinks=None, masked=frozenset()):
-    """Loop in float64 Python over sequence, head, new token and cache position.
+    """The brute-force loop over logical cache positions: q [b, s_q, h_q, d]; keys/values
+    [b, n, h_kv, d] per sequence; new token t of sequence i sits at lens[i] - s_q + t; `masked` holds
+    (seq, pos) pairs whose key is skipped."""
+    s_q = q.shape[1]
 
-    q [b, s_q, h_q, d]; keys/values [b, n, h_kv, d] logical per sequence; `masked` holds (seq, pos)
-    pairs whose key is skipped. The sink joins the softmax as an extra logit with a zero value.
-    Returns out [b, s_q, h_q, d] and lse [b, h_q, s_q] (+inf when no key).
-    """
-    b, s_q, h_q, d = q.shape
-    h_kv = keys.shape[2]
-    Q, K, V = q.double().tolist(), keys.double().tolist(), values.double().tolist()
-    S = None if sinks is None else sinks.double().tolist()
-    out = torch.zeros(b, s_q, h_q, d, dtype=torch.float64)
-    lse = torch.full((b, h_q, s_q), math.inf, dtype=torch.float64)
-    for i in range(b):
-        for h in range(h_q):
-            g = h // (h_q // h_kv)
-            for t in range(s_q):
-                p = lens[i] - s_q + t
-                logits = {}
-                for j in range(lens[i]):
-                    if j > p or (window is not None and p - j > window - 1) or (i, j) in masked:
-                        continue
-                    logits[j] = scale * sum(a * c for a, c in zip(Q[i][t][h], K[i][j][g], strict=True))
-                if not logits:
-                    continue
-                top = max(logits.values())
-                row_lse = top + math.log(sum(math.exp(z - top) for z in logits.values()))
-                total = row_lse
-                if S is not None and S[h] == math.inf:
-                    total = math.inf
-                elif S is not None and S[h] != -math.inf:
-                    hi = max(row_lse, S[h])
-                    total = hi + math.log(math.exp(row_lse - hi) + math.exp(S[h] - hi))
-                for c in range(d):
-                    out[i, t, h, c] = sum(math.exp(z - total) * V[i][j][g][c] for j, z in logits.items())
-                lse[i, h, t] = row_lse
-    return out, lse
+    def allowed(i, t, j):
+        p = lens[i] - s_q + t
+        return j < lens[i] and j <= p and (window is None or p - j <= window - 1) and (i, j) not in masked
+
+    return brute_masked_attention(q, keys, values, scale=scale, allowed=allowed, sinks=sinks)
 
 
 def to_paged(keys, values, block_size, seed):

@@ -63,6 +63,18 @@ def test_gate_rejects_wrong_configs_and_the_right_one_wins(tmp_path):
     assert winner.config.blocks == {"BLOCK": 1} and winner.device_key == "cpu"
 
 
+def test_autotune_call_tunes_one_key_on_its_own_inputs(tmp_path):
+    from tuning.sweep import autotune_call
+
+    store = TuningStore(f"sqlite:///{tmp_path / 'auto.db'}")
+    op = OPS["flash_attention"]
+    args = op.validate(**op.make_inputs(op.presets["tiny"][1], device="cpu", dtype=torch.float16, seed=3))
+    tuned = autotune_call(op, [_Gated()], CPU, args, store)
+    assert tuned is not None and tuned.config.blocks == {"BLOCK": 1}
+    assert store.best("flash_attention", CPU, tuned.tuning_key) == tuned
+    assert {t.status for t in store.trials()} == {"ok", "wrong_result", "runtime_error", "pruned"}
+
+
 def test_cli_sweeps_in_the_interpreter_and_prints_winners(tmp_path):
     db = f"sqlite:///{tmp_path / 'cli.db'}"
     done = _cli("--device", "cpu", "--op", "sparse_mla", "--shapes", "tiny:0", db=db)

@@ -109,70 +109,93 @@ def _rotation_count(op, args: dict, device: torch.device) -> int:
     return int(min(4, max(1, -(-60e6 // per_call))))
 
 
+def _trial(op, cand, device_key: str, key_json: str, status: str, **fields):
+    """The record of one (variant, config) tried on one key."""
+    from tuning_db.records import TrialResult
+
+    triton_v, torch_v = _versions()
+    return TrialResult(op=op.name, variant=cand.variant.name, source_hash=cand.variant.source_hash,
+                       device_key=device_key, tuning_key=key_json, config=cand.config, status=status,
+                       triton_version=triton_v, torch_version=torch_v, **fields)
+
+
+def _run_key(op, todo, dims: dict, key_json: str, device_info: DeviceInfo, torch_device: torch.device,
+             gate_args: dict, gate_ref, full_sets: list[dict], tol: float, store, run_id: int, stats: SweepStats,
+             deadline: float | None, progress=None, task=None) -> bool:
+    """Prune, compile-check, gate and time each candidate of one key, recording every trial as it ends.
+    Returns False when the deadline stopped it."""
+    for cand in todo:
+        if deadline is not None and time.monotonic() > deadline:
+            return False
+        if cand.pruned:
+            status, ms, error = "pruned", None, cand.pruned
+        elif (unfit := _spills_or_overflows(cand, dims, device_info)) is not None:
+            status, ms, error = unfit
+        else:
+            status, ms, error = _gate_and_time(op, cand.variant, cand.config, gate_args, gate_ref,
+                                               full_sets, tol, torch_device)
+        store.record(run_id, _trial(op, cand, device_info.key, key_json, status, time_ms=ms, error=error))
+        stats.done += 1
+        if status != "ok":
+            stats.rejected += status != "pruned"
+        elif stats.best_ms is None or ms < stats.best_ms:
+            stats.best_ms, stats.best = ms, f"{cand.variant.name} {cand.config} {ms:.3f} ms"
+        if progress:
+            progress.update(task, advance=1, rejected=stats.rejected, best=stats.best)
+    return True
+
+
+def _promote_winner(op, store, run_id: int, device_info: DeviceInfo, key_json: str, stats: SweepStats) -> None:
+    """Upsert the run's fastest correct config of this key, unless an earlier slice found a faster one."""
+    from tuning_db.records import TunedConfig
+
+    winner = _winner(store, run_id, op.name, device_info.key, key_json)
+    if winner is None:
+        return
+    tuned = TunedConfig(op=op.name, device_key=device_info.key, tuning_key=key_json, variant=winner.variant,
+                        source_hash=winner.source_hash, config=winner.config, time_ms=winner.time_ms,
+                        triton_version=winner.triton_version, torch_version=winner.torch_version)
+    if _improves(store, tuned, device_info):
+        store.upsert_tuned(tuned, device_info)
+        stats.winners.append(tuned)
+
+
 def sweep_op(op, variants, device_info: DeviceInfo, torch_device: torch.device, shapes: Iterable[dict],
              dtype: torch.dtype, store, *, resume: bool, deadline: float | None, progress=None,
              seed: int = 0) -> tuple[SweepStats, bool]:
     """Sweep one op over `shapes`. Returns (stats, finished): finished is False when the deadline hit."""
     from registry.testing import TOLERANCE
     from tuning.space import candidates
-    from tuning_db.records import TrialResult, TunedConfig, canonical_json
+    from tuning_db.records import canonical_json
 
-    triton_v, torch_v = _versions()
     stats = SweepStats()
     run_id = store.resumable_run(op.name, device_info) if resume else None
     if run_id is None:
         run_id = store.start_run(op.name, device_info, {"dtype": _dtype_name(dtype), "shapes": list(shapes)})
     done = store.done_configs(run_id)
-    tol = TOLERANCE[dtype]
     task = progress.add_task(op.name, total=None, rejected=0, best="-") if progress else None
     for shape in shapes:
         full = op.validate(**op.make_inputs(shape, device=torch_device, dtype=dtype, seed=seed))
         dims = dict(op.tuning_key(full))
         key_json = canonical_json(dims)
         pool = candidates(variants, dims, device_info)
-        if progress:
-            progress.update(task, total=(progress.tasks[task].total or 0) + len(pool))
         todo = [c for c in pool if (c.variant.name, c.variant.source_hash, key_json, c.config.to_json()) not in done]
         stats.skipped += len(pool) - len(todo)
         if progress:
+            progress.update(task, total=(progress.tasks[task].total or 0) + len(pool))
             progress.advance(task, len(pool) - len(todo))
         if todo:
             reduced = op.reduce_shape(shape)
             gate_args = full if reduced == shape else op.validate(
                 **op.make_inputs(reduced, device=torch_device, dtype=dtype, seed=seed + 1000))
-            gate_ref = op.reference(**gate_args)
             full_sets = [full] + _input_sets(op, shape, torch_device, dtype,
                                              _rotation_count(op, full, torch_device) - 1, seed + 1)
-        for cand in todo:
-            if deadline is not None and time.monotonic() > deadline:
+            if not _run_key(op, todo, dims, key_json, device_info, torch_device, gate_args,
+                            op.reference(**gate_args), full_sets, TOLERANCE[dtype], store, run_id, stats,
+                            deadline, progress, task):
                 store.finish_run(run_id, "stopped")
                 return stats, False
-            if cand.pruned:
-                status, ms, error = "pruned", None, cand.pruned
-            elif (unfit := _spills_or_overflows(cand, dims, device_info)) is not None:
-                status, ms, error = unfit
-            else:
-                status, ms, error = _gate_and_time(op, cand.variant, cand.config, gate_args, gate_ref,
-                                                   full_sets, tol, torch_device)
-            store.record(run_id, TrialResult(
-                op=op.name, variant=cand.variant.name, source_hash=cand.variant.source_hash,
-                device_key=device_info.key, tuning_key=key_json, config=cand.config, status=status,
-                time_ms=ms, error=error, triton_version=triton_v, torch_version=torch_v))
-            stats.done += 1
-            if status != "ok":
-                stats.rejected += status != "pruned"
-            elif stats.best_ms is None or ms < stats.best_ms:
-                stats.best_ms, stats.best = ms, f"{cand.variant.name} {cand.config} {ms:.3f} ms"
-            if progress:
-                progress.update(task, advance=1, rejected=stats.rejected, best=stats.best)
-        winner = _winner(store, run_id, op.name, device_info.key, key_json)
-        if winner is not None:
-            tuned = TunedConfig(op=op.name, device_key=device_info.key, tuning_key=key_json,
-                                variant=winner.variant, source_hash=winner.source_hash, config=winner.config,
-                                time_ms=winner.time_ms, triton_version=triton_v, torch_version=torch_v)
-            if _improves(store, tuned, device_info):
-                store.upsert_tuned(tuned, device_info)
-                stats.winners.append(tuned)
+        _promote_winner(op, store, run_id, device_info, key_json, stats)
     store.finish_run(run_id, "finished")
     return stats, True
 
@@ -198,9 +221,8 @@ def compile_only_op(op, variants, target: DeviceInfo, shapes: Iterable[dict], dt
     """Compile every config for `target` offline; record resources; prune what spills or does not fit."""
     from tuning.compile_check import check_variant
     from tuning.space import candidates
-    from tuning_db.records import TrialResult, canonical_json
+    from tuning_db.records import canonical_json
 
-    triton_v, torch_v = _versions()
     run_id = store.resumable_run(op.name, target) if resume else None
     if run_id is None:
         run_id = store.start_run(op.name, target, {"compile_only": True, "dtype": _dtype_name(dtype)})
@@ -233,11 +255,8 @@ def compile_only_op(op, variants, target: DeviceInfo, shapes: Iterable[dict], dt
                 status = "ok" if not bad else (
                     "compile_error" if (bad[0].reason or "").startswith("compile_error") else "out_of_resources")
                 error = bad[0].reason if bad else None
-            store.record(run_id, TrialResult(
-                op=op.name, variant=cand.variant.name, source_hash=cand.variant.source_hash,
-                device_key=target.key, tuning_key=key_json, config=cand.config, status=status, error=error,
-                registers=regs, spills=spills, shared_bytes=shared, triton_version=triton_v,
-                torch_version=torch_v))
+            store.record(run_id, _trial(op, cand, target.key, key_json, status, error=error, registers=regs,
+                                        spills=spills, shared_bytes=shared))
             rows.append((key_json, cand.variant.name, str(cand.config), status, regs, spills, shared))
             if progress:
                 progress.update(task, advance=1, rejected=sum(r[3] != "ok" for r in rows))
@@ -256,44 +275,23 @@ def _shape_key(op, shape: dict, dtype: torch.dtype) -> dict:
 
 
 def autotune_call(op, variants, device_info: DeviceInfo, args: dict, store):
-    """KREG_AUTOTUNE=1: tune the key of one call on its own inputs, persist and return the winner."""
-    from tuning_db.records import canonical_json
-
-    shape_key = dict(op.tuning_key(args))
-    torch_device = args[next(iter(args))].device
-    stats, _ = _sweep_on_args(op, variants, device_info, torch_device, args, store)
-    key_json = canonical_json(shape_key)
-    return next((w for w in stats.winners if w.tuning_key == key_json), None)
-
-
-def _sweep_on_args(op, variants, device_info, torch_device, args, store):
-    """A one-key sweep whose inputs are the caller's own (validated) arguments."""
+    """KREG_AUTOTUNE=1: tune the key of one call on its own (validated) inputs, persist and return the
+    winner (None when no config passed the gate)."""
     from registry.testing import TOLERANCE
     from tuning.space import candidates
-    from tuning_db.records import TrialResult, TunedConfig, canonical_json
+    from tuning_db.records import canonical_json
 
-    triton_v, torch_v = _versions()
-    dtype = next(v.dtype for v in args.values() if isinstance(v, torch.Tensor) and v.is_floating_point())
-    key_json = canonical_json(dict(op.tuning_key(args)))
-    run_id = store.start_run(op.name, device_info, {"autotune_call": key_json})
-    ref = op.reference(**args)
+    dims = dict(op.tuning_key(args))
+    key_json = canonical_json(dims)
+    torch_device = args[next(iter(args))].device
+    dtype = args[next(iter(args))].dtype
     stats = SweepStats()
-    for cand in candidates(variants, dict(op.tuning_key(args)), device_info):
-        status, ms, error = ("pruned", None, cand.pruned) if cand.pruned else _gate_and_time(
-            op, cand.variant, cand.config, args, ref, [args], TOLERANCE[dtype], torch_device)
-        store.record(run_id, TrialResult(
-            op=op.name, variant=cand.variant.name, source_hash=cand.variant.source_hash,
-            device_key=device_info.key, tuning_key=key_json, config=cand.config, status=status, time_ms=ms,
-            error=error, triton_version=triton_v, torch_version=torch_v))
-    winner = _winner(store, run_id, op.name, device_info.key, key_json)
-    if winner is not None:
-        tuned = TunedConfig(op=op.name, device_key=device_info.key, tuning_key=key_json, variant=winner.variant,
-                            source_hash=winner.source_hash, config=winner.config, time_ms=winner.time_ms,
-                            triton_version=triton_v, torch_version=torch_v)
-        store.upsert_tuned(tuned, device_info)
-        stats.winners.append(tuned)
+    run_id = store.start_run(op.name, device_info, {"autotune_call": key_json})
+    _run_key(op, candidates(variants, dims, device_info), dims, key_json, device_info, torch_device, args,
+             op.reference(**args), [args], TOLERANCE[dtype], store, run_id, stats, None)
+    _promote_winner(op, store, run_id, device_info, key_json, stats)
     store.finish_run(run_id, "finished")
-    return stats, True
+    return store.best(op.name, device_info, key_json)
 
 
 # --------------------------------------------------------------------------------------------- CLI
