@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from registry.device import DeviceInfo, detect, preset
+from registry.ops._contract import DTYPE_NAMES
 
 
 @dataclass
@@ -33,10 +34,6 @@ class SweepStats:
     best_ms: float | None = None
     best: str = "-"
     winners: list = field(default_factory=list)
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}[dtype]
 
 
 def _classify(err: BaseException) -> str:
@@ -171,7 +168,7 @@ def sweep_op(op, variants, device_info: DeviceInfo, torch_device: torch.device, 
     stats = SweepStats()
     run_id = store.resumable_run(op.name, device_info) if resume else None
     if run_id is None:
-        run_id = store.start_run(op.name, device_info, {"dtype": _dtype_name(dtype), "shapes": list(shapes)})
+        run_id = store.start_run(op.name, device_info, {"dtype": DTYPE_NAMES[dtype], "shapes": list(shapes)})
     done = store.done_configs(run_id)
     task = progress.add_task(op.name, total=None, rejected=0, best="-") if progress else None
     for shape in shapes:
@@ -225,7 +222,7 @@ def compile_only_op(op, variants, target: DeviceInfo, shapes: Iterable[dict], dt
 
     run_id = store.resumable_run(op.name, target) if resume else None
     if run_id is None:
-        run_id = store.start_run(op.name, target, {"compile_only": True, "dtype": _dtype_name(dtype)})
+        run_id = store.start_run(op.name, target, {"compile_only": True, "dtype": DTYPE_NAMES[dtype]})
     done = store.done_configs(run_id)
     rows = []
     task = progress.add_task(f"{op.name} -> {target.arch}", total=None, rejected=0, best="-") if progress else None

@@ -1,4 +1,4 @@
-"""What every op file declares, and the argument checks they share.
+"""What every op file declares, the argument checks they share, and shared reference helpers.
 
 An op file (`registry/ops/<op>.py`) builds one `Op` at import time: its validation, its PyTorch
 reference, its tuning key and cost model, and the shapes sweeps and benchmarks use. It knows nothing of
@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+# Tuning keys and tables name dtypes by these short strings.
+DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 # A frozenset: membership is one hash lookup on the hot path.
 FLOAT_DTYPES = frozenset((torch.float16, torch.bfloat16, torch.float32))
 
@@ -157,3 +159,39 @@ def random_normal(shape: Sequence[int], *, device, dtype, generator: torch.Gener
         return torch.empty(tuple(shape), device="meta", dtype=dtype)
     x = torch.randn(tuple(shape), generator=generator, dtype=torch.float32) * scale
     return x.to(device=device, dtype=dtype)
+
+
+# ----------------------------------------------------------------------------- reference helpers
+def random_indices(limits: torch.Tensor, shape: Sequence[int], *, generator: torch.Generator) -> torch.Tensor:
+    """Random int32 indices of `shape` [..., topk], drawn on the CPU.
+
+    Each row [..., :] draws with replacement (so duplicates occur) from [0, limit), where `limits`
+    broadcasts to shape[:-1]; slots at or past the row's limit hold -1 (the filler when fewer keys exist
+    than slots) and about one slot in 32 is dropped to -1 anywhere.
+    """
+    limits = limits.to(torch.int64)[..., None]
+    # float64 keeps u * limit strictly below the limit for any int32 limit.
+    picks = (torch.rand(tuple(shape), generator=generator, dtype=torch.float64) * limits).long()
+    slots = torch.arange(shape[-1])
+    dropped = torch.rand(tuple(shape), generator=generator) < 1 / 32
+    return torch.where((slots < limits) & ~dropped, picks, -1).to(torch.int32)
+
+
+def masked_softmax(z: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax of `z` over its last dim restricted to `valid` (broadcastable to z).
+
+    Returns (p, lse): p is 0 at invalid entries and on rows with no valid entry; lse (last dim
+    dropped) is -inf on those rows. No inf - inf or 0/0 is ever formed, so gradients stay finite.
+    """
+    z = torch.where(valid, z, float("-inf"))
+    if z.shape[-1] == 0:  # no entries at all (e.g. NSA before the first complete block)
+        return z, z.new_full(z.shape[:-1], float("-inf"))
+    # The shift cancels out of both p and lse, so it is a constant for autograd.
+    shift = z.amax(-1, keepdim=True).detach()
+    shift = torch.where(torch.isfinite(shift), shift, 0.0)
+    e = torch.exp(z - shift)
+    den = e.sum(-1, keepdim=True)
+    nonempty = den > 0
+    den = torch.where(nonempty, den, 1.0)
+    lse = torch.where(nonempty, torch.log(den) + shift, float("-inf"))
+    return e / den, lse.squeeze(-1)

@@ -21,6 +21,7 @@ from itertools import pairwise
 import torch
 
 from registry.ops._contract import (
+    DTYPE_NAMES,
     FLOAT_DTYPES,
     bucket_pow2,
     random_normal,
@@ -35,7 +36,6 @@ from registry.ops._contract import (
     resolve_scale,
 )
 
-DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 MAX_HEAD_DIM = 256
 
 # Scores held per query chunk (elements): bounds the reference's memory at about 4 tensors of 64 MiB.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from registry.ops._contract import (
+    DTYPE_NAMES,
     FLOAT_DTYPES,
     Op,
     bucket_pow2,
@@ -20,7 +21,6 @@ from registry.ops._contract import (
     resolve_scale,
 )
 from registry.ops._dense_attention import (
-    DTYPE_NAMES,
     MAX_HEAD_DIM,
     allowed_pairs,
     check_sinks,

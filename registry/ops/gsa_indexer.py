@@ -11,6 +11,7 @@ from collections.abc import Iterator
 import torch
 
 from registry.ops._contract import (
+    DTYPE_NAMES,
     FLOAT_DTYPES,
     Op,
     bucket_pow2,
@@ -23,7 +24,6 @@ from registry.ops._contract import (
     require_tensor,
     resolve_scale,
 )
-from registry.ops.sparse_mla import DTYPE_NAMES
 
 # Elements of the per-head logits one query chunk of the reference may hold.
 _CHUNK_ELEMS = 1 << 25

@@ -5,9 +5,12 @@ from __future__ import annotations
 import torch
 
 from registry.ops._contract import (
+    DTYPE_NAMES,
     FLOAT_DTYPES,
     Op,
     bucket_pow2,
+    masked_softmax,
+    random_indices,
     random_normal,
     require_float,
     require_int32,
@@ -18,7 +21,6 @@ from registry.ops._contract import (
     require_tensor,
     resolve_scale,
 )
-from registry.ops.sparse_mla import DTYPE_NAMES, masked_softmax, random_indices
 
 # Elements of the dense per-query logits/probabilities one query chunk of the reference may hold.
 _CHUNK_ELEMS = 1 << 25

@@ -6,6 +6,7 @@ import torch
 
 from registry.ops import gsa_indexer
 from registry.ops._contract import (
+    DTYPE_NAMES,
     Op,
     bucket_pow2,
     require_int32,
@@ -14,7 +15,6 @@ from registry.ops._contract import (
     require_same_device,
     require_tensor,
 )
-from registry.ops.sparse_mla import DTYPE_NAMES
 
 
 def validate(

@@ -1,22 +1,23 @@
 """sparse_mla: DeepSeek-V3.2 sparse MLA attention, FlashMLA's `flash_mla_sparse_fwd` contract.
 
-Also home of two reference helpers the other sparse ops import: `masked_softmax` (a softmax over a
-masked last dimension that stays finite for empty rows, gradients included) and `random_indices` (the
-causal-like random index sets with fillers and duplicates that `make_inputs` hands to kernels).
+Its reference uses `masked_softmax` and its inputs `random_indices`, shared with the other sparse ops
+in `registry/ops/_contract.py`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
 
 from registry.ops._contract import (
+    DTYPE_NAMES,
     FLOAT_DTYPES,
     Args,
     Op,
     bucket_pow2,
+    masked_softmax,
+    random_indices,
     random_normal,
     require_float,
     require_int32,
@@ -28,8 +29,6 @@ from registry.ops._contract import (
     require_tensor,
     resolve_scale,
 )
-
-DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 
 # Elements of the gathered keys/values and logits one query chunk of the reference may hold.
 _CHUNK_ELEMS = 1 << 25
@@ -180,26 +179,6 @@ def validate(
     return args
 
 
-def masked_softmax(z: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax of `z` over its last dim restricted to `valid` (broadcastable to z).
-
-    Returns (p, lse): p is 0 at invalid entries and on rows with no valid entry; lse (last dim
-    dropped) is -inf on those rows. No inf - inf or 0/0 is ever formed, so gradients stay finite.
-    """
-    z = torch.where(valid, z, float("-inf"))
-    if z.shape[-1] == 0:  # no entries at all (e.g. NSA before the first complete block)
-        return z, z.new_full(z.shape[:-1], float("-inf"))
-    # The shift cancels out of both p and lse, so it is a constant for autograd.
-    shift = z.amax(-1, keepdim=True).detach()
-    shift = torch.where(torch.isfinite(shift), shift, 0.0)
-    e = torch.exp(z - shift)
-    den = e.sum(-1, keepdim=True)
-    nonempty = den > 0
-    den = torch.where(nonempty, den, 1.0)
-    lse = torch.where(nonempty, torch.log(den) + shift, float("-inf"))
-    return e / den, lse.squeeze(-1)
-
-
 def reference(
     q: torch.Tensor,
     kv: torch.Tensor,
@@ -290,21 +269,6 @@ def bytes_moved(args: dict) -> float:
     )
     rows = _query_rows(q) * q.shape[-2]
     return float(read + rows * (args["d_v"] * q.element_size() + 2 * 4))
-
-
-def random_indices(limits: torch.Tensor, shape: Sequence[int], *, generator: torch.Generator) -> torch.Tensor:
-    """Random int32 indices of `shape` [..., topk], drawn on the CPU.
-
-    Each row [..., :] draws with replacement (so duplicates occur) from [0, limit), where `limits`
-    broadcasts to shape[:-1]; slots at or past the row's limit hold -1 (the filler when fewer keys exist
-    than slots) and about one slot in 32 is dropped to -1 anywhere.
-    """
-    limits = limits.to(torch.int64)[..., None]
-    # float64 keeps u * limit strictly below the limit for any int32 limit.
-    picks = (torch.rand(tuple(shape), generator=generator, dtype=torch.float64) * limits).long()
-    slots = torch.arange(shape[-1])
-    dropped = torch.rand(tuple(shape), generator=generator) < 1 / 32
-    return torch.where((slots < limits) & ~dropped, picks, -1).to(torch.int32)
 
 
 def make_inputs(shape: dict, *, device, dtype, seed: int) -> dict:
