@@ -418,10 +418,16 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     registry_variants = load_all()
     if args.stale:
+        from tuning_db.store import ShippedTables
+
         hashes = {(v.vendor, v.name): v.source_hash for vs in registry_variants.values() for v in vs}
-        stale = store.stale(hashes)
-        for t in stale:
-            print(f"stale: {t.op} {t.device_key} {t.tuning_key} {t.variant} (tuned for source {t.source_hash})")
+        # Shipped tables name their device by key ("<vendor>-<model>"); the database by its device row.
+        shipped = [t for t in ShippedTables().tuned()
+                   if hashes.get((t.device_key.split("-", 1)[0], t.variant), t.source_hash) != t.source_hash]
+        stale = [("database", t) for t in store.stale(hashes)] + [("shipped", t) for t in shipped]
+        for where, t in stale:
+            print(f"stale ({where}): {t.op} {t.device_key} {t.tuning_key} {t.variant} "
+                  f"(tuned for source {t.source_hash})")
         print(f"{len(stale)} stale tuned config(s)")
         return 0
 
