@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 import registry
-from benchmarks.common import Row
+from benchmarks.common import Row, checked
 from registry.device import detect
 from registry.ops import OPS
 from registry.testing import TOLERANCE, max_relative_error
@@ -30,14 +30,6 @@ def _name(s: dict) -> str:
     return f"s_q {s['s_q']} s_kv {s['s_kv']} h {s['h_q']} topk {s['topk']}"
 
 
-def _check(args: dict, call) -> float:
-    dtype = args["q"].dtype
-    err = max_relative_error(call(args), OP.reference(**args))
-    if not err <= TOLERANCE[dtype]:
-        raise AssertionError(f"sparse_mla: relative error {err:.3g} > {TOLERANCE[dtype]:.3g}; not timing it")
-    return err
-
-
 def _grads(args: dict, call):
     q = args["q"].detach().requires_grad_()
     kv = args["kv"].detach().requires_grad_()
@@ -48,7 +40,7 @@ def _grads(args: dict, call):
 
 def _bench_shape(shape: dict, call, dtype: torch.dtype, time_reference: bool, device_name: str) -> list[Row]:
     small = OP.validate(**OP.make_inputs(OP.reduce_shape(shape), device="cuda", dtype=dtype, seed=1))
-    err = _check(small, call)
+    err = checked(OP, small, call)
     args = OP.validate(**OP.make_inputs(shape, device="cuda", dtype=dtype, seed=0))
     flops = OP.flops(args)
     ms = time_gpu(lambda: call(args))

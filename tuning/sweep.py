@@ -146,7 +146,7 @@ def _promote_winner(op, store, run_id: int, device_info: DeviceInfo, key_json: s
     """Upsert the run's fastest correct config of this key, unless an earlier slice found a faster one."""
     from tuning_db.records import TunedConfig
 
-    winner = _winner(store, run_id, op.name, device_info.key, key_json)
+    winner = _winner(store, run_id, key_json)
     if winner is None:
         return
     tuned = TunedConfig(op=op.name, device_key=device_info.key, tuning_key=key_json, variant=winner.variant,
@@ -208,7 +208,8 @@ def _improves(store, tuned, device_info: DeviceInfo) -> bool:
     return not (same_measurement and current.time_ms is not None and current.time_ms <= tuned.time_ms)
 
 
-def _winner(store, run_id: int, op: str, device_key: str, key_json: str):
+def _winner(store, run_id: int, key_json: str):
+    """The run's fastest trial of this key that passed the gate and was timed."""
     ok = [t for t in store.trials(run_id=run_id, status="ok") if t.tuning_key == key_json and t.time_ms is not None]
     return min(ok, key=lambda t: t.time_ms) if ok else None
 

@@ -87,18 +87,6 @@ class LaunchConfig(BaseModel):
         return " ".join(parts)
 
 
-class TuningKey(BaseModel):
-    """The dims of a call that change the best config, as canonical JSON."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    op: str
-    dims: dict[str, int | float | bool | str | None]
-
-    def to_json(self) -> str:
-        return canonical_json(self.dims)
-
-
 class TrialResult(BaseModel):
     """One config tried on one shape: its status, its time when it ran, and why it did not."""
 

@@ -61,9 +61,6 @@ class Op:
     outputs: tuple[str, ...] = ("out",)
     differentiable: bool = False
 
-    def run_reference(self, args: dict) -> Any:
-        return self.reference(**args)
-
 
 def bucket_pow2(n: int, lo: int = 16, hi: int = 1 << 20) -> int:
     """Round a sequence length up to a power of two within [lo, hi]: the tuning key's length bucket."""
