@@ -8,14 +8,20 @@ gather at s_q 16384 does not fit) with the same config before the full shape is 
 
 from __future__ import annotations
 
+import argparse
+import json
+
 import torch
 
 import registry
 from benchmarks.common import Row, checked
+from kernels.base import load_all
+from kernels.common.sparse_mla import sparse_mla_forward
 from registry.device import detect
 from registry.ops import OPS
 from registry.testing import TOLERANCE, max_relative_error
 from tuning.bench import time_gpu
+from tuning_db.records import LaunchConfig
 
 OP = OPS["sparse_mla"]
 SHAPES = [
@@ -38,6 +44,23 @@ def _grads(args: dict, call):
     return q, kv, out, dout
 
 
+def _checked_backward(small: dict, call, dtype: torch.dtype) -> float:
+    """Relative error of dq and dkv against the fp32 reference's autograd; raises when over budget."""
+    q, kv, out, dout = _grads(small, call)
+    got = torch.autograd.grad(out, [q, kv], dout)
+    qf, kvf = small["q"].float().requires_grad_(), small["kv"].float().requires_grad_()
+    want = torch.autograd.grad(OP.reference(**{**small, "q": qf, "kv": kvf}).out, [qf, kvf], dout.float())
+    err = max(max_relative_error(g.float(), w) for g, w in zip(got, want, strict=True))
+    if not err <= 2 * TOLERANCE[dtype]:
+        raise AssertionError(f"sparse_mla backward: relative error {err:.3g}; not timing it")
+    return err
+
+
+def _time_backward(args: dict, call) -> float:
+    q, kv, out, dout = _grads(args, call)
+    return time_gpu(lambda: torch.autograd.grad(out, [q, kv], dout, retain_graph=True))
+
+
 def _bench_shape(shape: dict, call, dtype: torch.dtype, time_reference: bool, device_name: str) -> list[Row]:
     small = OP.validate(**OP.make_inputs(OP.reduce_shape(shape), device="cuda", dtype=dtype, seed=1))
     err = checked(OP, small, call)
@@ -51,15 +74,8 @@ def _bench_shape(shape: dict, call, dtype: torch.dtype, time_reference: bool, de
         rows.append(Row("sparse_mla fwd", _name(shape), "torch-reference", ref_ms, flops / ref_ms / 1e9,
                         "TFLOP/s", None, device_name))
     # Backward: dq/dkv checked on the small shape, then timed on the full one.
-    q, kv, out, dout = _grads(small, call)
-    got = torch.autograd.grad(out, [q, kv], dout)
-    qf, kvf = small["q"].float().requires_grad_(), small["kv"].float().requires_grad_()
-    want = torch.autograd.grad(OP.reference(**{**small, "q": qf, "kv": kvf}).out, [qf, kvf], dout.float())
-    bwd_err = max(max_relative_error(g.float(), w) for g, w in zip(got, want, strict=True))
-    if not bwd_err <= 2 * TOLERANCE[dtype]:
-        raise AssertionError(f"sparse_mla backward: relative error {bwd_err:.3g}; not timing it")
-    q, kv, out, dout = _grads(args, call)
-    bwd_ms = time_gpu(lambda: torch.autograd.grad(out, [q, kv], dout, retain_graph=True))
+    bwd_err = _checked_backward(small, call, dtype)
+    bwd_ms = _time_backward(args, call)
     rows.append(Row("sparse_mla bwd", _name(shape), "kreg", bwd_ms, 2.5 * flops / bwd_ms / 1e9, "TFLOP/s",
                     bwd_err, device_name))
     return rows
@@ -73,3 +89,52 @@ def run(dtype: torch.dtype = torch.bfloat16, time_reference: bool = True) -> lis
         rows += _bench_shape(shape, lambda a: handle(**a), dtype, time_reference and i == 0, device.name)
         torch.cuda.empty_cache()
     return rows
+
+
+def explore(fwd_configs: list[dict], bwd_configs: list[tuple[dict, dict]], dtype: torch.dtype = torch.bfloat16,
+            shape: dict = SHAPES[0]) -> list[Row]:
+    """Time explicit configs of this GPU's variant at one shape, each checked first: forward configs,
+    then (dq, dkv) pairs for the backward (run after the variant's default forward). Configs are
+    LaunchConfig fields as dicts; the registry's choice is not involved."""
+    device = detect()
+    (variant,) = [v for v in load_all()["sparse_mla"] if v.vendor == device.vendor]
+    small = OP.validate(**OP.make_inputs(OP.reduce_shape(shape), device="cuda", dtype=dtype, seed=1))
+    args = OP.validate(**OP.make_inputs(shape, device="cuda", dtype=dtype, seed=0))
+    flops = OP.flops(args)
+    rows = []
+    for fields in fwd_configs:
+        config = LaunchConfig(**fields)
+        err = checked(OP, small, lambda a, c=config: variant.launch(a, c))
+        ms = time_gpu(lambda c=config: variant.launch(args, c))
+        rows.append(Row("sparse_mla fwd", _name(shape), _describe(config), ms, flops / ms / 1e9, "TFLOP/s", err,
+                        device.name))
+    forward = variant.default_config(dict(OP.tuning_key(args)), device)
+    for dq_fields, dkv_fields in bwd_configs:
+        passes = (LaunchConfig(**dq_fields), LaunchConfig(**dkv_fields))
+        call = lambda a, p=passes: sparse_mla_forward(a, forward, p)  # noqa: E731
+        err = _checked_backward(small, call, dtype)
+        ms = _time_backward(args, call)
+        rows.append(Row("sparse_mla bwd", _name(shape), " / ".join(_describe(c) for c in passes), ms,
+                        2.5 * flops / ms / 1e9, "TFLOP/s", err, device.name))
+        torch.cuda.empty_cache()
+    return rows
+
+
+def _describe(config: LaunchConfig) -> str:
+    blocks = "x".join(str(v) for v in config.blocks.values())
+    return f"{blocks} w{config.num_warps} s{config.num_stages}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m benchmarks.sparse_mla --fwd '[{...}]' --bwd '[[{dq}, {dkv}]]'`: explore configs."""
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.sparse_mla")
+    parser.add_argument("--fwd", default="[]", help="JSON list of forward LaunchConfig dicts")
+    parser.add_argument("--bwd", default="[]", help="JSON list of [dq, dkv] LaunchConfig dict pairs")
+    args = parser.parse_args(argv)
+    for r in explore(json.loads(args.fwd), [tuple(p) for p in json.loads(args.bwd)]):
+        print(f"{r.op:15} {r.provider:34} {r.ms:9.3f} ms {r.rate:6.0f} {r.unit}  rel err {r.rel_err:.1e}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

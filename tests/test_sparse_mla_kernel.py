@@ -100,8 +100,10 @@ def test_topk_length_zero_and_over_topk(variant, device):
 
 
 @pytest.mark.parametrize("shape", [SHAPES["hkv2-sink-len"], SHAPES["batched"],
-                                   dict(s_q=2, s_kv=70, h_q=16, h_kv=1, d_qk=576, d_v=512, topk=40)],
-                         ids=["hkv2-sink-len", "batched", "d576"])
+                                   dict(s_q=2, s_kv=70, h_q=16, h_kv=1, d_qk=576, d_v=512, topk=40),
+                                   # 40 heads: several dq head blocks and dkv head chunks, the last partial.
+                                   dict(s_q=3, s_kv=90, h_q=40, h_kv=1, d_qk=96, d_v=64, topk=70)],
+                         ids=["hkv2-sink-len", "batched", "d576", "h40"])
 def test_backward_matches_reference_autograd(variant, device, shape):
     args = _inputs(device, seed=6, **shape)
     config = _configs(variant, args)[0]
@@ -117,6 +119,26 @@ def test_backward_matches_reference_autograd(variant, device, shape):
     want = torch.autograd.grad(ref_out, list(theirs.values()), grad_out.float())
     for name, g, w in zip(ours, got, want, strict=True):
         assert_close(g.float(), w, 2 * TOL, what=f"d{name}")
+
+
+def test_int64_row_offsets_match(variant, device, monkeypatch):
+    """The 64-bit row-offset path (taken when s_kv * row stride does not fit in int32) gives the same
+    forward and gradients as the int32 one that every other test takes."""
+    from kernels.common import sparse_mla as kernel_module
+
+    args = _inputs(device, seed=9, s_q=3, s_kv=50, h_q=16, h_kv=1, d_qk=96, d_v=64, topk=30, sink=True)
+    config = _configs(variant, args)[0]
+
+    def run():
+        q, kv = args["q"].detach().clone().requires_grad_(), args["kv"].detach().clone().requires_grad_()
+        out = variant.launch({**args, "q": q, "kv": kv}, config).out
+        return (out, *torch.autograd.grad(out.float().square().sum(), [q, kv]))
+
+    narrow = run()
+    monkeypatch.setattr(kernel_module, "_rows_fit_int32", lambda *tensors: False)
+    wide = run()
+    for a, b in zip(narrow, wide, strict=True):
+        assert_close(a.float(), b.float(), TOL)
 
 
 def test_invalid_slots_get_no_gradient(variant, device):

@@ -31,6 +31,11 @@ def dim_blocks(d_qk: int, d_v: int) -> tuple[int, int]:
     return max(16, triton.next_power_of_2(d_v)), (max(16, triton.next_power_of_2(tail)) if tail else 0)
 
 
+def group_head_cap(heads_per_group: int) -> int:
+    """The widest useful head tile: the group's heads rounded up to a power of two (at least 16, tl.dot's M)."""
+    return max(16, triton.next_power_of_2(heads_per_group))
+
+
 # ----------------------------------------------------------------------------- Triton kernels
 @triton.jit
 def _gather_rows(kv_row, offs_d, valid, D_LIMIT: tl.constexpr, BLOCK_D: tl.constexpr):
@@ -40,6 +45,17 @@ def _gather_rows(kv_row, offs_d, valid, D_LIMIT: tl.constexpr, BLOCK_D: tl.const
     else:
         mask = valid[:, None]
     return tl.load(kv_row[:, None] + offs_d[None, :], mask=mask, other=0.0)
+
+
+@triton.jit
+def _row_offsets(idx, valid, stride, ROWS_I32: tl.constexpr):
+    """Element offsets of the gathered rows (row 0 stands in for invalid slots, which stay masked).
+    int32 arithmetic when the launcher proved s_kv * stride fits: 64-bit offsets cost the registers
+    that decide whether the wide head blocks spill on sm_90."""
+    safe = tl.where(valid, idx, 0)
+    if not ROWS_I32:
+        safe = safe.to(tl.int64)
+    return safe * stride
 
 
 @triton.jit
@@ -54,6 +70,7 @@ def _sparse_mla_fwd_kernel(
     stride_mb, stride_ms,
     D_V: tl.constexpr, D_TAIL: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DT: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_TOPK: tl.constexpr, HAS_SINK: tl.constexpr, HAS_TOPK_LEN: tl.constexpr,
+    ROWS_I32: tl.constexpr,
 ):
     """One program: BLOCK_H heads of one kv group of one query (of one batch row).
 
@@ -93,7 +110,7 @@ def _sparse_mla_fwd_kernel(
         idx = tl.load(idx_row + slots, mask=slots < n_slots, other=-1)
         # Any index outside [0, s_kv) is invalid; it is never dereferenced (row 0 stands in, masked).
         valid = (idx >= 0) & (idx < s_kv)
-        kv_row = kv_base + tl.where(valid, idx, 0).to(tl.int64) * stride_kvs
+        kv_row = kv_base + _row_offsets(idx, valid, stride_kvs, ROWS_I32)
         kv_main = _gather_rows(kv_row, offs_dv, valid, D_V, BLOCK_DV)
         scores = tl.dot(q_main, tl.trans(kv_main))
         if D_TAIL > 0:
@@ -126,8 +143,8 @@ def _sparse_mla_fwd_kernel(
 
 
 @triton.jit
-def _sparse_mla_bwd_kernel(
-    Q, KV, IDX, SINK, TOPK_LEN, OUT, DOUT, LSE, DQ, DKV, DSINK,
+def _sparse_mla_bwd_dq_kernel(
+    Q, KV, IDX, SINK, TOPK_LEN, OUT, DOUT, LSE, DQ, DELTA, SHIFT, DSINK,
     s_kv, topk, heads_per_group, head_blocks, sm_scale,
     stride_qb, stride_qs, stride_qh,
     stride_kvb, stride_kvs, stride_kvh,
@@ -137,17 +154,16 @@ def _sparse_mla_bwd_kernel(
     stride_dob, stride_dos, stride_doh,
     stride_mb, stride_ms,
     stride_dqb, stride_dqs, stride_dqh,
-    stride_dkb, stride_dks, stride_dkh,
     D_V: tl.constexpr, D_TAIL: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DT: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_TOPK: tl.constexpr, HAS_SINK: tl.constexpr, HAS_TOPK_LEN: tl.constexpr,
+    ROWS_I32: tl.constexpr,
 ):
-    """One program: the gradients of BLOCK_H heads of one kv group of one query.
+    """Backward, first pass. One program: dQ of BLOCK_H heads of one kv group of one query.
 
     Recomputes P = exp(z - lse_tot) per top-k tile (lse_tot includes the sink), with
-    Delta = rowsum(dO * O), dP = dO V^T, dS = P (dP - Delta). dQ accumulates in registers over the
-    tiles; dKV rows receive dS^T Q (key role, all d_qk dims) plus P^T dO (value role, first d_v dims)
-    through fp32 atomic adds, since different queries select the same rows. d sink[h] gets
-    -exp(sink - lse_tot) * Delta, also atomically (one add per head and query).
+    Delta = rowsum(dO * O), dP = dO V^T, dS = P (dP - Delta); dQ = sum over tiles of dS K stays in
+    registers. Stores Delta and the log2-unit shift lse_tot * log2(e) (+inf for an empty row) for the
+    dkv pass, and adds d sink[h] = -exp(sink - lse_tot) * Delta atomically (once per head and query).
     """
     t = tl.program_id(0)
     g = tl.program_id(1) // head_blocks
@@ -185,6 +201,8 @@ def _sparse_mla_bwd_kernel(
         tl.atomic_add(DSINK + heads, tl.where(empty, 0.0, dsink), mask=head_ok)
     # In log2 units, like the forward; empty rows get a +inf shift so every P of theirs is 0.
     shift = tl.where(empty, float("inf"), lse_tot * LOG2E)
+    tl.store(DELTA + m_off, delta, mask=head_ok)
+    tl.store(SHIFT + m_off, shift, mask=head_ok)
     qk_scale = sm_scale * LOG2E
 
     n_slots = topk
@@ -192,7 +210,6 @@ def _sparse_mla_bwd_kernel(
         n_slots = tl.minimum(tl.load(TOPK_LEN + b * stride_lb + t.to(tl.int64) * stride_ls), topk)
     idx_row = IDX + b * stride_ib + t.to(tl.int64) * stride_is + g.to(tl.int64) * stride_ih
     kv_base = KV + b * stride_kvb + g.to(tl.int64) * stride_kvh
-    dkv_base = DKV + b * stride_dkb + g.to(tl.int64) * stride_dkh
 
     dq_main = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
     if D_TAIL > 0:
@@ -201,8 +218,7 @@ def _sparse_mla_bwd_kernel(
         slots = start + offs_t
         idx = tl.load(idx_row + slots, mask=slots < n_slots, other=-1)
         valid = (idx >= 0) & (idx < s_kv)
-        safe = tl.where(valid, idx, 0).to(tl.int64)
-        kv_row = kv_base + safe * stride_kvs
+        kv_row = kv_base + _row_offsets(idx, valid, stride_kvs, ROWS_I32)
         kv_main = _gather_rows(kv_row, offs_dv, valid, D_V, BLOCK_DV)
         scores = tl.dot(q_main, tl.trans(kv_main))
         if D_TAIL > 0:
@@ -211,23 +227,104 @@ def _sparse_mla_bwd_kernel(
         p = tl.math.exp2(scores * qk_scale - shift[:, None])
         p = tl.where(valid[None, :] & head_ok[:, None], p, 0.0)
         dp = tl.dot(do, tl.trans(kv_main))
-        ds = p * (dp - delta[:, None]) * sm_scale
-        ds_lp = ds.to(kv_main.dtype)
-        dq_main += tl.dot(ds_lp, kv_main)
-        d_main = tl.dot(tl.trans(ds_lp), q_main) + tl.dot(tl.trans(p.to(do.dtype)), do)
-        dkv_row = dkv_base + safe * stride_dks
-        main_mask = valid[:, None] & (offs_dv[None, :] < D_V)
-        tl.atomic_add(dkv_row[:, None] + offs_dv[None, :], d_main, mask=main_mask, sem="relaxed")
+        ds = (p * (dp - delta[:, None]) * sm_scale).to(kv_main.dtype)
+        dq_main = tl.dot(ds, kv_main, dq_main)
         if D_TAIL > 0:
-            dq_tail += tl.dot(ds_lp, kv_tail)
-            d_tail = tl.dot(tl.trans(ds_lp), q_tail)
-            tail_mask = valid[:, None] & (offs_dt[None, :] < D_TAIL)
-            tl.atomic_add(dkv_row[:, None] + D_V + offs_dt[None, :], d_tail, mask=tail_mask, sem="relaxed")
+            dq_tail = tl.dot(ds, kv_tail, dq_tail)
 
     dq_row = DQ + b * stride_dqb + t.to(tl.int64) * stride_dqs + heads[:, None].to(tl.int64) * stride_dqh
     tl.store(dq_row + offs_dv[None, :], dq_main.to(DQ.dtype.element_ty), mask=dv_mask)
     if D_TAIL > 0:
         tl.store(dq_row + D_V + offs_dt[None, :], dq_tail.to(DQ.dtype.element_ty), mask=dt_mask)
+
+
+@triton.jit
+def _sparse_mla_bwd_dkv_kernel(
+    Q, KV, IDX, TOPK_LEN, DOUT, DELTA, SHIFT, DKV,
+    s_kv, topk, heads_per_group, topk_tiles, sm_scale,
+    stride_qb, stride_qs, stride_qh,
+    stride_kvb, stride_kvs, stride_kvh,
+    stride_ib, stride_is, stride_ih,
+    stride_lb, stride_ls,
+    stride_dob, stride_dos, stride_doh,
+    stride_mb, stride_ms,
+    stride_dkb, stride_dks, stride_dkh,
+    D_V: tl.constexpr, D_TAIL: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DT: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_TOPK: tl.constexpr, HAS_TOPK_LEN: tl.constexpr, ROWS_I32: tl.constexpr,
+):
+    """Backward, second pass. One program: the dKV contribution of one top-k tile of one query.
+
+    The tile's BLOCK_TOPK rows are gathered once; the loop runs over the group's heads in chunks of
+    BLOCK_H, recomputing P and dS from the first pass's Delta and shift, and sums dS^T Q (key role,
+    all d_qk dims) plus P^T dO (value role, first d_v dims) over every head in registers. Each row
+    then gets one fp32 atomic add per query, since different queries select the same rows (so do
+    duplicate slots of one query).
+    """
+    t = tl.program_id(0)
+    g = tl.program_id(1) // topk_tiles
+    start = (tl.program_id(1) % topk_tiles) * BLOCK_TOPK
+    b = tl.program_id(2).to(tl.int64)
+
+    n_slots = topk
+    if HAS_TOPK_LEN:
+        n_slots = tl.minimum(tl.load(TOPK_LEN + b * stride_lb + t.to(tl.int64) * stride_ls), topk)
+    if start < n_slots:
+        offs_dv = tl.arange(0, BLOCK_DV)
+        slots = start + tl.arange(0, BLOCK_TOPK)
+        idx_row = IDX + b * stride_ib + t.to(tl.int64) * stride_is + g.to(tl.int64) * stride_ih
+        idx = tl.load(idx_row + slots, mask=slots < n_slots, other=-1)
+        valid = (idx >= 0) & (idx < s_kv)
+        rows = _row_offsets(idx, valid, stride_kvs, ROWS_I32)
+        kv_row = KV + b * stride_kvb + g.to(tl.int64) * stride_kvh + rows
+        kv_main = _gather_rows(kv_row, offs_dv, valid, D_V, BLOCK_DV)
+        if D_TAIL > 0:
+            offs_dt = tl.arange(0, BLOCK_DT)
+            kv_tail = _gather_rows(kv_row + D_V, offs_dt, valid, D_TAIL, BLOCK_DT)
+            dkv_tail = tl.zeros([BLOCK_TOPK, BLOCK_DT], tl.float32)
+        dkv_main = tl.zeros([BLOCK_TOPK, BLOCK_DV], tl.float32)
+        qk_scale = sm_scale * LOG2E
+
+        q_base = Q + b * stride_qb + t.to(tl.int64) * stride_qs
+        do_base = DOUT + b * stride_dob + t.to(tl.int64) * stride_dos
+        m_base = b * stride_mb + t.to(tl.int64) * stride_ms
+        # Each chunk's Q (value dims) and dO rows are stacked into one [2 * BLOCK_H, d_v] tile, so S and
+        # dP come from one dot and dK + dV from one dot over [dS^T | P^T]: a single accumulating dot per
+        # step keeps the compiler from giving the accumulator two layouts (and converting between them).
+        offs_r = tl.arange(0, 2 * BLOCK_H)
+        is_do = offs_r >= BLOCK_H
+        for h0 in range(0, heads_per_group, BLOCK_H):
+            offs_h = h0 + tl.arange(0, BLOCK_H)
+            head_ok = offs_h < heads_per_group
+            heads = g * heads_per_group + offs_h
+            row_h = h0 + offs_r % BLOCK_H
+            rows_h = (g * heads_per_group + row_h).to(tl.int64)
+            qd_ptr = tl.where(is_do[:, None], do_base + rows_h[:, None] * stride_doh,
+                              q_base + rows_h[:, None] * stride_qh)
+            qd = tl.load(qd_ptr + offs_dv[None, :],
+                         mask=(row_h < heads_per_group)[:, None] & (offs_dv[None, :] < D_V), other=0.0)
+            delta = tl.load(DELTA + m_base + heads, mask=head_ok, other=0.0)
+            shift = tl.load(SHIFT + m_base + heads, mask=head_ok, other=float("inf"))
+            s_dp = tl.dot(qd, tl.trans(kv_main))
+            scores, dp = tl.split(tl.permute(tl.reshape(s_dp, [2, BLOCK_H, BLOCK_TOPK]), [1, 2, 0]))
+            if D_TAIL > 0:
+                q_tail = tl.load(q_base + heads[:, None].to(tl.int64) * stride_qh + D_V + offs_dt[None, :],
+                                 mask=head_ok[:, None] & (offs_dt[None, :] < D_TAIL), other=0.0)
+                scores = tl.dot(q_tail, tl.trans(kv_tail), scores)
+            p = tl.math.exp2(scores * qk_scale - shift[:, None])
+            p = tl.where(head_ok[:, None] & valid[None, :], p, 0.0)
+            ds = p * (dp - delta[:, None]) * sm_scale
+            ds_p = tl.reshape(tl.permute(tl.join(ds, p), [1, 2, 0]), [BLOCK_TOPK, 2 * BLOCK_H]).to(qd.dtype)
+            dkv_main = tl.dot(ds_p, qd, dkv_main)
+            if D_TAIL > 0:
+                dkv_tail = tl.dot(tl.trans(ds.to(q_tail.dtype)), q_tail, dkv_tail)
+
+        dkv_row = DKV + b * stride_dkb + g.to(tl.int64) * stride_dkh
+        dkv_row += _row_offsets(idx, valid, stride_dks, ROWS_I32)
+        tl.atomic_add(dkv_row[:, None] + offs_dv[None, :], dkv_main,
+                      mask=valid[:, None] & (offs_dv[None, :] < D_V), sem="relaxed")
+        if D_TAIL > 0:
+            tl.atomic_add(dkv_row[:, None] + D_V + offs_dt[None, :], dkv_tail,
+                          mask=valid[:, None] & (offs_dt[None, :] < D_TAIL), sem="relaxed")
 
 
 # ----------------------------------------------------------------------------- launchers
@@ -244,6 +341,13 @@ def _grid(s_q: int, h_q: int, h_kv: int, b: int, block_h: int) -> tuple[tuple[in
     heads_per_group = h_q // h_kv
     head_blocks = triton.cdiv(heads_per_group, block_h)
     return (s_q, h_kv * head_blocks, b), head_blocks
+
+
+def _rows_fit_int32(kv: torch.Tensor, *others: torch.Tensor) -> bool:
+    """Whether every gathered row offset (index * row stride, plus the row) of kv and of same-shaped
+    tensors fits in int32, so the kernels can skip 64-bit address arithmetic."""
+    s_kv, d_qk = kv.shape[1], kv.shape[-1]
+    return all((s_kv - 1) * t.stride(1) + d_qk < 2**31 for t in (kv, *others))
 
 
 def _forward(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, config: LaunchConfig):
@@ -263,45 +367,60 @@ def _forward(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, config: Laun
         *_strides(out, 3), *_strides(lse, 2),
         D_V=d_v, D_TAIL=d_qk - d_v, BLOCK_DV=block_dv, BLOCK_DT=block_dt,
         BLOCK_H=blocks["BLOCK_H"], BLOCK_TOPK=blocks["BLOCK_TOPK"],
-        HAS_SINK=attn_sink is not None, HAS_TOPK_LEN=topk_length is not None,
+        HAS_SINK=attn_sink is not None, HAS_TOPK_LEN=topk_length is not None, ROWS_I32=_rows_fit_int32(kv),
         **config.knobs(),
     )
     return out, max_logits, lse
 
 
-def _backward(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, out, lse, dout, config: LaunchConfig):
-    """Run the backward kernel on batched-layout tensors; returns (dq, dkv, dsink)."""
+def _backward(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, out, lse, dout,
+              configs: tuple[LaunchConfig, LaunchConfig]):
+    """Run the two backward passes (dq, then dkv) on batched-layout tensors; returns (dq, dkv, dsink)."""
     b, s_q, h_q, d_qk = q.shape
-    s_kv, h_kv = kv.shape[1], kv.shape[2]
-    blocks = config.blocks
+    s_kv, h_kv, topk = kv.shape[1], kv.shape[2], indices.shape[-1]
+    dq_config, dkv_config = configs
     block_dv, block_dt = dim_blocks(d_qk, d_v)
+    # The dkv pass loads q and dout rows through one pointer tensor: same dtype, unit last stride.
+    dout = dout.to(q.dtype)
     dout = dout if dout.stride(-1) == 1 else dout.contiguous()
     dq = torch.empty_like(q)
     dkv = torch.zeros(kv.shape, device=kv.device, dtype=torch.float32)  # fp32 atomics target
     dsink = torch.zeros(h_q, device=q.device, dtype=torch.float32) if attn_sink is not None else None
-    grid, head_blocks = _grid(s_q, h_q, h_kv, b, blocks["BLOCK_H"])
-    _sparse_mla_bwd_kernel[grid](
-        q, kv, indices, attn_sink, topk_length, out, dout, lse, dq, dkv, dsink,
-        s_kv, indices.shape[-1], h_q // h_kv, head_blocks, sm_scale,
+    delta, shift = torch.empty_like(lse), torch.empty_like(lse)
+    rows_i32 = _rows_fit_int32(kv, dkv)
+    dims = {"D_V": d_v, "D_TAIL": d_qk - d_v, "BLOCK_DV": block_dv, "BLOCK_DT": block_dt,
+            "HAS_TOPK_LEN": topk_length is not None, "ROWS_I32": rows_i32}
+
+    grid, head_blocks = _grid(s_q, h_q, h_kv, b, dq_config.blocks["BLOCK_H"])
+    _sparse_mla_bwd_dq_kernel[grid](
+        q, kv, indices, attn_sink, topk_length, out, dout, lse, dq, delta, shift, dsink,
+        s_kv, topk, h_q // h_kv, head_blocks, sm_scale,
         *_strides(q, 3), *_strides(kv, 3), *_strides(indices, 3), *_strides(topk_length, 2),
-        *_strides(out, 3), *_strides(dout, 3), *_strides(lse, 2), *_strides(dq, 3), *_strides(dkv, 3),
-        D_V=d_v, D_TAIL=d_qk - d_v, BLOCK_DV=block_dv, BLOCK_DT=block_dt,
-        BLOCK_H=blocks["BLOCK_H"], BLOCK_TOPK=blocks["BLOCK_TOPK"],
-        HAS_SINK=attn_sink is not None, HAS_TOPK_LEN=topk_length is not None,
-        **config.knobs(),
+        *_strides(out, 3), *_strides(dout, 3), *_strides(lse, 2), *_strides(dq, 3),
+        **dims, **dq_config.blocks, HAS_SINK=attn_sink is not None, **dq_config.knobs(),
+    )
+    topk_tiles = triton.cdiv(topk, dkv_config.blocks["BLOCK_TOPK"])
+    dkv_blocks = {**dkv_config.blocks, "BLOCK_H": min(dkv_config.blocks["BLOCK_H"], group_head_cap(h_q // h_kv))}
+    _sparse_mla_bwd_dkv_kernel[(s_q, h_kv * topk_tiles, b)](
+        q, kv, indices, topk_length, dout, delta, shift, dkv,
+        s_kv, topk, h_q // h_kv, topk_tiles, sm_scale,
+        *_strides(q, 3), *_strides(kv, 3), *_strides(indices, 3), *_strides(topk_length, 2),
+        *_strides(dout, 3), *_strides(lse, 2), *_strides(dkv, 3),
+        **dims, **dkv_blocks, **dkv_config.knobs(),
     )
     return dq, dkv.to(kv.dtype), dsink
 
 
 class _SparseMLAFunction(torch.autograd.Function):
-    """Autograd for sparse MLA. The backward accumulates dkv (and d attn_sink) with fp32 atomic adds,
-    so its summation order, and the last bits of dkv, vary between runs."""
+    """Autograd for sparse MLA. The backward accumulates dkv (one add per query and selected row) and
+    d attn_sink with fp32 atomic adds, so its summation order, and the last bits of dkv, vary between
+    runs."""
 
     @staticmethod
-    def forward(ctx, q, kv, indices, sm_scale, d_v, attn_sink, topk_length, config, bwd_config):
+    def forward(ctx, q, kv, indices, sm_scale, d_v, attn_sink, topk_length, config, bwd_configs):
         out, max_logits, lse = _forward(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, config)
         ctx.save_for_backward(q, kv, indices, attn_sink, topk_length, out, lse)
-        ctx.sm_scale, ctx.d_v, ctx.bwd_config = sm_scale, d_v, bwd_config
+        ctx.sm_scale, ctx.d_v, ctx.bwd_configs = sm_scale, d_v, bwd_configs
         ctx.mark_non_differentiable(max_logits, lse)
         return out, max_logits, lse
 
@@ -309,13 +428,14 @@ class _SparseMLAFunction(torch.autograd.Function):
     def backward(ctx, dout, _dmax, _dlse):
         q, kv, indices, attn_sink, topk_length, out, lse = ctx.saved_tensors
         dq, dkv, dsink = _backward(q, kv, indices, ctx.sm_scale, ctx.d_v, attn_sink, topk_length, out, lse,
-                                   dout, ctx.bwd_config)
+                                   dout, ctx.bwd_configs)
         return dq, dkv, None, None, None, dsink, None, None, None
 
 
-def sparse_mla_forward(args: dict, config: LaunchConfig, bwd_config: LaunchConfig) -> SparseMLAOutput:
+def sparse_mla_forward(args: dict, config: LaunchConfig,
+                       bwd_configs: tuple[LaunchConfig, LaunchConfig]) -> SparseMLAOutput:
     """Launch sparse MLA on validated arguments (registry.ops.sparse_mla's dict) with `config`; a
-    backward, when autograd asks for one, runs with `bwd_config`."""
+    backward, when autograd asks for one, runs its dq and dkv passes with `bwd_configs`."""
     q, kv, indices = args["q"], args["kv"], args["indices"]
     batched = q.dim() == 4
     qb, kvb, ib = _batched(q, batched), _batched(kv, batched), _batched(indices, batched)
@@ -325,7 +445,7 @@ def sparse_mla_forward(args: dict, config: LaunchConfig, bwd_config: LaunchConfi
                                               or (sink is not None and sink.requires_grad))
     if wants_grad:
         out, max_logits, lse = _SparseMLAFunction.apply(qb, kvb, ib, args["sm_scale"], args["d_v"], sink, lengths,
-                                                        config, bwd_config)
+                                                        config, bwd_configs)
     else:
         out, max_logits, lse = _forward(qb, kvb, ib, args["sm_scale"], args["d_v"], sink, lengths, config)
     if not batched:
@@ -339,22 +459,26 @@ def _compile_signature(names: list[str], pointers: dict[str, str], floats: tuple
     return {n: pointers.get(n, "fp32" if n in floats else "i32") for n in names}
 
 
-def sparse_mla_compile_specs(key: dict, config: LaunchConfig, bwd_config: LaunchConfig,
+def sparse_mla_compile_specs(key: dict, config: LaunchConfig, bwd_configs: tuple[LaunchConfig, LaunchConfig],
                              dtype: str = "bf16") -> list[CompileSpec]:
-    """The forward and backward kernels as a call with this key and config launches them (with sink and
-    topk_length, the heaviest variants), for offline compile checks."""
+    """The forward and both backward kernels as a call with this key and configs launches them (with
+    sink and topk_length, the heaviest variants, and int32 row offsets), for offline compile checks."""
     block_dv, block_dt = dim_blocks(key["d_qk"], key["d_v"])
     elem = f"*{key.get('dtype', dtype)}"
+    pointers = {n: elem for n in ("Q", "KV", "OUT", "DOUT", "DQ")}
+    pointers.update({n: "*fp32" for n in ("SINK", "MAX_LOGITS", "LSE", "DKV", "DSINK", "DELTA", "SHIFT")})
+    pointers.update({n: "*i32" for n in ("IDX", "TOPK_LEN")})
+    dq_config, dkv_config = bwd_configs
     specs = []
     for fn, cfg, floats in ((_sparse_mla_fwd_kernel, config, ("qk_scale",)),
-                            (_sparse_mla_bwd_kernel, bwd_config, ("sm_scale",))):
+                            (_sparse_mla_bwd_dq_kernel, dq_config, ("sm_scale",)),
+                            (_sparse_mla_bwd_dkv_kernel, dkv_config, ("sm_scale",))):
+        block_h = min(cfg.blocks["BLOCK_H"], group_head_cap(key["h_q"] // key["h_kv"]))
         constexprs = {"D_V": key["d_v"], "D_TAIL": key["d_qk"] - key["d_v"], "BLOCK_DV": block_dv,
-                      "BLOCK_DT": block_dt, "BLOCK_H": cfg.blocks["BLOCK_H"], "BLOCK_TOPK": cfg.blocks["BLOCK_TOPK"],
-                      "HAS_SINK": True, "HAS_TOPK_LEN": True}
+                      "BLOCK_DT": block_dt, "BLOCK_H": block_h, "BLOCK_TOPK": cfg.blocks["BLOCK_TOPK"],
+                      "HAS_SINK": True, "HAS_TOPK_LEN": True, "ROWS_I32": True}
+        constexprs = {n: v for n, v in constexprs.items() if n in fn.arg_names}
         names = [n for n in fn.arg_names if n not in constexprs]
-        pointers = {n: elem for n in ("Q", "KV", "OUT", "DOUT", "DQ")}
-        pointers.update({n: "*fp32" for n in ("SINK", "MAX_LOGITS", "LSE", "DKV", "DSINK")})
-        pointers.update({n: "*i32" for n in ("IDX", "TOPK_LEN")})
         signature = _compile_signature(names, {n: t for n, t in pointers.items() if n in names}, floats)
         options = {} if cfg is config else {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
         specs.append(CompileSpec(fn, {**signature, **{n: "constexpr" for n in constexprs}}, constexprs, options))
@@ -371,7 +495,8 @@ class SparseMLAHeadBlockBase:
         further capped at half of each thread's share of the register file;
     Q_IN_SHARED: whether Q stays in shared memory for the whole loop (Hopper's wgmma reads its A
         operand from there) or only passes through it once on its way to registers (AMD);
-    BACKWARD: the backward kernel's tiles and warps (BLOCK_H is also capped by the forward's);
+    BACKWARD: the backward passes' tiles and warps, {"dq": {...}, "dkv": {...}} (dq's BLOCK_H is also
+        capped by the forward's; dkv's BLOCK_H is its head chunk);
     DEFAULTS: the heuristic config per arch ("*" for any other), as found free of spills by the
         offline compile check (`python -m tuning.sweep --compile-only`; benchmarks/NOTES.md).
     """
@@ -382,7 +507,7 @@ class SparseMLAHeadBlockBase:
     SPACE: dict[str, tuple] = {}
     ACC_REGS_LIMIT = 128
     Q_IN_SHARED = True
-    BACKWARD: dict = {}
+    BACKWARD: dict[str, dict] = {}
     DEFAULTS: dict[str, dict] = {}
 
     def supports(self, key: dict, device) -> bool:
@@ -390,8 +515,7 @@ class SparseMLAHeadBlockBase:
 
     @staticmethod
     def _head_cap(key: dict) -> int:
-        """BLOCK_H never exceeds the group's heads rounded up to a power of two (at least 16, tl.dot's M)."""
-        return max(16, triton.next_power_of_2(key["h_q"] // key["h_kv"]))
+        return group_head_cap(key["h_q"] // key["h_kv"])
 
     def space(self, key: dict, device) -> list[LaunchConfig]:
         if device.key == "cpu":
@@ -437,23 +561,28 @@ class SparseMLAHeadBlockBase:
         blocks = {"BLOCK_H": min(chosen.pop("BLOCK_H"), self._head_cap(key)), "BLOCK_TOPK": chosen.pop("BLOCK_TOPK")}
         return LaunchConfig(blocks=blocks, **chosen)
 
-    def backward_config(self, config: LaunchConfig) -> LaunchConfig:
-        """The backward's config: the forward's knobs with BACKWARD's tiles and warps (its extra
-        accumulators, dq and the dkv tile, need smaller tiles than the forward)."""
-        blocks = {"BLOCK_H": min(config.blocks["BLOCK_H"], self.BACKWARD["BLOCK_H"]),
-                  "BLOCK_TOPK": self.BACKWARD["BLOCK_TOPK"]}
-        knobs = {k: v for k, v in self.BACKWARD.items() if k not in blocks}
-        return config.model_copy(update={"blocks": blocks, **knobs})
+    def backward_configs(self, config: LaunchConfig) -> tuple[LaunchConfig, LaunchConfig]:
+        """The dq and dkv passes' configs: the forward's knobs with BACKWARD's tiles and warps. dq's
+        BLOCK_H is also capped by the forward's (already capped by the group's heads); dkv's BLOCK_H,
+        its head chunk, is capped by the group at launch."""
+        configs = []
+        for name, cap in (("dq", config.blocks["BLOCK_H"]), ("dkv", None)):
+            chosen = dict(self.BACKWARD[name])
+            blocks = {"BLOCK_H": chosen.pop("BLOCK_H"), "BLOCK_TOPK": chosen.pop("BLOCK_TOPK")}
+            if cap is not None:
+                blocks["BLOCK_H"] = min(cap, blocks["BLOCK_H"])
+            configs.append(config.model_copy(update={"blocks": blocks, **chosen}))
+        return tuple(configs)
 
     def launch(self, args: dict, config: LaunchConfig) -> SparseMLAOutput:
-        return sparse_mla_forward(args, config, self.backward_config(config))
+        return sparse_mla_forward(args, config, self.backward_configs(config))
 
     def bind(self, config: LaunchConfig):
-        bwd = self.backward_config(config)
+        bwd = self.backward_configs(config)
         return lambda args: sparse_mla_forward(args, config, bwd)
 
     def compile_specs(self, key: dict, config: LaunchConfig, dtype: str = "bf16") -> list[CompileSpec]:
-        return sparse_mla_compile_specs(key, config, self.backward_config(config), dtype)
+        return sparse_mla_compile_specs(key, config, self.backward_configs(config), dtype)
 
 
 def _product(lists: list[tuple]) -> list[tuple]:

@@ -19,8 +19,11 @@ class SparseMLAHeadBlockNvidia(SparseMLAHeadBlockBase, Variant):
         "num_stages": (1, 2, 3, 4),
     }
     ACC_REGS_LIMIT = 128
-    # sm_90, V3.2 dims: 248 registers, no spills, 100 KB of shared memory.
-    BACKWARD = {"BLOCK_H": 16, "BLOCK_TOPK": 32, "num_warps": 8, "num_stages": 1}
+    # The backward's two passes (sm_90, V3.2 dims, no spills): dq with 32 heads per program; dkv with
+    # 64-row tiles and 16-head chunks (wider chunks spill: their stacked Q/dO tile passes through
+    # registers next to the 64 x 576 fp32 accumulator).
+    BACKWARD = {"dq": {"BLOCK_H": 32, "BLOCK_TOPK": 64, "num_warps": 8, "num_stages": 2},
+                "dkv": {"BLOCK_H": 16, "BLOCK_TOPK": 64, "num_warps": 8, "num_stages": 2}}
     # The fastest spill-free config of the H200 sweep at the V3.2 shape (benchmarks/NOTES.md): 32 heads
     # per program, 128-slot tiles, 2 stages.
     DEFAULTS = {"*": {"BLOCK_H": 32, "BLOCK_TOPK": 128, "num_warps": 8, "num_stages": 2}}
