@@ -24,6 +24,6 @@ class SparseMLAHeadBlockNvidia(SparseMLAHeadBlockBase, Variant):
     # registers next to the 64 x 576 fp32 accumulator).
     BACKWARD = {"dq": {"BLOCK_H": 32, "BLOCK_TOPK": 64, "num_warps": 8, "num_stages": 2},
                 "dkv": {"BLOCK_H": 16, "BLOCK_TOPK": 64, "num_warps": 8, "num_stages": 2}}
-    # The fastest spill-free config of the H200 sweep at the V3.2 shape (benchmarks/NOTES.md): 32 heads
-    # per program, 128-slot tiles, 2 stages.
-    DEFAULTS = {"*": {"BLOCK_H": 32, "BLOCK_TOPK": 128, "num_warps": 8, "num_stages": 2}}
+    # The fastest spill-free config measured on the H200 at the V3.2 shape (benchmarks/NOTES.md): 64
+    # heads per program, 64-slot tiles, 3 stages (255 registers with int32 row offsets).
+    DEFAULTS = {"*": {"BLOCK_H": 64, "BLOCK_TOPK": 64, "num_warps": 8, "num_stages": 3}}
