@@ -114,10 +114,25 @@ def explore(fwd_configs: list[dict], bwd_configs: list[tuple[dict, dict]], dtype
         call = lambda a, p=passes: sparse_mla_forward(a, forward, p)  # noqa: E731
         err = _checked_backward(small, call, dtype)
         ms = _time_backward(args, call)
-        rows.append(Row("sparse_mla bwd", _name(shape), " / ".join(_describe(c) for c in passes), ms,
-                        2.5 * flops / ms / 1e9, "TFLOP/s", err, device.name))
+        split = " + ".join(f"{name.removeprefix('_sparse_mla_bwd_').removesuffix('_kernel')} {k_ms:.1f}"
+                           for name, k_ms in _kernel_ms(args, call).items())
+        rows.append(Row("sparse_mla bwd", _name(shape), " / ".join(_describe(c) for c in passes) + f" ({split})",
+                        ms, 2.5 * flops / ms / 1e9, "TFLOP/s", err, device.name))
         torch.cuda.empty_cache()
     return rows
+
+
+def _kernel_ms(args: dict, call) -> dict[str, float]:
+    """Milliseconds per backward kernel in one profiled backward (which pass to work on next)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    q, kv, out, dout = _grads(args, call)
+    torch.autograd.grad(out, [q, kv], dout, retain_graph=True)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        torch.autograd.grad(out, [q, kv], dout, retain_graph=True)
+        torch.cuda.synchronize()
+    return {e.key: e.self_device_time_total / 1e3 for e in prof.key_averages() if "_sparse_mla_bwd" in e.key}
 
 
 def _describe(config: LaunchConfig) -> str:
@@ -132,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bwd", default="[]", help="JSON list of [dq, dkv] LaunchConfig dict pairs")
     args = parser.parse_args(argv)
     for r in explore(json.loads(args.fwd), [tuple(p) for p in json.loads(args.bwd)]):
-        print(f"{r.op:15} {r.provider:34} {r.ms:9.3f} ms {r.rate:6.0f} {r.unit}  rel err {r.rel_err:.1e}", flush=True)
+        print(f"{r.op:15} {r.provider:54} {r.ms:9.3f} ms {r.rate:6.0f} {r.unit}  rel err {r.rel_err:.1e}", flush=True)
     return 0
 
 
