@@ -211,9 +211,9 @@ def _sparse_mla_bwd_dq_kernel(
     idx_row = IDX + b * stride_ib + t.to(tl.int64) * stride_is + g.to(tl.int64) * stride_ih
     kv_base = KV + b * stride_kvb + g.to(tl.int64) * stride_kvh
 
-    dq_main = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
+    dq_main = tl.zeros([BLOCK_DV, BLOCK_H], tl.float32)
     if D_TAIL > 0:
-        dq_tail = tl.zeros([BLOCK_H, BLOCK_DT], tl.float32)
+        dq_tail = tl.zeros([BLOCK_DT, BLOCK_H], tl.float32)
     for start in range(0, n_slots, BLOCK_TOPK):
         slots = start + offs_t
         idx = tl.load(idx_row + slots, mask=slots < n_slots, other=-1)
@@ -227,15 +227,16 @@ def _sparse_mla_bwd_dq_kernel(
         p = tl.math.exp2(scores * qk_scale - shift[:, None])
         p = tl.where(valid[None, :] & head_ok[:, None], p, 0.0)
         dp = tl.dot(do, tl.trans(kv_main))
-        ds = (p * (dp - delta[:, None]) * sm_scale).to(kv_main.dtype)
-        dq_main = tl.dot(ds, kv_main, dq_main)
+        ds_t = tl.trans((p * (dp - delta[:, None]) * sm_scale).to(kv_main.dtype))
+        # dQ^T = K^T dS^T: 512 rows of M let wgmma split them over all warps (dS K has only BLOCK_H).
+        dq_main = tl.dot(tl.trans(kv_main), ds_t, dq_main)
         if D_TAIL > 0:
-            dq_tail = tl.dot(ds, kv_tail, dq_tail)
+            dq_tail = tl.dot(tl.trans(kv_tail), ds_t, dq_tail)
 
     dq_row = DQ + b * stride_dqb + t.to(tl.int64) * stride_dqs + heads[:, None].to(tl.int64) * stride_dqh
-    tl.store(dq_row + offs_dv[None, :], dq_main.to(DQ.dtype.element_ty), mask=dv_mask)
+    tl.store(dq_row + offs_dv[None, :], tl.trans(dq_main).to(DQ.dtype.element_ty), mask=dv_mask)
     if D_TAIL > 0:
-        tl.store(dq_row + D_V + offs_dt[None, :], dq_tail.to(DQ.dtype.element_ty), mask=dt_mask)
+        tl.store(dq_row + D_V + offs_dt[None, :], tl.trans(dq_tail).to(DQ.dtype.element_ty), mask=dt_mask)
 
 
 @triton.jit
