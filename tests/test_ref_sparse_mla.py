@@ -279,10 +279,13 @@ def test_make_inputs_are_valid_and_causal_like(shape):
 def test_presets_and_reduce_shape():
     full = OP.presets["full"]
     assert {(s["s_q"], s["h_q"]) for s in full} >= {(4096, 128), (8192, 128), (16384, 128), (8192, 64)}
+    # The axes: s_q from 1 to 16384, topk 512/1024/2048, h_q 16/64/128, all at V3.2 head dims.
+    assert {s["s_q"] for s in full} >= {1, 16384} and {s["topk"] for s in full} == {512, 1024, 2048}
+    assert {s["h_q"] for s in full} == {16, 64, 128}
     for shape in full:
-        assert (shape["h_kv"], shape["d_qk"], shape["d_v"], shape["topk"]) == (1, 576, 512, 2048)
+        assert (shape["h_kv"], shape["d_qk"], shape["d_v"]) == (1, 576, 512)
         small = OP.reduce_shape(shape)
-        assert small == {**shape, "s_q": 512}
+        assert small == {**shape, "s_q": min(shape["s_q"], 512)}
 
 
 def test_tuning_key_is_hashable_and_buckets_lengths():

@@ -141,6 +141,27 @@ def test_int64_row_offsets_match(variant, device, monkeypatch):
         assert_close(a.float(), b.float(), TOL)
 
 
+def test_backward_in_query_chunks(variant, device, monkeypatch):
+    """With a workspace of one query, the backward runs query by query, each chunk reusing the dS/P
+    workspace; topk_length shrinking from query to query leaves earlier queries' values in the slots
+    a later query does not visit, which must not leak into its gradients."""
+    from kernels.common import sparse_mla as kernel_module
+
+    args = _inputs(device, seed=10, s_q=3, s_kv=90, h_q=40, h_kv=1, d_qk=96, d_v=64, topk=70)
+    args["topk_length"] = torch.tensor([70, 20, 5], dtype=torch.int32, device=device)
+    args["indices"][1, 0, 3] = -1
+    config = _configs(variant, args)[0]
+    ours = {n: args[n].detach().clone().requires_grad_() for n in ("q", "kv")}
+    theirs = {n: args[n].detach().float().requires_grad_() for n in ("q", "kv")}
+    monkeypatch.setattr(kernel_module, "WORKSPACE_BYTES", 1)
+    out = variant.launch({**args, **ours}, config).out
+    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(11)).to(device, out.dtype)
+    got = torch.autograd.grad(out, list(ours.values()), grad_out)
+    want = torch.autograd.grad(reference(**{**args, **theirs}).out, list(theirs.values()), grad_out.float())
+    for name, g, w in zip(ours, got, want, strict=True):
+        assert_close(g.float(), w, 2 * TOL, what=f"d{name}")
+
+
 def test_invalid_slots_get_no_gradient(variant, device):
     """Rows of kv that no valid slot selects keep a zero gradient, whatever invalid indices point at."""
     args = _inputs(device, seed=8, s_q=3, s_kv=40, h_q=16, h_kv=1, d_qk=96, d_v=64, topk=16)

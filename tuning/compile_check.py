@@ -71,7 +71,7 @@ def _alignment_attrs(spec: CompileSpec, signature: dict[str, str]) -> dict[tuple
     multiples of 16 elements (hidden sizes are), so loads vectorize as they would at run time."""
     divisible = [["tt.divisibility", 16]]
     aligned = [name for name in spec.fn.arg_names if signature[name].startswith("*")
-               or (name.startswith("stride") and signature[name] != "constexpr")]
+               or (name.startswith("stride") and signature[name] != "constexpr") or name in spec.divisible]
     return {(spec.fn.arg_names.index(name),): divisible for name in aligned}
 
 

@@ -144,7 +144,7 @@ def _sparse_mla_fwd_kernel(
 
 @triton.jit
 def _sparse_mla_bwd_dq_kernel(
-    Q, KV, IDX, SINK, TOPK_LEN, OUT, DOUT, LSE, DQ, DELTA, SHIFT, DSINK,
+    Q, KV, IDX, SINK, TOPK_LEN, OUT, DOUT, LSE, DQ, DSINK, PDS,
     s_kv, topk, heads_per_group, head_blocks, sm_scale,
     stride_qb, stride_qs, stride_qh,
     stride_kvb, stride_kvs, stride_kvh,
@@ -154,6 +154,7 @@ def _sparse_mla_bwd_dq_kernel(
     stride_dob, stride_dos, stride_doh,
     stride_mb, stride_ms,
     stride_dqb, stride_dqs, stride_dqh,
+    stride_pb, stride_ps, stride_pg, stride_pt,
     D_V: tl.constexpr, D_TAIL: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DT: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_TOPK: tl.constexpr, HAS_SINK: tl.constexpr, HAS_TOPK_LEN: tl.constexpr,
     ROWS_I32: tl.constexpr,
@@ -162,8 +163,10 @@ def _sparse_mla_bwd_dq_kernel(
 
     Recomputes P = exp(z - lse_tot) per top-k tile (lse_tot includes the sink), with
     Delta = rowsum(dO * O), dP = dO V^T, dS = P (dP - Delta); dQ = sum over tiles of dS K stays in
-    registers. Stores Delta and the log2-unit shift lse_tot * log2(e) (+inf for an empty row) for the
-    dkv pass, and adds d sink[h] = -exp(sink - lse_tot) * Delta atomically (once per head and query).
+    registers. Writes dS^T and P^T (16-bit, as the dots consume them) to the workspace PDS
+    [b, s_q, h_kv, topk, 2 * heads_per_group] for the dkv pass: columns h for dS, heads_per_group + h
+    for P, one row per top-k slot it visits (slots past topk_length are not written). Adds
+    d sink[h] = -exp(sink - lse_tot) * Delta atomically (once per head and query).
     """
     t = tl.program_id(0)
     g = tl.program_id(1) // head_blocks
@@ -201,9 +204,8 @@ def _sparse_mla_bwd_dq_kernel(
         tl.atomic_add(DSINK + heads, tl.where(empty, 0.0, dsink), mask=head_ok)
     # In log2 units, like the forward; empty rows get a +inf shift so every P of theirs is 0.
     shift = tl.where(empty, float("inf"), lse_tot * LOG2E)
-    tl.store(DELTA + m_off, delta, mask=head_ok)
-    tl.store(SHIFT + m_off, shift, mask=head_ok)
     qk_scale = sm_scale * LOG2E
+    pds_base = PDS + b * stride_pb + t.to(tl.int64) * stride_ps + g.to(tl.int64) * stride_pg
 
     n_slots = topk
     if HAS_TOPK_LEN:
@@ -228,6 +230,10 @@ def _sparse_mla_bwd_dq_kernel(
         p = tl.where(valid[None, :] & head_ok[:, None], p, 0.0)
         dp = tl.dot(do, tl.trans(kv_main))
         ds_t = tl.trans((p * (dp - delta[:, None]) * sm_scale).to(kv_main.dtype))
+        pds_row = pds_base + slots[:, None] * stride_pt + offs_h[None, :]
+        pds_mask = (slots < n_slots)[:, None] & head_ok[None, :]
+        tl.store(pds_row, ds_t, mask=pds_mask)
+        tl.store(pds_row + heads_per_group, tl.trans(p.to(kv_main.dtype)), mask=pds_mask)
         # dQ^T = K^T dS^T: 512 rows of M let wgmma split them over all warps (dS K has only BLOCK_H).
         dq_main = tl.dot(tl.trans(kv_main), ds_t, dq_main)
         if D_TAIL > 0:
@@ -241,25 +247,24 @@ def _sparse_mla_bwd_dq_kernel(
 
 @triton.jit
 def _sparse_mla_bwd_dkv_kernel(
-    Q, KV, IDX, TOPK_LEN, DOUT, DELTA, SHIFT, DKV,
-    s_kv, topk, heads_per_group, topk_tiles, sm_scale,
+    Q, IDX, TOPK_LEN, DOUT, PDS, DKV,
+    s_kv, topk, heads_per_group, topk_tiles,
     stride_qb, stride_qs, stride_qh,
-    stride_kvb, stride_kvs, stride_kvh,
     stride_ib, stride_is, stride_ih,
     stride_lb, stride_ls,
     stride_dob, stride_dos, stride_doh,
-    stride_mb, stride_ms,
+    stride_pb, stride_ps, stride_pg, stride_pt,
     stride_dkb, stride_dks, stride_dkh,
     D_V: tl.constexpr, D_TAIL: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DT: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_TOPK: tl.constexpr, HAS_TOPK_LEN: tl.constexpr, ROWS_I32: tl.constexpr,
 ):
     """Backward, second pass. One program: the dKV contribution of one top-k tile of one query.
 
-    The tile's BLOCK_TOPK rows are gathered once; the loop runs over the group's heads in chunks of
-    BLOCK_H, recomputing P and dS from the first pass's Delta and shift, and sums dS^T Q (key role,
-    all d_qk dims) plus P^T dO (value role, first d_v dims) over every head in registers. Each row
-    then gets one fp32 atomic add per query, since different queries select the same rows (so do
-    duplicate slots of one query).
+    A GEMM over the group's heads, in chunks of BLOCK_H, from the first pass's dS^T and P^T: every row
+    of the tile gets dS^T Q (key role, all d_qk dims) plus P^T dO (value role, first d_v dims). Q's
+    value dims and dO are stacked into one [2 * BLOCK_H, d_v] tile against [dS^T | P^T], so one dot
+    does both. Then one fp32 atomic add per selected row and query, since different queries select
+    the same rows (so do duplicate slots of one query). Nothing is gathered: no kv read at all.
     """
     t = tl.program_id(0)
     g = tl.program_id(1) // topk_tiles
@@ -275,49 +280,36 @@ def _sparse_mla_bwd_dkv_kernel(
         idx_row = IDX + b * stride_ib + t.to(tl.int64) * stride_is + g.to(tl.int64) * stride_ih
         idx = tl.load(idx_row + slots, mask=slots < n_slots, other=-1)
         valid = (idx >= 0) & (idx < s_kv)
-        rows = _row_offsets(idx, valid, stride_kvs, ROWS_I32)
-        kv_row = KV + b * stride_kvb + g.to(tl.int64) * stride_kvh + rows
-        kv_main = _gather_rows(kv_row, offs_dv, valid, D_V, BLOCK_DV)
+        dkv_main = tl.zeros([BLOCK_TOPK, BLOCK_DV], tl.float32)
         if D_TAIL > 0:
             offs_dt = tl.arange(0, BLOCK_DT)
-            kv_tail = _gather_rows(kv_row + D_V, offs_dt, valid, D_TAIL, BLOCK_DT)
             dkv_tail = tl.zeros([BLOCK_TOPK, BLOCK_DT], tl.float32)
-        dkv_main = tl.zeros([BLOCK_TOPK, BLOCK_DV], tl.float32)
-        qk_scale = sm_scale * LOG2E
 
         q_base = Q + b * stride_qb + t.to(tl.int64) * stride_qs
         do_base = DOUT + b * stride_dob + t.to(tl.int64) * stride_dos
-        m_base = b * stride_mb + t.to(tl.int64) * stride_ms
-        # Each chunk's Q (value dims) and dO rows are stacked into one [2 * BLOCK_H, d_v] tile, so S and
-        # dP come from one dot and dK + dV from one dot over [dS^T | P^T]: a single accumulating dot per
-        # step keeps the compiler from giving the accumulator two layouts (and converting between them).
+        pds_row = PDS + b * stride_pb + t.to(tl.int64) * stride_ps + g.to(tl.int64) * stride_pg
+        pds_row += slots[:, None] * stride_pt
         offs_r = tl.arange(0, 2 * BLOCK_H)
         is_do = offs_r >= BLOCK_H
         for h0 in range(0, heads_per_group, BLOCK_H):
-            offs_h = h0 + tl.arange(0, BLOCK_H)
-            head_ok = offs_h < heads_per_group
-            heads = g * heads_per_group + offs_h
+            # Row r of the stacked tile: Q (r < BLOCK_H) or dO of head h0 + r % BLOCK_H; column r of
+            # [dS^T | P^T] is the matching dS or P column of the workspace.
             row_h = h0 + offs_r % BLOCK_H
+            row_ok = row_h < heads_per_group
             rows_h = (g * heads_per_group + row_h).to(tl.int64)
             qd_ptr = tl.where(is_do[:, None], do_base + rows_h[:, None] * stride_doh,
                               q_base + rows_h[:, None] * stride_qh)
-            qd = tl.load(qd_ptr + offs_dv[None, :],
-                         mask=(row_h < heads_per_group)[:, None] & (offs_dv[None, :] < D_V), other=0.0)
-            delta = tl.load(DELTA + m_base + heads, mask=head_ok, other=0.0)
-            shift = tl.load(SHIFT + m_base + heads, mask=head_ok, other=float("inf"))
-            s_dp = tl.dot(qd, tl.trans(kv_main))
-            scores, dp = tl.split(tl.permute(tl.reshape(s_dp, [2, BLOCK_H, BLOCK_TOPK]), [1, 2, 0]))
+            qd = tl.load(qd_ptr + offs_dv[None, :], mask=row_ok[:, None] & (offs_dv[None, :] < D_V), other=0.0)
+            pds_col = tl.where(is_do, heads_per_group, 0) + row_h
+            pds = tl.load(pds_row + pds_col[None, :], mask=valid[:, None] & row_ok[None, :], other=0.0)
+            dkv_main = tl.dot(pds, qd, dkv_main)
             if D_TAIL > 0:
-                q_tail = tl.load(q_base + heads[:, None].to(tl.int64) * stride_qh + D_V + offs_dt[None, :],
-                                 mask=head_ok[:, None] & (offs_dt[None, :] < D_TAIL), other=0.0)
-                scores = tl.dot(q_tail, tl.trans(kv_tail), scores)
-            p = tl.math.exp2(scores * qk_scale - shift[:, None])
-            p = tl.where(head_ok[:, None] & valid[None, :], p, 0.0)
-            ds = p * (dp - delta[:, None]) * sm_scale
-            ds_p = tl.reshape(tl.permute(tl.join(ds, p), [1, 2, 0]), [BLOCK_TOPK, 2 * BLOCK_H]).to(qd.dtype)
-            dkv_main = tl.dot(ds_p, qd, dkv_main)
-            if D_TAIL > 0:
-                dkv_tail = tl.dot(tl.trans(ds.to(q_tail.dtype)), q_tail, dkv_tail)
+                offs_h = h0 + tl.arange(0, BLOCK_H)
+                head_ok = offs_h < heads_per_group
+                q_tail = tl.load(q_base + (g * heads_per_group + offs_h)[:, None].to(tl.int64) * stride_qh + D_V
+                                 + offs_dt[None, :], mask=head_ok[:, None] & (offs_dt[None, :] < D_TAIL), other=0.0)
+                ds_t = tl.load(pds_row + offs_h[None, :], mask=valid[:, None] & head_ok[None, :], other=0.0)
+                dkv_tail = tl.dot(ds_t, q_tail, dkv_tail)
 
         dkv_row = DKV + b * stride_dkb + g.to(tl.int64) * stride_dkh
         dkv_row += _row_offsets(idx, valid, stride_dks, ROWS_I32)
@@ -374,11 +366,18 @@ def _forward(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, config: Laun
     return out, max_logits, lse
 
 
+# The dq pass hands P and dS to the dkv pass through a workspace of topk * 2 * h_q 16-bit values per
+# query; queries are processed in chunks so that it stays under this many bytes.
+WORKSPACE_BYTES = 512 * 2**20
+
+
 def _backward(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, out, lse, dout,
               configs: tuple[LaunchConfig, LaunchConfig]):
-    """Run the two backward passes (dq, then dkv) on batched-layout tensors; returns (dq, dkv, dsink)."""
+    """Run the two backward passes (dq, then dkv) on batched-layout tensors, a chunk of queries at a
+    time; returns (dq, dkv, dsink)."""
     b, s_q, h_q, d_qk = q.shape
     s_kv, h_kv, topk = kv.shape[1], kv.shape[2], indices.shape[-1]
+    heads_per_group = h_q // h_kv
     dq_config, dkv_config = configs
     block_dv, block_dt = dim_blocks(d_qk, d_v)
     # The dkv pass loads q and dout rows through one pointer tensor: same dtype, unit last stride.
@@ -387,28 +386,33 @@ def _backward(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, out, lse, d
     dq = torch.empty_like(q)
     dkv = torch.zeros(kv.shape, device=kv.device, dtype=torch.float32)  # fp32 atomics target
     dsink = torch.zeros(h_q, device=q.device, dtype=torch.float32) if attn_sink is not None else None
-    delta, shift = torch.empty_like(lse), torch.empty_like(lse)
-    rows_i32 = _rows_fit_int32(kv, dkv)
     dims = {"D_V": d_v, "D_TAIL": d_qk - d_v, "BLOCK_DV": block_dv, "BLOCK_DT": block_dt,
-            "HAS_TOPK_LEN": topk_length is not None, "ROWS_I32": rows_i32}
-
-    grid, head_blocks = _grid(s_q, h_q, h_kv, b, dq_config.blocks["BLOCK_H"])
-    _sparse_mla_bwd_dq_kernel[grid](
-        q, kv, indices, attn_sink, topk_length, out, dout, lse, dq, delta, shift, dsink,
-        s_kv, topk, h_q // h_kv, head_blocks, sm_scale,
-        *_strides(q, 3), *_strides(kv, 3), *_strides(indices, 3), *_strides(topk_length, 2),
-        *_strides(out, 3), *_strides(dout, 3), *_strides(lse, 2), *_strides(dq, 3),
-        **dims, **dq_config.blocks, HAS_SINK=attn_sink is not None, **dq_config.knobs(),
-    )
+            "HAS_TOPK_LEN": topk_length is not None, "ROWS_I32": _rows_fit_int32(kv, dkv)}
+    per_query = b * h_kv * topk * 2 * heads_per_group * q.element_size()
+    chunk = max(1, min(s_q, WORKSPACE_BYTES // per_query))
+    pds = torch.empty((b, chunk, h_kv, topk, 2 * heads_per_group), device=q.device, dtype=q.dtype)
     topk_tiles = triton.cdiv(topk, dkv_config.blocks["BLOCK_TOPK"])
-    dkv_blocks = {**dkv_config.blocks, "BLOCK_H": min(dkv_config.blocks["BLOCK_H"], group_head_cap(h_q // h_kv))}
-    _sparse_mla_bwd_dkv_kernel[(s_q, h_kv * topk_tiles, b)](
-        q, kv, indices, topk_length, dout, delta, shift, dkv,
-        s_kv, topk, h_q // h_kv, topk_tiles, sm_scale,
-        *_strides(q, 3), *_strides(kv, 3), *_strides(indices, 3), *_strides(topk_length, 2),
-        *_strides(dout, 3), *_strides(lse, 2), *_strides(dkv, 3),
-        **dims, **dkv_blocks, **dkv_config.knobs(),
-    )
+    dkv_blocks = {**dkv_config.blocks, "BLOCK_H": min(dkv_config.blocks["BLOCK_H"], group_head_cap(heads_per_group))}
+    for c0 in range(0, s_q, chunk):
+        rows = slice(c0, min(s_q, c0 + chunk))
+        q_c, dout_c, idx_c = q[:, rows], dout[:, rows], indices[:, rows]
+        len_c = topk_length[:, rows] if topk_length is not None else None
+        n = q_c.shape[1]
+        grid, head_blocks = _grid(n, h_q, h_kv, b, dq_config.blocks["BLOCK_H"])
+        _sparse_mla_bwd_dq_kernel[grid](
+            q_c, kv, idx_c, attn_sink, len_c, out[:, rows], dout_c, lse[:, rows], dq[:, rows], dsink, pds,
+            s_kv, topk, heads_per_group, head_blocks, sm_scale,
+            *_strides(q_c, 3), *_strides(kv, 3), *_strides(idx_c, 3), *_strides(len_c, 2),
+            *_strides(out, 3), *_strides(dout, 3), *_strides(lse, 2), *_strides(dq, 3), *_strides(pds, 4),
+            **dims, **dq_config.blocks, HAS_SINK=attn_sink is not None, **dq_config.knobs(),
+        )
+        _sparse_mla_bwd_dkv_kernel[(n, h_kv * topk_tiles, b)](
+            q_c, idx_c, len_c, dout_c, pds, dkv,
+            s_kv, topk, heads_per_group, topk_tiles,
+            *_strides(q_c, 3), *_strides(idx_c, 3), *_strides(len_c, 2), *_strides(dout, 3), *_strides(pds, 4),
+            *_strides(dkv, 3),
+            **dims, **dkv_blocks, **dkv_config.knobs(),
+        )
     return dq, dkv.to(kv.dtype), dsink
 
 
@@ -466,15 +470,16 @@ def sparse_mla_compile_specs(key: dict, config: LaunchConfig, bwd_configs: tuple
     sink and topk_length, the heaviest variants, and int32 row offsets), for offline compile checks."""
     block_dv, block_dt = dim_blocks(key["d_qk"], key["d_v"])
     elem = f"*{key.get('dtype', dtype)}"
-    pointers = {n: elem for n in ("Q", "KV", "OUT", "DOUT", "DQ")}
-    pointers.update({n: "*fp32" for n in ("SINK", "MAX_LOGITS", "LSE", "DKV", "DSINK", "DELTA", "SHIFT")})
+    pointers = {n: elem for n in ("Q", "KV", "OUT", "DOUT", "DQ", "PDS")}
+    pointers.update({n: "*fp32" for n in ("SINK", "MAX_LOGITS", "LSE", "DKV", "DSINK")})
     pointers.update({n: "*i32" for n in ("IDX", "TOPK_LEN")})
     dq_config, dkv_config = bwd_configs
     specs = []
     for fn, cfg, floats in ((_sparse_mla_fwd_kernel, config, ("qk_scale",)),
                             (_sparse_mla_bwd_dq_kernel, dq_config, ("sm_scale",)),
                             (_sparse_mla_bwd_dkv_kernel, dkv_config, ("sm_scale",))):
-        block_h = min(cfg.blocks["BLOCK_H"], group_head_cap(key["h_q"] // key["h_kv"]))
+        heads_per_group = key["h_q"] // key["h_kv"]
+        block_h = min(cfg.blocks["BLOCK_H"], group_head_cap(heads_per_group))
         constexprs = {"D_V": key["d_v"], "D_TAIL": key["d_qk"] - key["d_v"], "BLOCK_DV": block_dv,
                       "BLOCK_DT": block_dt, "BLOCK_H": block_h, "BLOCK_TOPK": cfg.blocks["BLOCK_TOPK"],
                       "HAS_SINK": True, "HAS_TOPK_LEN": True, "ROWS_I32": True}
@@ -482,7 +487,12 @@ def sparse_mla_compile_specs(key: dict, config: LaunchConfig, bwd_configs: tuple
         names = [n for n in fn.arg_names if n not in constexprs]
         signature = _compile_signature(names, {n: t for n, t in pointers.items() if n in names}, floats)
         options = {} if cfg is config else {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
-        specs.append(CompileSpec(fn, {**signature, **{n: "constexpr" for n in constexprs}}, constexprs, options))
+        sizes = {"topk": key["topk"], "heads_per_group": heads_per_group,
+                 "head_blocks": triton.cdiv(heads_per_group, block_h),
+                 "topk_tiles": triton.cdiv(key["topk"], cfg.blocks["BLOCK_TOPK"])}
+        divisible = tuple(n for n, v in sizes.items() if n in names and v % 16 == 0)
+        specs.append(CompileSpec(fn, {**signature, **{n: "constexpr" for n in constexprs}}, constexprs, options,
+                                 divisible))
     return specs
 
 

@@ -19,10 +19,10 @@ class SparseMLAHeadBlockNvidia(SparseMLAHeadBlockBase, Variant):
         "num_stages": (1, 2, 3, 4),
     }
     ACC_REGS_LIMIT = 128
-    # The backward's two passes (sm_90, V3.2 dims, no spills): dq with 32 heads per program; dkv with
-    # 64-row tiles and 16-head chunks (wider chunks spill: their stacked Q/dO tile passes through
-    # registers next to the 64 x 576 fp32 accumulator).
-    BACKWARD = {"dq": {"BLOCK_H": 32, "BLOCK_TOPK": 64, "num_warps": 8, "num_stages": 3},
+    # The backward's two passes, the fastest spill-free pair measured on the H200 at the V3.2 shape
+    # (benchmarks/NOTES.md): dq with 32 heads per program (64 spill), dkv with 64-row tiles and
+    # 16-head chunks (32-head chunks at 3 stages need 240 KB of shared memory at run time).
+    BACKWARD = {"dq": {"BLOCK_H": 32, "BLOCK_TOPK": 64, "num_warps": 8, "num_stages": 2},
                 "dkv": {"BLOCK_H": 16, "BLOCK_TOPK": 64, "num_warps": 8, "num_stages": 3}}
     # The fastest spill-free config measured on the H200 at the V3.2 shape (benchmarks/NOTES.md): 64
     # heads per program, 64-slot tiles, 3 stages (255 registers with int32 row offsets).

@@ -309,6 +309,8 @@ presets = {
         {"b": 2, "s_q": 17, "s_kv": 13, "h_q": 8, "h_kv": 2, "d_qk": 48, "d_v": 32, "topk": 16,
          "sink": True, "topk_length": True},
     ],
+    # The V3.2 prefill shapes first (benchmarks/sparse_mla.py times them), then one step along each
+    # other axis of the tuning key: few queries (decode-like), shorter top-k, 16 heads.
     "full": [
         {"s_q": 4096, "s_kv": 8192, "h_q": 128, **_FULL},
         {"s_q": 8192, "s_kv": 8192, "h_q": 128, **_FULL},
@@ -316,6 +318,12 @@ presets = {
         {"s_q": 16384, "s_kv": 16384, "h_q": 128, **_FULL},
         {"s_q": 8192, "s_kv": 8192, "h_q": 64, **_FULL},
         {"s_q": 16384, "s_kv": 16384, "h_q": 64, **_FULL},
+        {"s_q": 1, "s_kv": 8192, "h_q": 128, **_FULL},
+        {"s_q": 64, "s_kv": 8192, "h_q": 128, **_FULL},
+        {"s_q": 512, "s_kv": 8192, "h_q": 128, **_FULL},
+        {"s_q": 4096, "s_kv": 8192, "h_q": 128, **{**_FULL, "topk": 512}},
+        {"s_q": 4096, "s_kv": 8192, "h_q": 128, **{**_FULL, "topk": 1024}},
+        {"s_q": 4096, "s_kv": 8192, "h_q": 16, **_FULL},
     ],
 }
 
