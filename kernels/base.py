@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import importlib
 import inspect
@@ -82,12 +83,25 @@ class Variant:
             # The kernel's own modules: a vendor file that only holds config data (spaces, defaults)
             # can change without marking the configs tuned for an unchanged kernel as stale.
             for module in self.source_modules or (type(self).__module__,):
-                digest.update(inspect.getsource(importlib.import_module(module)).encode())
+                digest.update(code_fingerprint(inspect.getsource(importlib.import_module(module))))
             cached = self.__dict__["_source_hash"] = digest.hexdigest()[:16]
         return cached
 
     def __repr__(self) -> str:
         return f"<variant {self.name} ({self.vendor})>"
+
+
+def code_fingerprint(source: str) -> bytes:
+    """A module's code without its comments and docstrings (ast drops comments; docstrings are cut
+    here): editing documentation does not mark the configs tuned for that code as stale."""
+    tree = ast.parse(source)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
+            body = node.body
+            if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
+                    and isinstance(body[0].value.value, str):
+                node.body = body[1:] or [ast.Pass()]
+    return ast.dump(tree).encode()
 
 
 VARIANTS: dict[str, list[Variant]] = {}

@@ -6,6 +6,11 @@ rows once and reuses it for all of them, both as keys (all d_qk dims: the d_v "v
 rope tail) and as values (the first d_v dims). Q is loaded once, outside the top-k loop. A program with
 too few heads re-gathers the same rows many times; the config spaces therefore offer BLOCK_H up to 128.
 
+The backward runs in two passes per chunk of queries: the dq pass (the forward's program layout)
+recomputes P and dS tile by tile, accumulates dQ and hands dS and P to the dkv pass through a 16-bit
+workspace; the dkv pass owns one top-k tile of one query and sums dS^T Q + P^T dO over all heads
+before one fp32 atomic add per selected row.
+
 Reads top-down: forward kernel, backward kernels, launchers, the autograd Function, compile specs.
 Semantics: `registry.ops.sparse_mla.reference` (SPEC.md "sparse_mla").
 """
@@ -263,8 +268,10 @@ def _sparse_mla_bwd_dkv_kernel(
     A GEMM over the group's heads, in chunks of BLOCK_H, from the first pass's dS^T and P^T: every row
     of the tile gets dS^T Q (key role, all d_qk dims) plus P^T dO (value role, first d_v dims). Q's
     value dims and dO are stacked into one [2 * BLOCK_H, d_v] tile against [dS^T | P^T], so one dot
-    does both. Then one fp32 atomic add per selected row and query, since different queries select
-    the same rows (so do duplicate slots of one query). Nothing is gathered: no kv read at all.
+    does both (two accumulating dots in a row would get two layouts for the accumulator from Triton,
+    and a conversion between them every step). Then one fp32 atomic add per selected row and query,
+    since different queries select the same rows (so do duplicate slots of one query). Nothing is
+    gathered: no kv read at all.
     """
     t = tl.program_id(0)
     g = tl.program_id(1) // topk_tiles
