@@ -93,7 +93,8 @@ class Variant:
 
 def code_fingerprint(source: str) -> bytes:
     """A module's code without its comments and docstrings (ast drops comments; docstrings are cut
-    here): editing documentation does not mark the configs tuned for that code as stale."""
+    here): editing documentation does not mark the configs tuned for that code as stale. Written out
+    by `_canonical`, not `ast.dump`, so that one source gives one fingerprint on every Python."""
     tree = ast.parse(source)
     for node in ast.walk(tree):
         if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
@@ -101,7 +102,19 @@ def code_fingerprint(source: str) -> bytes:
             if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
                     and isinstance(body[0].value.value, str):
                 node.body = body[1:] or [ast.Pass()]
-    return ast.dump(tree).encode()
+    return _canonical(tree).encode()
+
+
+def _canonical(node) -> str:
+    """Node type and fields, leaving out empty ones: new Python versions add fields (3.12's
+    `type_params`) that are empty for code that does not use them."""
+    if isinstance(node, ast.AST):
+        fields = [f"{name}={_canonical(value)}" for name, value in ast.iter_fields(node)
+                  if value is not None and value != []]
+        return f"{type(node).__name__}({','.join(fields)})"
+    if isinstance(node, list):
+        return f"[{','.join(_canonical(item) for item in node)}]"
+    return repr(node)
 
 
 VARIANTS: dict[str, list[Variant]] = {}
