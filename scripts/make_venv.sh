@@ -18,7 +18,9 @@ if [ "$mode" = gpu ]; then
 else
     "$python" -m venv "$venv"
     "$venv/bin/python" -m pip install -q --upgrade pip
-    # Torch first: on this workplace's CPU machines pip finds the CPU build of 2.13.0 on disk.
-    "$venv/bin/python" -m pip install -q torch==2.13.0
+    # Torch first: on this workplace's CPU machines pip finds the CPU build of 2.13.0 on disk. Triton
+    # pinned to the GPU machines' 3.6.0: the offline compile checks (spills, shared memory) must see
+    # the compiler that runs there; 3.9 spills on configs that 3.6 fits.
+    "$venv/bin/python" -m pip install -q torch==2.13.0 triton==3.6.0
     "$venv/bin/python" -m pip install -q -e '.[dev]'
 fi
