@@ -20,15 +20,15 @@ class CompileSpec:
 
     `signature` maps every non-constexpr argument to Triton's type string ("*fp16", "i32", "fp32");
     `constexprs` maps constexpr argument names to values. `options` are extra compile options.
-    `divisible` names integer arguments that are multiples of 16 at the shape being checked: the JIT
-    specializes on that at run time, and it changes pipelining and shared memory.
+    `values` gives integer arguments' values at the shape being checked, so that the check can
+    specialize them as the JIT does at run time (it changes pipelining and shared memory).
     """
 
     fn: Any
     signature: dict[str, str]
     constexprs: dict[str, Any]
     options: dict[str, Any] = field(default_factory=dict)
-    divisible: tuple[str, ...] = ()
+    values: dict[str, int] = field(default_factory=dict)
 
 
 class Variant:

@@ -117,3 +117,18 @@ def test_cli_rejects_a_target_of_another_vendor(capsys):
     assert "expected a target of vendor amd, got nvidia-h200" in capsys.readouterr().err
     with pytest.raises(ValueError, match="no variant"):
         main(["--variant", "nope", "--vendor", "amd", "--target", "mi300x"])
+
+
+def test_integer_values_are_specialized_as_the_jit_does():
+    """A value of 1 becomes a constant, a multiple of 16 is marked divisible, others stay plain i32."""
+    from tuning.compile_check import _alignment_attrs, _as_jit_specializes, _full_signature
+
+    (spec,) = _variant("nvidia").compile_specs({**KEY, "h_kv": 32}, LaunchConfig(blocks={"BLOCK_M": 64, "BLOCK_N": 32}))
+    assert spec.values == {"group": 1} and "group" not in spec.constexprs
+    specialized = _as_jit_specializes(spec)
+    assert specialized.constexprs["group"] == 1 and _full_signature(specialized)["group"] == "constexpr"
+    names = spec.fn.arg_names
+    for value, marked in ((32, True), (24, False)):
+        plain = _as_jit_specializes(type(spec)(spec.fn, spec.signature, spec.constexprs, values={"group": value}))
+        attrs = _alignment_attrs(plain, _full_signature(plain))
+        assert ((names.index("group"),) in attrs) is marked

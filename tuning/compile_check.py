@@ -23,7 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from tuning_db.records import LaunchConfig, canonical_json
@@ -66,12 +66,20 @@ def _full_signature(spec: CompileSpec) -> dict[str, str]:
     return signature
 
 
+def _as_jit_specializes(spec: CompileSpec) -> CompileSpec:
+    """The JIT's integer specialization at the spec's `values`: an argument equal to 1 becomes a
+    constant (multiples of 16 are marked divisible by `_alignment_attrs`)."""
+    ones = {name: 1 for name, value in spec.values.items() if value == 1 and name in spec.fn.arg_names}
+    return replace(spec, constexprs={**spec.constexprs, **ones}) if ones else spec
+
+
 def _alignment_attrs(spec: CompileSpec, signature: dict[str, str]) -> dict[tuple[int, ...], list]:
     """What the JIT assumes for typical torch tensors: 16-byte aligned pointers and strides that are
-    multiples of 16 elements (hidden sizes are), so loads vectorize as they would at run time."""
+    multiples of 16 elements (hidden sizes are), so loads vectorize as they would at run time; plus
+    the integer `values` that are multiples of 16 at the checked shape."""
     divisible = [["tt.divisibility", 16]]
-    aligned = [name for name in spec.fn.arg_names if signature[name].startswith("*")
-               or (name.startswith("stride") and signature[name] != "constexpr") or name in spec.divisible]
+    aligned = [name for name in spec.fn.arg_names if signature[name] != "constexpr" and (
+        signature[name].startswith("*") or name.startswith("stride") or spec.values.get(name, 1) % 16 == 0)]
     return {(spec.fn.arg_names.index(name),): divisible for name in aligned}
 
 
@@ -113,6 +121,7 @@ def compile_config(spec: CompileSpec, config: LaunchConfig, target: DeviceInfo) 
             "decorated under TRITON_INTERPRET=1?); run `python -m tuning.compile_check` without it")
     name = spec.fn.__name__
     start = time.perf_counter()
+    spec = _as_jit_specializes(spec)
     signature = _full_signature(spec)
     source = ASTSource(spec.fn, signature, constexprs=dict(spec.constexprs),
                        attrs=_alignment_attrs(spec, signature))
@@ -155,7 +164,8 @@ def check_variant(variant: Variant, key: dict, config: LaunchConfig,
     reports = []
     for spec in specs:
         memo = (spec.fn.__name__, tuple(spec.signature.items()), tuple(sorted(spec.constexprs.items())),
-                tuple(sorted({**config.knobs(), **spec.options}.items())), target)
+                tuple(sorted(spec.values.items())), tuple(sorted({**config.knobs(), **spec.options}.items())),
+                target)
         if memo not in _reports:
             _reports[memo] = compile_config(spec, config, target)
         reports.append(_reports[memo])

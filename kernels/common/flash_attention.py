@@ -288,7 +288,7 @@ def flash_attention_compile_specs(key: dict, config: LaunchConfig, dtype: str = 
     """The kernel a call with this tuning key and config launches, typed as the JIT would type it.
 
     `key["dtype"]` picks the element type when present (`dtype` otherwise). The spec compiles with
-    RETURN_LSE on (the heavier of the two), and marks a GQA group of 1 constexpr as the JIT does.
+    RETURN_LSE on (the heavier of the two); the GQA group's value lets the check specialize it.
     """
     elem = key.get("dtype", dtype)
     if elem not in ("fp16", "bf16", "fp32"):
@@ -299,10 +299,8 @@ def flash_attention_compile_specs(key: dict, config: LaunchConfig, dtype: str = 
     signature = {
         "Q": ptr, "K": ptr, "V": ptr, "Out": ptr, "Lse": "*fp32",
         "cu_seqlens_q": "*i32" if varlen else ptr, "cu_seqlens_k": "*i32" if varlen else ptr,
-        "qk_scale": "fp32", "seqlen_q_arg": "i32", "seqlen_k_arg": "i32", "window": "i32",
+        "qk_scale": "fp32", "seqlen_q_arg": "i32", "seqlen_k_arg": "i32", "window": "i32", "group": "i32",
     }
-    if group != 1:
-        signature["group"] = "i32"
     signature.update({name: "i32" for name in (
         "stride_qb", "stride_qm", "stride_qh", "stride_kb", "stride_kn", "stride_kh",
         "stride_vb", "stride_vn", "stride_vh", "stride_ob", "stride_om", "stride_oh",
@@ -312,9 +310,7 @@ def flash_attention_compile_specs(key: dict, config: LaunchConfig, dtype: str = 
         "RETURN_LSE": True, "HEAD_DIM": int(key["d"]), "BLOCK_D": head_block(key["d"]),
         "BLOCK_M": config.blocks["BLOCK_M"], "BLOCK_N": config.blocks["BLOCK_N"],
     }
-    if group == 1:
-        constexprs["group"] = 1
-    return [CompileSpec(_flash_attention_fwd_kernel, signature, constexprs)]
+    return [CompileSpec(_flash_attention_fwd_kernel, signature, constexprs, values={"group": group})]
 
 
 # ----------------------------------------------------------------------------- the variant

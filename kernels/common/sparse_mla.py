@@ -497,9 +497,7 @@ def sparse_mla_compile_specs(key: dict, config: LaunchConfig, bwd_configs: tuple
         sizes = {"topk": key["topk"], "heads_per_group": heads_per_group,
                  "head_blocks": triton.cdiv(heads_per_group, block_h),
                  "topk_tiles": triton.cdiv(key["topk"], cfg.blocks["BLOCK_TOPK"])}
-        divisible = tuple(n for n, v in sizes.items() if n in names and v % 16 == 0)
-        specs.append(CompileSpec(fn, {**signature, **{n: "constexpr" for n in constexprs}}, constexprs, options,
-                                 divisible))
+        specs.append(CompileSpec(fn, signature, constexprs, options, {n: v for n, v in sizes.items() if n in names}))
     return specs
 
 
