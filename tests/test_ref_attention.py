@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from registry.ops import _dense_attention, flash_attention, sink_attention
+from registry.ops import _contract, _dense_attention, flash_attention, sink_attention
 from registry.testing import TOLERANCE, assert_close
 
 from .brute_force import brute_masked_attention
@@ -137,7 +137,8 @@ def test_chunking_is_invisible(monkeypatch, causal, window):
     sinks = make_sinks("random", 4)
     args = SA.validate(q, k, v, sinks=sinks, causal=causal, window=window, return_lse=True)
     whole = SA.reference(**args)
-    monkeypatch.setattr(_dense_attention, "_CHUNK_ELEMENTS", 2 * 4 * 30 * 3)  # 3 query rows a chunk
+    # 3 query rows a chunk: 2 temporaries of b * h_q * s_k = 2 * 4 * 30 elements per row.
+    monkeypatch.setattr(_contract, "REFERENCE_CHUNK_ELEMS", 2 * (2 * 4 * 30) * 3)
     assert_close(SA.reference(**args), whole, 1e-6)
 
 

@@ -62,6 +62,17 @@ class Op:
     differentiable: bool = False
 
 
+# Elements of temporaries a reference holds per query chunk (2^25 fp32: 128 MiB), which bounds its
+# memory at the large preset shapes.
+REFERENCE_CHUNK_ELEMS = 1 << 25
+
+
+def query_chunk(elems_per_row: int) -> int:
+    """Query rows a reference processes at once, given the elements of temporaries each row needs
+    (counted by the caller): as many as REFERENCE_CHUNK_ELEMS holds, at least one."""
+    return max(1, REFERENCE_CHUNK_ELEMS // max(1, elems_per_row))
+
+
 def bucket_pow2(n: int, lo: int = 16, hi: int = 1 << 20) -> int:
     """Round a sequence length up to a power of two within [lo, hi]: the tuning key's length bucket."""
     n = max(int(n), lo)

@@ -24,6 +24,7 @@ from registry.ops._contract import (
     DTYPE_NAMES,
     FLOAT_DTYPES,
     bucket_pow2,
+    query_chunk,
     random_normal,
     require_float,
     require_int32,
@@ -38,8 +39,6 @@ from registry.ops._contract import (
 
 MAX_HEAD_DIM = 256
 
-# Scores held per query chunk (elements): bounds the reference's memory at about 4 tensors of 64 MiB.
-_CHUNK_ELEMENTS = 1 << 24
 
 
 # ----------------------------------------------------------------------------- reference math
@@ -71,7 +70,7 @@ def dense_attention(
     kf = k.to(ct).permute(0, 2, 1, 3)
     vf = v.to(ct).permute(0, 2, 1, 3)
     sink = None if sinks is None else sinks.to(ct).reshape(1, h_kv, group, 1)
-    rows = max(1, _CHUNK_ELEMENTS // max(1, b * h_q * s_k))
+    rows = query_chunk(2 * b * h_q * s_k)  # scores and probabilities
     outs, lses = [], []
     for i0 in range(0, s_q, rows):
         qc = qf[:, :, :, i0 : i0 + rows]

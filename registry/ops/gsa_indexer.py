@@ -15,6 +15,7 @@ from registry.ops._contract import (
     FLOAT_DTYPES,
     Op,
     bucket_pow2,
+    query_chunk,
     random_normal,
     require_float,
     require_last_contiguous,
@@ -24,9 +25,6 @@ from registry.ops._contract import (
     require_tensor,
     resolve_scale,
 )
-
-# Elements of the per-head logits one query chunk of the reference may hold.
-_CHUNK_ELEMS = 1 << 25
 
 
 def validate(
@@ -102,7 +100,7 @@ def score_chunks(
     keys = k_idx.to(ct)
     bias = bias.to(ct)[:, None]
     cols = torch.arange(t, device=q_idx.device)
-    chunk = max(1, _CHUNK_ELEMS // (2 * b * h_i * t))
+    chunk = query_chunk(2 * b * h_i * t)
     for start in range(0, t, chunk):
         rows = slice(start, start + chunk)
         logits = torch.einsum("bchd,btd->bcht", q_idx[:, rows].to(ct), keys) * sm_scale + bias

@@ -10,6 +10,7 @@ from registry.ops._contract import (
     Op,
     bucket_pow2,
     masked_softmax,
+    query_chunk,
     random_indices,
     random_normal,
     require_float,
@@ -21,9 +22,6 @@ from registry.ops._contract import (
     require_tensor,
     resolve_scale,
 )
-
-# Elements of the dense per-query logits/probabilities one query chunk of the reference may hold.
-_CHUNK_ELEMS = 1 << 25
 
 
 def validate(
@@ -139,7 +137,7 @@ def reference(
     # Invalid slots point at key 0 and are masked out of the softmax.
     idx = torch.where(valid, indices, 0).long()
     kf, vf = k.to(ct), v.to(ct)
-    chunk = max(1, _CHUNK_ELEMS // (b * h_q * (3 * t + 3 * topk)))
+    chunk = query_chunk(b * h_q * (3 * t + 3 * topk))
     outs = []
     for start in range(0, t, chunk):
         rows = slice(start, start + chunk)

@@ -10,6 +10,7 @@ from registry.ops._contract import (
     Op,
     bucket_pow2,
     masked_softmax,
+    query_chunk,
     random_indices,
     random_normal,
     require_float,
@@ -22,9 +23,6 @@ from registry.ops._contract import (
     require_tensor,
     resolve_scale,
 )
-
-# Elements of the dense per-query logits/probabilities one query chunk of the reference may hold.
-_CHUNK_ELEMS = 1 << 25
 
 
 def validate(
@@ -156,7 +154,7 @@ def _compressed(k: torch.Tensor, block_size: int) -> torch.Tensor:
 def _chunks(q, h_kv, ct):
     """Yield (rows, q chunk [b, c, g, r, d] in ct), sized so a chunk's dense logits fit the budget."""
     b, t, h_q, _ = q.shape
-    chunk = max(1, _CHUNK_ELEMS // (4 * b * h_q * t))
+    chunk = query_chunk(4 * b * h_q * t)
     for start in range(0, t, chunk):
         rows = torch.arange(start, min(start + chunk, t), device=q.device)
         yield rows, q[:, start : start + chunk].to(ct).unflatten(2, (h_kv, h_q // h_kv))

@@ -17,6 +17,7 @@ from registry.ops._contract import (
     Op,
     bucket_pow2,
     masked_softmax,
+    query_chunk,
     random_indices,
     random_normal,
     require_float,
@@ -29,9 +30,6 @@ from registry.ops._contract import (
     require_tensor,
     resolve_scale,
 )
-
-# Elements of the gathered keys/values and logits one query chunk of the reference may hold.
-_CHUNK_ELEMS = 1 << 25
 
 _LAYOUTS = {
     False: {
@@ -210,7 +208,7 @@ def reference(
     sink = None if attn_sink is None else attn_sink.to(ct).view(h_kv, group)
     batch_ids = torch.arange(b, device=q.device).view(b, 1, 1, 1)
     group_ids = torch.arange(h_kv, device=q.device).view(1, 1, h_kv, 1)
-    chunk = max(1, _CHUNK_ELEMS // (b * h_kv * topk * (d_qk + 3 * group)))
+    chunk = query_chunk(b * h_kv * topk * (d_qk + 3 * group))
     outs, maxes, lses = [], [], []
     for start in range(0, s_q, chunk):
         rows = slice(start, start + chunk)
