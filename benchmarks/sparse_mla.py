@@ -56,8 +56,8 @@ def _checked_backward(small: dict, call, dtype: torch.dtype) -> float:
     return err
 
 
-def _time_backward(args: dict, call) -> float:
-    q, kv, out, dout = _grads(args, call)
+def _time_backward(grads) -> float:
+    q, kv, out, dout = grads
     return time_gpu(lambda: torch.autograd.grad(out, [q, kv], dout, retain_graph=True))
 
 
@@ -75,7 +75,7 @@ def _bench_shape(shape: dict, call, dtype: torch.dtype, time_reference: bool, de
                         "TFLOP/s", None, device_name))
     # Backward: dq/dkv checked on the small shape, then timed on the full one.
     bwd_err = _checked_backward(small, call, dtype)
-    bwd_ms = _time_backward(args, call)
+    bwd_ms = _time_backward(_grads(args, call))
     rows.append(Row("sparse_mla bwd", _name(shape), "kreg", bwd_ms, 2.5 * flops / bwd_ms / 1e9, "TFLOP/s",
                     bwd_err, device_name))
     return rows
@@ -113,22 +113,23 @@ def explore(fwd_configs: list[dict], bwd_configs: list[tuple[dict, dict]], dtype
         passes = (LaunchConfig(**dq_fields), LaunchConfig(**dkv_fields))
         call = lambda a, p=passes: sparse_mla_forward(a, forward, p)  # noqa: E731
         err = _checked_backward(small, call, dtype)
-        ms = _time_backward(args, call)
+        grads = _grads(args, call)
+        ms = _time_backward(grads)
         split = " + ".join(f"{name.removeprefix('_sparse_mla_bwd_').removesuffix('_kernel')} {k_ms:.1f}"
-                           for name, k_ms in _kernel_ms(args, call).items())
+                           for name, k_ms in _kernel_ms(grads).items())
+        del grads
         rows.append(Row("sparse_mla bwd", _name(shape), " / ".join(_describe(c) for c in passes) + f" ({split})",
                         ms, 2.5 * flops / ms / 1e9, "TFLOP/s", err, device.name))
         torch.cuda.empty_cache()
     return rows
 
 
-def _kernel_ms(args: dict, call) -> dict[str, float]:
-    """Milliseconds per backward kernel in one profiled backward (which pass to work on next)."""
+def _kernel_ms(grads) -> dict[str, float]:
+    """Milliseconds per backward kernel in one profiled backward (which pass to work on next), on a
+    graph `_time_backward` has already run (compiled and warm)."""
     from torch.profiler import ProfilerActivity, profile
 
-    q, kv, out, dout = _grads(args, call)
-    torch.autograd.grad(out, [q, kv], dout, retain_graph=True)
-    torch.cuda.synchronize()
+    q, kv, out, dout = grads
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         torch.autograd.grad(out, [q, kv], dout, retain_graph=True)
         torch.cuda.synchronize()
