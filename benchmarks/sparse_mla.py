@@ -15,9 +15,10 @@ import torch
 
 import registry
 from benchmarks.common import Row, checked
-from kernels.base import load_all
-from kernels.common.sparse_mla import sparse_mla_forward
+from kernels.common.sparse_mla import _forward, sparse_mla_forward
+from kernels.nvidia.sparse_mla_warpspec import _forward_ws
 from registry.device import detect
+from registry.dispatch import candidates
 from registry.ops import OPS
 from registry.testing import TOLERANCE, max_relative_error
 from tuning.bench import time_gpu
@@ -92,26 +93,27 @@ def run(dtype: torch.dtype = torch.bfloat16, time_reference: bool = True) -> lis
 
 
 def explore(fwd_configs: list[dict], bwd_configs: list[tuple[dict, dict]], dtype: torch.dtype = torch.bfloat16,
-            shape: dict = SHAPES[0]) -> list[Row]:
-    """Time explicit configs of this GPU's variant at one shape, each checked first: forward configs,
-    then (dq, dkv) pairs for the backward (run after the variant's default forward). Configs are
-    LaunchConfig fields as dicts; the registry's choice is not involved."""
+            shape: dict = SHAPES[0], variant_name: str | None = None) -> list[Row]:
+    """Time explicit configs of one variant (default: this GPU's highest-priority one for the shape) at
+    one shape, each checked first: forward configs, then (dq, dkv) pairs for the backward (run after the
+    variant's default forward). Configs are LaunchConfig fields as dicts; tuned tables are not involved."""
     device = detect()
-    (variant,) = [v for v in load_all()["sparse_mla"] if v.vendor == device.vendor]
     small = OP.validate(**OP.make_inputs(OP.reduce_shape(shape), device="cuda", dtype=dtype, seed=1))
     args = OP.validate(**OP.make_inputs(shape, device="cuda", dtype=dtype, seed=0))
+    variant = candidates("sparse_mla", device.vendor, variant_name, dict(OP.tuning_key(args)), device)[0]
+    run_forward = _forward_ws if variant.name == "sparse_mla_warpspec" else _forward
     flops = OP.flops(args)
     rows = []
     for fields in fwd_configs:
         config = LaunchConfig(**fields)
         err = checked(OP, small, lambda a, c=config: variant.launch(a, c))
         ms = time_gpu(lambda c=config: variant.launch(args, c))
-        rows.append(Row("sparse_mla fwd", _name(shape), _describe(config), ms, flops / ms / 1e9, "TFLOP/s", err,
-                        device.name))
+        rows.append(Row("sparse_mla fwd", _name(shape), f"{variant.name} {_describe(config)}", ms, flops / ms / 1e9,
+                        "TFLOP/s", err, device.name))
     forward = variant.default_config(dict(OP.tuning_key(args)), device)
     for dq_fields, dkv_fields in bwd_configs:
         passes = (LaunchConfig(**dq_fields), LaunchConfig(**dkv_fields))
-        call = lambda a, p=passes: sparse_mla_forward(a, forward, p)  # noqa: E731
+        call = lambda a, p=passes: sparse_mla_forward(a, forward, p, run_forward)  # noqa: E731
         err = _checked_backward(small, call, dtype)
         grads = _grads(args, call)
         ms = _time_backward(grads)
@@ -146,9 +148,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.sparse_mla")
     parser.add_argument("--fwd", default="[]", help="JSON list of forward LaunchConfig dicts")
     parser.add_argument("--bwd", default="[]", help="JSON list of [dq, dkv] LaunchConfig dict pairs")
+    parser.add_argument("--variant", default=None, help="variant name (default: the registry's first choice)")
     args = parser.parse_args(argv)
-    for r in explore(json.loads(args.fwd), [tuple(p) for p in json.loads(args.bwd)]):
-        print(f"{r.op:15} {r.provider:54} {r.ms:9.3f} ms {r.rate:6.0f} {r.unit}  rel err {r.rel_err:.1e}", flush=True)
+    for r in explore(json.loads(args.fwd), [tuple(p) for p in json.loads(args.bwd)], variant_name=args.variant):
+        print(f"{r.op:15} {r.provider:74} {r.ms:9.3f} ms {r.rate:6.0f} {r.unit}  rel err {r.rel_err:.1e}", flush=True)
     return 0
 
 

@@ -1,6 +1,7 @@
-"""sparse_mla Triton variants (both vendors) against the PyTorch reference, forward and backward.
+"""sparse_mla variants (both vendors) against the PyTorch reference, forward and backward.
 
-On the CPU they run in the Triton interpreter in fp16 (its tl.dot is wrong for bf16); on a GPU, bf16.
+On the CPU the Triton variants run in the interpreter in fp16 (its tl.dot is wrong for bf16); on a GPU,
+bf16. The Hopper Gluon variant (sparse_mla_warpspec) cannot be interpreted: it runs on an sm_90 GPU only.
 """
 
 import pytest
@@ -14,7 +15,10 @@ from tuning_db.records import LaunchConfig
 
 from .conftest import HAS_GPU, gpu
 
-VARIANTS = [v for v in load_all()["sparse_mla"] if v.name == "sparse_mla_headblock"]
+VARIANTS = load_all()["sparse_mla"]
+HEADBLOCK = [v for v in VARIANTS if v.name == "sparse_mla_headblock"]
+# A key every variant supports on a device that can run it (the V3.2 head dims).
+V32_KEY = {"d_qk": 576, "d_v": 512, "h_q": 128, "h_kv": 1, "dtype": "bf16", "topk": 2048}
 DTYPE = torch.bfloat16 if HAS_GPU else torch.float16
 TOL = TOLERANCE[DTYPE]
 
@@ -38,10 +42,12 @@ def _inputs(device, seed=0, **shape):
     return validate(**make_inputs(shape, device=device, dtype=DTYPE, seed=seed))
 
 
-@pytest.fixture(params=VARIANTS, ids=lambda v: v.vendor)
+@pytest.fixture(params=VARIANTS, ids=lambda v: f"{v.name}-{v.vendor}")
 def variant(request):
     if HAS_GPU and request.param.vendor != detect().vendor:
         pytest.skip(f"{request.param.vendor} variant cannot run on this GPU")
+    if not request.param.supports(V32_KEY, _device_info()):
+        pytest.skip(f"{request.param.name} does not run on {_device_info().name}")
     return request.param
 
 
@@ -191,7 +197,7 @@ def test_v32_shape_bf16_on_gpu():
 
 def test_interpreter_space_is_small_and_valid():
     info = CPU
-    for variant in VARIANTS:
+    for variant in HEADBLOCK:
         key = {"d_qk": 576, "d_v": 512, "h_q": 128, "h_kv": 1, "dtype": "fp16", "topk": 2048}
         space = variant.space(key, info)
         assert 1 <= len(space) <= 4
@@ -204,7 +210,7 @@ def test_gpu_spaces_offer_wide_head_blocks():
     from registry.device import preset
 
     key = {"d_qk": 576, "d_v": 512, "h_q": 128, "h_kv": 1, "dtype": "bf16", "topk": 2048}
-    for variant in VARIANTS:
+    for variant in HEADBLOCK:
         target = preset("h200") if variant.vendor == "nvidia" else preset("mi355x")
         space = variant.space(key, target)
         assert {c.blocks["BLOCK_H"] for c in space} == {16, 32, 64, 128}
@@ -218,4 +224,4 @@ def test_gpu_spaces_offer_wide_head_blocks():
             assert 128 not in {c.blocks["BLOCK_H"] for c in kept}
     # A group of 8 heads never gets a head block wider than 16.
     small = {**key, "h_q": 16, "h_kv": 2}
-    assert {c.blocks["BLOCK_H"] for c in VARIANTS[0].space(small, preset("h200"))} == {16}
+    assert {c.blocks["BLOCK_H"] for c in HEADBLOCK[0].space(small, preset("h200"))} == {16}

@@ -123,8 +123,11 @@ def compile_config(spec: CompileSpec, config: LaunchConfig, target: DeviceInfo) 
     start = time.perf_counter()
     spec = _as_jit_specializes(spec)
     signature = _full_signature(spec)
-    source = ASTSource(spec.fn, signature, constexprs=dict(spec.constexprs),
-                       attrs=_alignment_attrs(spec, signature))
+    # Gluon kernels (JITFunctions that say so) are lowered from their own source type.
+    source_type = ASTSource
+    if spec.fn.is_gluon():
+        from triton.experimental.gluon._runtime import GluonASTSource as source_type
+    source = source_type(spec.fn, signature, constexprs=dict(spec.constexprs), attrs=_alignment_attrs(spec, signature))
     try:
         kernel = triton.compile(source, target=GPUTarget(*target.target),
                                 options={**config.knobs(), **spec.options})

@@ -331,6 +331,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--shapes", default=None,
                    help="preset name, tiny or full (default: tiny on cpu, full on a GPU), optionally with the "
                         "indices of its shapes to sweep: full:0,2")
+    p.add_argument("--variant", default=None, metavar="NAME",
+                   help="sweep only this variant of each op (default: every variant of the device's vendor)")
     p.add_argument("--filter", default=None, metavar="K=V,...",
                    help="only configs whose blocks/knobs have these values, e.g. BLOCK_H=64,num_stages=2")
     p.add_argument("--dtype", choices=["fp16", "bf16"], default=None,
@@ -465,9 +467,10 @@ def main(argv: list[str] | None = None) -> int:
     with Progress(*columns, console=console, disable=args.no_progress) as progress:
         for name in ops:
             op = OPS[name]
-            variants = [v for v in registry_variants.get(name, []) if v.vendor == vendor]
+            variants = [v for v in registry_variants.get(name, [])
+                        if v.vendor == vendor and args.variant in (None, v.name)]
             if not variants:
-                console.print(f"{name}: no {vendor} variant yet, skipped")
+                console.print(f"{name}: no {vendor} variant {args.variant or ''} yet, skipped".replace("  ", " "))
                 continue
             if preset_name not in op.presets:
                 print(f"error: --shapes: {name} has presets {', '.join(op.presets)}, got {preset_name!r}",

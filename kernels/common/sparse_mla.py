@@ -429,8 +429,8 @@ class _SparseMLAFunction(torch.autograd.Function):
     runs."""
 
     @staticmethod
-    def forward(ctx, q, kv, indices, sm_scale, d_v, attn_sink, topk_length, config, bwd_configs):
-        out, max_logits, lse = _forward(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, config)
+    def forward(ctx, run_forward, q, kv, indices, sm_scale, d_v, attn_sink, topk_length, config, bwd_configs):
+        out, max_logits, lse = run_forward(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, config)
         ctx.save_for_backward(q, kv, indices, attn_sink, topk_length, out, lse)
         ctx.sm_scale, ctx.d_v, ctx.bwd_configs = sm_scale, d_v, bwd_configs
         ctx.mark_non_differentiable(max_logits, lse)
@@ -441,13 +441,15 @@ class _SparseMLAFunction(torch.autograd.Function):
         q, kv, indices, attn_sink, topk_length, out, lse = ctx.saved_tensors
         dq, dkv, dsink = _backward(q, kv, indices, ctx.sm_scale, ctx.d_v, attn_sink, topk_length, out, lse,
                                    dout, ctx.bwd_configs)
-        return dq, dkv, None, None, None, dsink, None, None, None
+        return None, dq, dkv, None, None, None, dsink, None, None, None
 
 
-def sparse_mla_forward(args: dict, config: LaunchConfig,
-                       bwd_configs: tuple[LaunchConfig, LaunchConfig]) -> SparseMLAOutput:
+def sparse_mla_forward(args: dict, config: LaunchConfig, bwd_configs: tuple[LaunchConfig, LaunchConfig],
+                       run_forward=_forward) -> SparseMLAOutput:
     """Launch sparse MLA on validated arguments (registry.ops.sparse_mla's dict) with `config`; a
-    backward, when autograd asks for one, runs its dq and dkv passes with `bwd_configs`."""
+    backward, when autograd asks for one, runs its dq and dkv passes with `bwd_configs`. `run_forward`
+    is the forward launcher (batched-layout tensors in, (out, max_logits, lse) out): this module's
+    head-block kernel, or another variant's kernel that shares this backward."""
     q, kv, indices = args["q"], args["kv"], args["indices"]
     batched = q.dim() == 4
     qb, kvb, ib = _batched(q, batched), _batched(kv, batched), _batched(indices, batched)
@@ -456,10 +458,10 @@ def sparse_mla_forward(args: dict, config: LaunchConfig,
     wants_grad = torch.is_grad_enabled() and (q.requires_grad or kv.requires_grad
                                               or (sink is not None and sink.requires_grad))
     if wants_grad:
-        out, max_logits, lse = _SparseMLAFunction.apply(qb, kvb, ib, args["sm_scale"], args["d_v"], sink, lengths,
-                                                        config, bwd_configs)
+        out, max_logits, lse = _SparseMLAFunction.apply(run_forward, qb, kvb, ib, args["sm_scale"], args["d_v"],
+                                                        sink, lengths, config, bwd_configs)
     else:
-        out, max_logits, lse = _forward(qb, kvb, ib, args["sm_scale"], args["d_v"], sink, lengths, config)
+        out, max_logits, lse = run_forward(qb, kvb, ib, args["sm_scale"], args["d_v"], sink, lengths, config)
     if not batched:
         out, max_logits, lse = out[0], max_logits[0], lse[0]
     return SparseMLAOutput(out, max_logits, lse)
