@@ -15,8 +15,7 @@ import torch
 
 import registry
 from benchmarks.common import Row, checked
-from kernels.common.sparse_mla import _forward, sparse_mla_forward
-from kernels.nvidia.sparse_mla_warpspec import _forward_ws
+from kernels.common.sparse_mla import sparse_mla_forward
 from registry.device import detect
 from registry.dispatch import candidates
 from registry.ops import OPS
@@ -101,7 +100,6 @@ def explore(fwd_configs: list[dict], bwd_configs: list[tuple[dict, dict]], dtype
     small = OP.validate(**OP.make_inputs(OP.reduce_shape(shape), device="cuda", dtype=dtype, seed=1))
     args = OP.validate(**OP.make_inputs(shape, device="cuda", dtype=dtype, seed=0))
     variant = candidates("sparse_mla", device.vendor, variant_name, dict(OP.tuning_key(args)), device)[0]
-    run_forward = _forward_ws if variant.name == "sparse_mla_warpspec" else _forward
     flops = OP.flops(args)
     rows = []
     for fields in fwd_configs:
@@ -113,7 +111,7 @@ def explore(fwd_configs: list[dict], bwd_configs: list[tuple[dict, dict]], dtype
     forward = variant.default_config(dict(OP.tuning_key(args)), device)
     for dq_fields, dkv_fields in bwd_configs:
         passes = (LaunchConfig(**dq_fields), LaunchConfig(**dkv_fields))
-        call = lambda a, p=passes: sparse_mla_forward(a, forward, p, run_forward)  # noqa: E731
+        call = lambda a, p=passes: sparse_mla_forward(a, forward, p, variant.run_forward)  # noqa: E731
         err = _checked_backward(small, call, dtype)
         grads = _grads(args, call)
         ms = _time_backward(grads)

@@ -1,4 +1,4 @@
-"""The Hopper Gluon variant of sparse_mla (kernels/nvidia/sparse_mla_warpspec.py): where it runs, its
+"""The Hopper Gluon variant of sparse_mla (kernels/nvidia/sparse_mla.py): where it runs, its
 config space, its fallback for kv layouts it cannot copy from; on an sm_90 GPU, every config of its space
 against the reference. (The shared correctness tests in test_sparse_mla_kernel.py run it on sm_90 too;
 its offline sm_90 compiles are in test_shipped_and_default_configs.py.)"""
@@ -67,7 +67,7 @@ def test_backward_is_the_head_block_variants():
 
 
 def test_copies_need_16_element_rows():
-    from kernels.nvidia.sparse_mla_warpspec import _copies_aligned
+    from kernels.nvidia.sparse_mla import _copies_aligned
 
     kv = torch.empty(1, 8, 1, 576, dtype=torch.bfloat16)
     assert _copies_aligned(kv)

@@ -527,6 +527,7 @@ class SparseMLAHeadBlockBase:
     Q_IN_SHARED = True
     BACKWARD: dict[str, dict] = {}
     DEFAULTS: dict[str, dict] = {}
+    run_forward = staticmethod(_forward)  # the forward launcher (sparse_mla_forward's run_forward)
 
     def supports(self, key: dict, device) -> bool:
         return key["dtype"] in ("fp16", "bf16") and key["d_qk"] <= 1024
@@ -593,11 +594,11 @@ class SparseMLAHeadBlockBase:
         return tuple(configs)
 
     def launch(self, args: dict, config: LaunchConfig) -> SparseMLAOutput:
-        return sparse_mla_forward(args, config, self.backward_configs(config))
+        return sparse_mla_forward(args, config, self.backward_configs(config), self.run_forward)
 
     def bind(self, config: LaunchConfig):
         bwd = self.backward_configs(config)
-        return lambda args: sparse_mla_forward(args, config, bwd)
+        return lambda args: sparse_mla_forward(args, config, bwd, self.run_forward)
 
     def compile_specs(self, key: dict, config: LaunchConfig, dtype: str = "bf16") -> list[CompileSpec]:
         return sparse_mla_compile_specs(key, config, self.backward_configs(config), dtype)
