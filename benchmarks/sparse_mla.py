@@ -99,7 +99,8 @@ def explore(fwd_configs: list[dict], bwd_configs: list[tuple[dict, dict]], dtype
     device = detect()
     small = OP.validate(**OP.make_inputs(OP.reduce_shape(shape), device="cuda", dtype=dtype, seed=1))
     args = OP.validate(**OP.make_inputs(shape, device="cuda", dtype=dtype, seed=0))
-    variant = candidates("sparse_mla", device.vendor, variant_name, dict(OP.tuning_key(args)), device)[0]
+    key = dict(OP.tuning_key(args))
+    variant = candidates("sparse_mla", device.vendor, variant_name, key, device)[0]
     flops = OP.flops(args)
     rows = []
     for fields in fwd_configs:
@@ -108,7 +109,7 @@ def explore(fwd_configs: list[dict], bwd_configs: list[tuple[dict, dict]], dtype
         ms = time_gpu(lambda c=config: variant.launch(args, c))
         rows.append(Row("sparse_mla fwd", _name(shape), f"{variant.name} {_describe(config)}", ms, flops / ms / 1e9,
                         "TFLOP/s", err, device.name))
-    forward = variant.default_config(dict(OP.tuning_key(args)), device)
+    forward = variant.default_config(key, device)
     for dq_fields, dkv_fields in bwd_configs:
         passes = (LaunchConfig(**dq_fields), LaunchConfig(**dkv_fields))
         call = lambda a, p=passes: sparse_mla_forward(a, forward, p, variant.run_forward)  # noqa: E731

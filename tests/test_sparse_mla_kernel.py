@@ -198,8 +198,7 @@ def test_v32_shape_bf16_on_gpu():
 def test_interpreter_space_is_small_and_valid():
     info = CPU
     for variant in HEADBLOCK:
-        key = {"d_qk": 576, "d_v": 512, "h_q": 128, "h_kv": 1, "dtype": "fp16", "topk": 2048}
-        space = variant.space(key, info)
+        space = variant.space({**V32_KEY, "dtype": "fp16"}, info)
         assert 1 <= len(space) <= 4
         assert all(isinstance(c, LaunchConfig) for c in space)
 
@@ -209,7 +208,7 @@ def test_gpu_spaces_offer_wide_head_blocks():
     d_v 512 accumulator, AMD keeps BLOCK_H 128 and offers num_stages 1-2 (kpack fixed to 1 on gfx950)."""
     from registry.device import preset
 
-    key = {"d_qk": 576, "d_v": 512, "h_q": 128, "h_kv": 1, "dtype": "bf16", "topk": 2048}
+    key = V32_KEY
     for variant in HEADBLOCK:
         target = preset("h200") if variant.vendor == "nvidia" else preset("mi355x")
         space = variant.space(key, target)

@@ -470,7 +470,8 @@ def main(argv: list[str] | None = None) -> int:
             variants = [v for v in registry_variants.get(name, [])
                         if v.vendor == vendor and args.variant in (None, v.name)]
             if not variants:
-                console.print(f"{name}: no {vendor} variant {args.variant or ''} yet, skipped".replace("  ", " "))
+                which = f"variant {args.variant}" if args.variant else "variant"
+                console.print(f"{name}: no {vendor} {which} yet, skipped")
                 continue
             if preset_name not in op.presets:
                 print(f"error: --shapes: {name} has presets {', '.join(op.presets)}, got {preset_name!r}",

@@ -503,8 +503,22 @@ def sparse_mla_compile_specs(key: dict, config: LaunchConfig, bwd_configs: tuple
     return specs
 
 
-# ----------------------------------------------------------------------------- the variant
-class SparseMLAHeadBlockBase:
+# ----------------------------------------------------------------------------- the variants
+class SparseMLALaunch:
+    """`launch` and `bind` of every sparse_mla variant: its forward launcher (`run_forward`, see
+    sparse_mla_forward) and this module's backward with the variant's `backward_configs(config)`."""
+
+    run_forward = staticmethod(_forward)
+
+    def launch(self, args: dict, config: LaunchConfig) -> SparseMLAOutput:
+        return sparse_mla_forward(args, config, self.backward_configs(config), self.run_forward)
+
+    def bind(self, config: LaunchConfig):
+        bwd = self.backward_configs(config)
+        return lambda args: sparse_mla_forward(args, config, bwd, self.run_forward)
+
+
+class SparseMLAHeadBlockBase(SparseMLALaunch):
     """The head-block variant's logic; each vendor file subclasses it with `Variant` and sets its data:
 
     SPACE: lists of values per block and knob (the sweep's product), each list filtered per key;
@@ -527,7 +541,6 @@ class SparseMLAHeadBlockBase:
     Q_IN_SHARED = True
     BACKWARD: dict[str, dict] = {}
     DEFAULTS: dict[str, dict] = {}
-    run_forward = staticmethod(_forward)  # the forward launcher (sparse_mla_forward's run_forward)
 
     def supports(self, key: dict, device) -> bool:
         return key["dtype"] in ("fp16", "bf16") and key["d_qk"] <= 1024
@@ -592,13 +605,6 @@ class SparseMLAHeadBlockBase:
                 blocks["BLOCK_H"] = min(cap, blocks["BLOCK_H"])
             configs.append(config.model_copy(update={"blocks": blocks, **chosen}))
         return tuple(configs)
-
-    def launch(self, args: dict, config: LaunchConfig) -> SparseMLAOutput:
-        return sparse_mla_forward(args, config, self.backward_configs(config), self.run_forward)
-
-    def bind(self, config: LaunchConfig):
-        bwd = self.backward_configs(config)
-        return lambda args: sparse_mla_forward(args, config, bwd, self.run_forward)
 
     def compile_specs(self, key: dict, config: LaunchConfig, dtype: str = "bf16") -> list[CompileSpec]:
         return sparse_mla_compile_specs(key, config, self.backward_configs(config), dtype)

@@ -45,15 +45,15 @@ from kernels.base import CompileSpec, Variant, register
 from kernels.common.sparse_mla import (
     LOG2E,
     SparseMLAHeadBlockBase,
+    SparseMLALaunch,
     _compile_signature,
     _forward,
     _grid,
     _strides,
     group_head_cap,
     sparse_mla_compile_specs,
-    sparse_mla_forward,
 )
-from registry.ops.sparse_mla import SparseMLAOutput
+from registry.device import detect
 from tuning_db.records import LaunchConfig
 
 
@@ -77,6 +77,9 @@ class SparseMLAHeadBlockNvidia(SparseMLAHeadBlockBase, Variant):
     DEFAULTS = {"*": {"BLOCK_H": 64, "BLOCK_TOPK": 64, "num_warps": 8, "num_stages": 3}}
 
 
+_HEAD_BLOCK = SparseMLAHeadBlockNvidia()  # the warp-specialized variant's backward and fallback
+
+
 # ----------------------------------------------------------------------------- warp-specialized forward
 LN2 = gl.constexpr(0.6931471805599453)
 # Kernels can only read globals that are constexprs (Python code reads `.value`).
@@ -86,6 +89,16 @@ PRODUCER_REGS = gl.constexpr(56)  # registers per producer thread; the consumers
 
 
 # ----------------------------------------------------------------------------- Gluon kernel
+@gluon.jit
+def _query_slots(IDX, TOPK_LEN, topk, t, g, b, stride_ib, stride_is, stride_ih, stride_lb, stride_ls,
+                 HAS_TOPK_LEN: gl.constexpr):
+    """(slots to visit, the index row) of query t of kv group g of batch row b (b as int64)."""
+    n_slots = topk
+    if HAS_TOPK_LEN:
+        n_slots = gl.minimum(gl.load(TOPK_LEN + b * stride_lb + t.to(gl.int64) * stride_ls), topk)
+    return n_slots, IDX + b * stride_ib + t.to(gl.int64) * stride_is + g.to(gl.int64) * stride_ih
+
+
 @gluon.jit
 def _gather_partition(KV, IDX, TOPK_LEN, k_main, k_tail, ready, free,
                       s_kv, topk, heads_per_group, head_blocks,
@@ -99,10 +112,8 @@ def _gather_partition(KV, IDX, TOPK_LEN, k_main, k_tail, ready, free,
     t = gl.program_id(0)
     g = gl.program_id(1) // head_blocks
     b = gl.program_id(2).to(gl.int64)
-    n_slots = topk
-    if HAS_TOPK_LEN:
-        n_slots = gl.minimum(gl.load(TOPK_LEN + b * stride_lb + t.to(gl.int64) * stride_ls), topk)
-    idx_row = IDX + b * stride_ib + t.to(gl.int64) * stride_is + g.to(gl.int64) * stride_ih
+    n_slots, idx_row = _query_slots(IDX, TOPK_LEN, topk, t, g, b, stride_ib, stride_is, stride_ih, stride_lb,
+                                    stride_ls, HAS_TOPK_LEN)
     kv_base = KV + b * stride_kvb + g.to(gl.int64) * stride_kvh
     offs_t = gl.arange(0, BLOCK_TOPK, layout=gl.SliceLayout(1, chunk))
     offs_c = gl.arange(0, COLS, layout=gl.SliceLayout(0, chunk))
@@ -161,10 +172,8 @@ def _attend_partition(Q, IDX, SINK, TOPK_LEN, OUT, MAX_LOGITS, LSE, q_main, q_ta
     fence_async_shared()
     gl.thread_barrier()
 
-    n_slots = topk
-    if HAS_TOPK_LEN:
-        n_slots = gl.minimum(gl.load(TOPK_LEN + b * stride_lb + t.to(gl.int64) * stride_ls), topk)
-    idx_row = IDX + b * stride_ib + t.to(gl.int64) * stride_is + g.to(gl.int64) * stride_ih
+    n_slots, idx_row = _query_slots(IDX, TOPK_LEN, topk, t, g, b, stride_ib, stride_is, stride_ih, stride_lb,
+                                    stride_ls, HAS_TOPK_LEN)
     offs_t = gl.arange(0, BLOCK_TOPK, layout=gl.SliceLayout(0, s_layout))
 
     m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=s_rows)
@@ -276,20 +285,14 @@ def _copies_aligned(kv: torch.Tensor) -> bool:
     return kv.data_ptr() % 16 == 0 and all(s % 16 == 0 for s in kv.stride()[:3])
 
 
-def _fallback_config(h_q: int, h_kv: int) -> LaunchConfig:
-    """The head-block kernel's NVIDIA default, for the kv layouts this kernel cannot copy from."""
-    chosen = dict(SparseMLAHeadBlockNvidia.DEFAULTS["*"])
-    block_h = min(chosen.pop("BLOCK_H"), group_head_cap(h_q // h_kv))
-    return LaunchConfig(blocks={"BLOCK_H": block_h, "BLOCK_TOPK": chosen.pop("BLOCK_TOPK")}, **chosen)
-
-
 def _forward_ws(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, config: LaunchConfig):
     """Run the warp-specialized forward on batched-layout tensors; returns (out, max_logits, lse).
     A kv whose rows are not 16-element aligned runs the head-block kernel instead."""
     b, s_q, h_q, d_qk = q.shape
     s_kv, h_kv = kv.shape[1], kv.shape[2]
-    if not _copies_aligned(kv):
-        return _forward(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, _fallback_config(h_q, h_kv))
+    if not _copies_aligned(kv):  # the head-block kernel with its default for this group
+        fallback = _HEAD_BLOCK.default_config({"h_q": h_q, "h_kv": h_kv}, detect(q.device))
+        return _forward(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, fallback)
     out = torch.empty((b, s_q, h_q, d_v), device=q.device, dtype=q.dtype)
     max_logits = torch.empty((b, s_q, h_q), device=q.device, dtype=torch.float32)
     lse = torch.empty_like(max_logits)
@@ -315,7 +318,7 @@ def shared_bytes(d_v: int, d_tail: int, block_topk: int, num_stages: int) -> int
 
 
 @register
-class SparseMLAWarpSpecializedHopper(Variant):
+class SparseMLAWarpSpecializedHopper(SparseMLALaunch, Variant):
     """Hopper only (wgmma, setmaxnreg); d_v a power of two in [64, 512] (each warpgroup's half of the
     accumulator is one wgmma of N = d_v / 2 <= 256) and a rope tail of at most 64 dims in 8-dim steps
     (whole 16-byte copies). Higher priority than the head-block kernel: it is the default where it runs."""
@@ -325,7 +328,7 @@ class SparseMLAWarpSpecializedHopper(Variant):
     name = "sparse_mla_warpspec"
     priority = 10
     source_modules = ("kernels.nvidia.sparse_mla", "kernels.common.sparse_mla")
-    run_forward = staticmethod(_forward_ws)  # the forward launcher (sparse_mla_forward's run_forward)
+    run_forward = staticmethod(_forward_ws)
     SPACE = {"BLOCK_TOPK": (32, 64), "num_stages": (2, 3, 4), "PRODUCER_WARPS": (2, 4)}
     # 64-slot tiles with 2 stages won every key of the H200 and H100 sweeps; 2 and 4 producer warps are
     # within 1% of each other (benchmarks/NOTES.md).
@@ -359,14 +362,7 @@ class SparseMLAWarpSpecializedHopper(Variant):
 
     def backward_configs(self, config: LaunchConfig) -> tuple[LaunchConfig, LaunchConfig]:
         """The head-block variant's backward passes."""
-        return SparseMLAHeadBlockNvidia().backward_configs(config)
-
-    def launch(self, args: dict, config: LaunchConfig) -> SparseMLAOutput:
-        return sparse_mla_forward(args, config, self.backward_configs(config), self.run_forward)
-
-    def bind(self, config: LaunchConfig):
-        bwd = self.backward_configs(config)
-        return lambda args: sparse_mla_forward(args, config, bwd, self.run_forward)
+        return _HEAD_BLOCK.backward_configs(config)
 
     def compile_specs(self, key: dict, config: LaunchConfig, dtype: str = "bf16") -> list[CompileSpec]:
         """This forward (with sink and topk_length) and the head-block backward's two passes."""
