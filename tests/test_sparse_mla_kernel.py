@@ -195,6 +195,19 @@ def test_v32_shape_bf16_on_gpu():
     assert_close(out, reference(**args), TOLERANCE[torch.bfloat16])
 
 
+@pytest.mark.parametrize("d_split", [1, 2])
+def test_value_part_in_d_tiles_with_odd_dims(device, d_split):
+    """D_SPLIT 2 with a value part that is no power of two (d_v 100: tiles of 64, the second 36 wide) and
+    a rope tail of 20, against the reference (the head-block variants of both vendors)."""
+    args = _inputs(device, seed=5, s_q=3, s_kv=90, h_q=24, h_kv=1, d_qk=120, d_v=100, topk=70, sink=True)
+    expected = reference(**args)
+    for variant in HEADBLOCK:
+        if HAS_GPU and variant.vendor != detect().vendor:
+            continue
+        blocks = {"BLOCK_H": 16, "BLOCK_TOPK": 32, **({"D_SPLIT": 2} if d_split == 2 else {})}
+        assert_close(variant.launch(args, LaunchConfig(blocks=blocks)), expected, TOL, what=f"{variant.vendor}")
+
+
 def test_interpreter_space_is_small_and_valid():
     info = CPU
     for variant in HEADBLOCK:
@@ -213,6 +226,7 @@ def test_gpu_spaces_offer_wide_head_blocks():
         target = preset("h200") if variant.vendor == "nvidia" else preset("mi355x")
         space = variant.space(key, target)
         assert {c.blocks["BLOCK_H"] for c in space} == {16, 32, 64, 128}
+        assert {c.blocks.get("D_SPLIT", 1) for c in space} == {1, 2}
         kept = [c for c in space if variant.prune_reason(c, key, target) is None]
         assert kept and variant.prune_reason(variant.default_config(key, target), key, target) is None
         if variant.vendor == "amd":

@@ -14,6 +14,7 @@ class SparseMLAHeadBlockAmd(SparseMLAHeadBlockBase, Variant):
     SPACE = {
         "BLOCK_H": (16, 32, 64, 128),
         "BLOCK_TOPK": (16, 32, 64, 128),
+        "D_SPLIT": (1, 2),
         "num_warps": (4, 8),
         "num_stages": (1, 2),
         "waves_per_eu": (0, 1, 2),

@@ -36,6 +36,10 @@ def dim_blocks(d_qk: int, d_v: int) -> tuple[int, int]:
     return max(16, triton.next_power_of_2(d_v)), (max(16, triton.next_power_of_2(tail)) if tail else 0)
 
 
+# The head-block variant's block dimensions (its other SPACE entries are launch knobs).
+BLOCK_NAMES = ("BLOCK_H", "BLOCK_TOPK", "D_SPLIT")
+
+
 def group_head_cap(heads_per_group: int) -> int:
     """The widest useful head tile: the group's heads rounded up to a power of two (at least 16, tl.dot's M)."""
     return max(16, triton.next_power_of_2(heads_per_group))
@@ -75,13 +79,18 @@ def _sparse_mla_fwd_kernel(
     stride_mb, stride_ms,
     D_V: tl.constexpr, D_TAIL: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DT: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_TOPK: tl.constexpr, HAS_SINK: tl.constexpr, HAS_TOPK_LEN: tl.constexpr,
-    ROWS_I32: tl.constexpr,
+    ROWS_I32: tl.constexpr, D_SPLIT: tl.constexpr,
 ):
     """One program: BLOCK_H heads of one kv group of one query (of one batch row).
 
     Online softmax over the query's top-k slots in tiles of BLOCK_TOPK, in log2 units (`qk_scale` is
     sm_scale * log2(e)). Writes out [BLOCK_H, d_v], max_logits and the natural-log lse; a row with no
     valid slot writes out 0, max_logits -inf and lse +inf.
+
+    D_SPLIT (1 or 2) cuts the value part of d_qk into that many D tiles of BLOCK_DV / D_SPLIT columns
+    (the rope tail is its own tile either way): each tile is its own dot for the scores and its own
+    accumulator for out, so every operand a dot stages is that much smaller (what lets wider top-k
+    tiles fit in gfx942's 64 KiB of LDS), for twice the dots.
     """
     t = tl.program_id(0)
     g = tl.program_id(1) // head_blocks
@@ -91,11 +100,15 @@ def _sparse_mla_fwd_kernel(
     offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     head_ok = offs_h < heads_per_group
     heads = g * heads_per_group + offs_h
-    offs_dv = tl.arange(0, BLOCK_DV)
+    BLOCK_DS: tl.constexpr = BLOCK_DV // D_SPLIT
+    offs_dv = tl.arange(0, BLOCK_DS)
     offs_t = tl.arange(0, BLOCK_TOPK)
 
     q_row = Q + b * stride_qb + t.to(tl.int64) * stride_qs + heads[:, None].to(tl.int64) * stride_qh
     q_main = tl.load(q_row + offs_dv[None, :], mask=head_ok[:, None] & (offs_dv[None, :] < D_V), other=0.0)
+    if D_SPLIT == 2:
+        q_high = tl.load(q_row + BLOCK_DS + offs_dv[None, :],
+                         mask=head_ok[:, None] & (offs_dv[None, :] < D_V - BLOCK_DS), other=0.0)
     if D_TAIL > 0:
         offs_dt = tl.arange(0, BLOCK_DT)
         q_tail = tl.load(q_row + D_V + offs_dt[None, :], mask=head_ok[:, None] & (offs_dt[None, :] < D_TAIL),
@@ -109,15 +122,20 @@ def _sparse_mla_fwd_kernel(
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_DS], tl.float32)
+    if D_SPLIT == 2:
+        acc_high = tl.zeros([BLOCK_H, BLOCK_DS], tl.float32)
     for start in range(0, n_slots, BLOCK_TOPK):
         slots = start + offs_t
         idx = tl.load(idx_row + slots, mask=slots < n_slots, other=-1)
         # Any index outside [0, s_kv) is invalid; it is never dereferenced (row 0 stands in, masked).
         valid = (idx >= 0) & (idx < s_kv)
         kv_row = kv_base + _row_offsets(idx, valid, stride_kvs, ROWS_I32)
-        kv_main = _gather_rows(kv_row, offs_dv, valid, D_V, BLOCK_DV)
+        kv_main = _gather_rows(kv_row, offs_dv, valid, D_V, BLOCK_DS)
         scores = tl.dot(q_main, tl.trans(kv_main))
+        if D_SPLIT == 2:
+            kv_high = _gather_rows(kv_row + BLOCK_DS, offs_dv, valid, D_V - BLOCK_DS, BLOCK_DS)
+            scores += tl.dot(q_high, tl.trans(kv_high))
         if D_TAIL > 0:
             kv_tail = _gather_rows(kv_row + D_V, offs_dt, valid, D_TAIL, BLOCK_DT)
             scores += tl.dot(q_tail, tl.trans(kv_tail))
@@ -129,6 +147,8 @@ def _sparse_mla_fwd_kernel(
         alpha = tl.math.exp2(m_i - m_shift)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(kv_main.dtype), kv_main)
+        if D_SPLIT == 2:
+            acc_high = acc_high * alpha[:, None] + tl.dot(p.to(kv_high.dtype), kv_high)
         m_i = m_new
 
     empty = l_i == 0.0
@@ -142,6 +162,9 @@ def _sparse_mla_fwd_kernel(
     o_ptr = OUT + b * stride_ob + t.to(tl.int64) * stride_os + heads[:, None].to(tl.int64) * stride_oh
     tl.store(o_ptr + offs_dv[None, :], out.to(OUT.dtype.element_ty),
              mask=head_ok[:, None] & (offs_dv[None, :] < D_V))
+    if D_SPLIT == 2:
+        tl.store(o_ptr + BLOCK_DS + offs_dv[None, :], (acc_high * scale[:, None]).to(OUT.dtype.element_ty),
+                 mask=head_ok[:, None] & (offs_dv[None, :] < D_V - BLOCK_DS))
     m_off = b * stride_mb + t.to(tl.int64) * stride_ms + heads
     tl.store(MAX_LOGITS + m_off, m_i * LN2, mask=head_ok)
     tl.store(LSE + m_off, lse, mask=head_ok)
@@ -368,7 +391,7 @@ def _forward(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, config: Laun
         D_V=d_v, D_TAIL=d_qk - d_v, BLOCK_DV=block_dv, BLOCK_DT=block_dt,
         BLOCK_H=blocks["BLOCK_H"], BLOCK_TOPK=blocks["BLOCK_TOPK"],
         HAS_SINK=attn_sink is not None, HAS_TOPK_LEN=topk_length is not None, ROWS_I32=_rows_fit_int32(kv),
-        **config.knobs(),
+        D_SPLIT=blocks.get("D_SPLIT", 1), **config.knobs(),
     )
     return out, max_logits, lse
 
@@ -491,7 +514,8 @@ def sparse_mla_compile_specs(key: dict, config: LaunchConfig, bwd_configs: tuple
         block_h = min(cfg.blocks["BLOCK_H"], group_head_cap(heads_per_group))
         constexprs = {"D_V": key["d_v"], "D_TAIL": key["d_qk"] - key["d_v"], "BLOCK_DV": block_dv,
                       "BLOCK_DT": block_dt, "BLOCK_H": block_h, "BLOCK_TOPK": cfg.blocks["BLOCK_TOPK"],
-                      "HAS_SINK": True, "HAS_TOPK_LEN": True, "ROWS_I32": True}
+                      "HAS_SINK": True, "HAS_TOPK_LEN": True, "ROWS_I32": True,
+                      "D_SPLIT": cfg.blocks.get("D_SPLIT", 1)}
         constexprs = {n: v for n, v in constexprs.items() if n in fn.arg_names}
         names = [n for n in fn.arg_names if n not in constexprs]
         signature = _compile_signature(names, {n: t for n, t in pointers.items() if n in names}, floats)
@@ -521,7 +545,9 @@ class SparseMLALaunch:
 class SparseMLAHeadBlockBase(SparseMLALaunch):
     """The head-block variant's logic; each vendor file subclasses it with `Variant` and sets its data:
 
-    SPACE: lists of values per block and knob (the sweep's product), each list filtered per key;
+    SPACE: lists of values per block and knob (the sweep's product), each list filtered per key; the
+        blocks are BLOCK_H, BLOCK_TOPK and D_SPLIT (the value part of d_qk in 1 or 2 D tiles; a
+        config records D_SPLIT only when it is 2, so configs from before it existed stay the same);
     ACC_REGS_LIMIT: the fp32 accumulator registers per thread (BLOCK_H * BLOCK_DV / threads) above
         which a config cannot avoid spilling on that vendor (AMD's unified VGPR/AGPR file is larger),
         further capped at half of each thread's share of the register file;
@@ -551,15 +577,15 @@ class SparseMLAHeadBlockBase(SparseMLALaunch):
 
     def space(self, key: dict, device) -> list[LaunchConfig]:
         if device.key == "cpu":
-            return [LaunchConfig(blocks={"BLOCK_H": 16, "BLOCK_TOPK": t}) for t in (16, 32)]
+            return [LaunchConfig(blocks=_blocks(16, 16, 1)), LaunchConfig(blocks=_blocks(16, 32, 2))]
         cap = self._head_cap(key)
-        knob_names = [n for n in self.SPACE if n not in ("BLOCK_H", "BLOCK_TOPK")]
+        knob_names = [n for n in self.SPACE if n not in BLOCK_NAMES]
         configs = []
         for block_h in (h for h in self.SPACE["BLOCK_H"] if h <= cap):
-            for block_topk in self.SPACE["BLOCK_TOPK"]:
+            for block_topk, d_split in _product([self.SPACE["BLOCK_TOPK"], self.SPACE["D_SPLIT"]]):
+                blocks = _blocks(block_h, block_topk, d_split)
                 for values in _product([self._knob_values(n, device) for n in knob_names]):
-                    knobs = dict(zip(knob_names, values, strict=True))
-                    configs.append(LaunchConfig(blocks={"BLOCK_H": block_h, "BLOCK_TOPK": block_topk}, **knobs))
+                    configs.append(LaunchConfig(blocks=blocks, **dict(zip(knob_names, values, strict=True))))
         return configs
 
     def _knob_values(self, name: str, device) -> tuple:
@@ -570,6 +596,9 @@ class SparseMLAHeadBlockBase(SparseMLALaunch):
         if device.key == "cpu":
             return None
         block_dv, _ = dim_blocks(key["d_qk"], key["d_v"])
+        d_split = config.blocks.get("D_SPLIT", 1)
+        if block_dv // d_split < 16:
+            return f"D tiles of {block_dv // d_split} columns (< 16, tl.dot's K)"
         threads = config.num_warps * device.warp_size
         acc_regs = config.blocks["BLOCK_H"] * block_dv // threads
         # The accumulator may take at most half of a thread's share of the register file.
@@ -577,11 +606,15 @@ class SparseMLAHeadBlockBase(SparseMLALaunch):
         if acc_regs > limit:
             return f"accumulator needs {acc_regs} registers per thread (> {limit})"
         # The value part dominates the tiles: the gathered kv tile stays resident for the pipeline's
-        # stages in flight; Q stays resident on NVIDIA and passes through once on AMD.
+        # stages in flight; Q stays resident on NVIDIA and passes through once on AMD, where the
+        # operands go through LDS one dot (one D tile) at a time.
         kv_tile = config.blocks["BLOCK_TOPK"] * block_dv * 2
         q_tile = config.blocks["BLOCK_H"] * block_dv * 2
         resident = kv_tile * max(1, config.num_stages - 1)
-        smem = resident + q_tile if self.Q_IN_SHARED else max(resident, q_tile)
+        if self.Q_IN_SHARED:
+            smem = resident + q_tile
+        else:
+            smem = max(resident, q_tile) // d_split
         if smem > device.shared_mem_bytes:
             return f"needs ~{smem} B of shared memory/LDS (> {device.shared_mem_bytes})"
         return None
@@ -590,7 +623,8 @@ class SparseMLAHeadBlockBase(SparseMLALaunch):
         if device.key == "cpu":
             return LaunchConfig(blocks={"BLOCK_H": 16, "BLOCK_TOPK": 16})
         chosen = dict(self.DEFAULTS.get(device.arch, self.DEFAULTS["*"]))
-        blocks = {"BLOCK_H": min(chosen.pop("BLOCK_H"), self._head_cap(key)), "BLOCK_TOPK": chosen.pop("BLOCK_TOPK")}
+        blocks = _blocks(min(chosen.pop("BLOCK_H"), self._head_cap(key)), chosen.pop("BLOCK_TOPK"),
+                         chosen.pop("D_SPLIT", 1))
         return LaunchConfig(blocks=blocks, **chosen)
 
     def backward_configs(self, config: LaunchConfig) -> tuple[LaunchConfig, LaunchConfig]:
@@ -608,6 +642,10 @@ class SparseMLAHeadBlockBase(SparseMLALaunch):
 
     def compile_specs(self, key: dict, config: LaunchConfig, dtype: str = "bf16") -> list[CompileSpec]:
         return sparse_mla_compile_specs(key, config, self.backward_configs(config), dtype)
+
+
+def _blocks(block_h: int, block_topk: int, d_split: int) -> dict[str, int]:
+    return {"BLOCK_H": block_h, "BLOCK_TOPK": block_topk, **({"D_SPLIT": d_split} if d_split != 1 else {})}
 
 
 def _product(lists: list[tuple]) -> list[tuple]:

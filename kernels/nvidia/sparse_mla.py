@@ -63,6 +63,7 @@ class SparseMLAHeadBlockNvidia(SparseMLAHeadBlockBase, Variant):
     SPACE = {
         "BLOCK_H": (16, 32, 64, 128),
         "BLOCK_TOPK": (16, 32, 64, 128),
+        "D_SPLIT": (1, 2),
         "num_warps": (4, 8, 16),
         "num_stages": (1, 2, 3, 4),
     }
