@@ -11,6 +11,7 @@ from registry.device import CPU, preset
 from registry.dispatch import candidates
 from registry.ops.sparse_mla import make_inputs, reference, validate
 from registry.testing import TOLERANCE, assert_close
+from tuning_db.records import LaunchConfig
 
 from .conftest import HAS_GPU
 
@@ -49,16 +50,35 @@ def test_registry_prefers_it_on_hopper_and_never_on_cpu():
 
 
 def test_space_and_pruning():
+    """Fixed tiles (32-slot blocks, four stages: what fits beside Q), so the space is the producer's warps
+    and the follower's registers; everything fits at the V3.2 dims, and the shared-memory estimate
+    says what the compiler allocates, give or take the alignment of the small buffers."""
+    from kernels.nvidia.sparse_mla import shared_bytes
+
     target = preset("h200")
     space = WARPSPEC.space(V32, target)
-    assert len(space) == len(set(space)) == 12
-    kept = [c for c in space if WARPSPEC.prune_reason(c, V32, target) is None]
-    # 64-slot tiles: two stages fill Hopper's 227 KB with Q; 32-slot tiles fit four.
-    assert {(c.blocks["BLOCK_TOPK"], c.num_stages) for c in kept} == {(32, 2), (32, 3), (32, 4), (64, 2)}
-    assert WARPSPEC.default_config(V32, target) in kept
+    assert len(space) == len(set(space)) == 4
+    assert {(c.blocks["PRODUCER_WARPS"], c.blocks["FOLLOWER_REGS"]) for c in space} == {(2, 200), (2, 208),
+                                                                                         (4, 200), (4, 208)}
+    assert {(c.blocks["BLOCK_TOPK"], c.num_stages, c.num_warps) for c in space} == {(32, 4, 4)}
+    assert all(WARPSPEC.prune_reason(c, V32, target) is None for c in space)
+    assert WARPSPEC.default_config(V32, target) in space
+    assert 230_000 < shared_bytes(512, 64) <= target.shared_mem_bytes
     # A 16-head group: the config records 16 heads per program (the backward's dq cap).
     small = {**V32, "h_q": 16}
     assert {c.blocks["BLOCK_H"] for c in WARPSPEC.space(small, target)} == {16}
+
+
+def test_configs_of_the_earlier_kernel_still_launch():
+    """A config tuned before the knobs existed (stale, still used: ARCHITECTURE.md) launches with the
+    defaults for what it lacks; its own knobs win where it has them."""
+    from kernels.nvidia.sparse_mla import DEFAULT_KNOBS, launch_knobs
+
+    old = LaunchConfig(blocks={"BLOCK_H": 64, "BLOCK_TOPK": 64, "PRODUCER_WARPS": 2}, num_warps=8, num_stages=2)
+    assert launch_knobs(old) == {**DEFAULT_KNOBS, "PRODUCER_WARPS": 2}
+    assert launch_knobs(WARPSPEC.default_config(V32, preset("h200"))) == DEFAULT_KNOBS
+    spec = WARPSPEC.compile_specs(V32, old)[0]
+    assert spec.constexprs["FOLLOWER_REGS"] == DEFAULT_KNOBS["FOLLOWER_REGS"]
 
 
 def test_backward_is_the_head_block_variants():

@@ -10,16 +10,19 @@ head-block variant. Why: the plain-Triton head-block kernel plateaus near 265 TF
 the V3.2 shape, its warps waiting at CTA barriers around layout conversions and pipeline hand-offs
 (benchmarks/NOTES.md). Gluon lets the kernel say how the work is split:
 
-- a producer partition (PRODUCER_WARPS warps, few registers) gathers each BLOCK_TOPK tile of selected
-  latent rows with cp.async into a ring of NUM_STAGES shared-memory stages and signals an mbarrier per
-  stage; invalid slots are zero-filled, never read;
-- the default partition, two consumer warpgroups, keeps Q (64 heads, all d_qk dims) in shared memory
-  for the whole program. Per tile, warpgroup w computes the scores of the tile's w-th half of slots
-  (wgmma 64 x BLOCK_TOPK/2 x d_qk), the two combine row maxima, write their halves of P to shared memory,
-  and each accumulates its half of d_v (wgmma 64 x d_v/2 x BLOCK_TOPK; V is the first d_v columns of
-  the same gathered rows). Row sums stay per slot column until the end, so a tile needs one cross-
-  warpgroup reduction (the maximum), not two.
+- a producer partition (PRODUCER_WARPS warps, few registers) gathers each BLOCK_TOPK-slot block of
+  selected latent rows with cp.async into a ring of NUM_STAGES shared-memory stages, with each slot's
+  bias (0, or -inf for an invalid index or a slot past topk_length), and signals an mbarrier per stage;
+  invalid slots are zero-filled, never read;
+- two consumer warpgroups take the blocks in pairs: warpgroup 0 (the leader) block 2j, warpgroup 1
+  (the follower) block 2j + 1, each its scores over all d_qk dims (Q stays in shared memory). The
+  leader shifts by its own running maximum and starts its product at once; the follower starts from
+  the leader's maximum, so its P is final; the leader then rescales its P and accumulator. Each writes
+  its P to shared memory for the other, and each accumulates its half of d_v from both blocks (its own
+  P from registers, the peer's from shared memory; V is the first d_v columns of the same rows). The
+  skew lets one warpgroup's softmax run under the other's products (FlashMLA's schedule).
 
+Four stages of 32 slots: a pair uses two while the producer fills the other two.
 One program owns 64 heads (wgmma's M per warpgroup) of one kv group of one query, as in the head-block
 kernel with BLOCK_H 64. Semantics: `registry.ops.sparse_mla.reference`.
 
@@ -86,7 +89,9 @@ LN2 = gl.constexpr(0.6931471805599453)
 # Kernels can only read globals that are constexprs (Python code reads `.value`).
 BLOCK_H = gl.constexpr(64)  # heads per program: wgmma's M for one warpgroup; both warpgroups share them
 COLS = gl.constexpr(64)  # columns per copy chunk and width of the rope-tail tiles (128 bytes: one swizzle row)
-PRODUCER_REGS = gl.constexpr(56)  # registers per producer thread; the consumers get the rest of the file
+PRODUCER_REGS = gl.constexpr(56)  # registers per producer thread
+BLOCK_TOPK = gl.constexpr(32)  # slots per block: each warpgroup's scores are one 64 x 32 x d_qk wgmma
+NUM_STAGES = gl.constexpr(4)  # Q (72 KB at d_qk 576) + four 36 KB stages fill Hopper's 227 KB
 
 
 # ----------------------------------------------------------------------------- Gluon kernel
@@ -101,13 +106,13 @@ def _query_slots(IDX, TOPK_LEN, topk, t, g, b, stride_ib, stride_is, stride_ih, 
 
 
 @gluon.jit
-def _gather_partition(KV, IDX, TOPK_LEN, k_main, k_tail, ready, free,
-                      s_kv, topk, heads_per_group, head_blocks,
-                      stride_kvb, stride_kvs, stride_kvh, stride_ib, stride_is, stride_ih, stride_lb, stride_ls,
-                      D_V: gl.constexpr, D_TAIL: gl.constexpr, BLOCK_TOPK: gl.constexpr,
-                      NUM_STAGES: gl.constexpr, HAS_TOPK_LEN: gl.constexpr, PRODUCER_WARPS: gl.constexpr):
-    """Producer: copy each tile's gathered rows into the next free stage; the stage's `ready` barrier
-    completes when every producer thread's copies have landed (one no-increment arrive per thread)."""
+def _gather_blocks(KV, IDX, TOPK_LEN, k_main, k_tail, slot_bias, ready, free,
+                   s_kv, topk, heads_per_group, head_blocks,
+                   stride_kvb, stride_kvs, stride_kvh, stride_ib, stride_is, stride_ih, stride_lb, stride_ls,
+                   D_V: gl.constexpr, D_TAIL: gl.constexpr, HAS_TOPK_LEN: gl.constexpr, PRODUCER_WARPS: gl.constexpr):
+    """Producer: top-k block i into stage i % NUM_STAGES, with its slots' bias, in whole pairs of blocks
+    (an odd last block gets an all-invalid partner). A stage's `ready` completes when every producer
+    thread's copies have landed (no-increment arrivals) and the bias is written (one arrival)."""
     # 8 contiguous 16-bit values (one 16-byte cp.async) per thread, 8 threads per 64-column row chunk.
     chunk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [PRODUCER_WARPS, 1], [1, 0])
     t = gl.program_id(0)
@@ -118,11 +123,11 @@ def _gather_partition(KV, IDX, TOPK_LEN, k_main, k_tail, ready, free,
     kv_base = KV + b * stride_kvb + g.to(gl.int64) * stride_kvh
     offs_t = gl.arange(0, BLOCK_TOPK, layout=gl.SliceLayout(1, chunk))
     offs_c = gl.arange(0, COLS, layout=gl.SliceLayout(0, chunk))
-    for it in range(gl.cdiv(n_slots, BLOCK_TOPK)):
-        stage = it % NUM_STAGES
+    for i in range(gl.cdiv(n_slots, 2 * BLOCK_TOPK) * 2):
+        stage = i % NUM_STAGES
         # Barriers start in phase 0, so the first pass over the ring finds every stage free.
-        mbarrier.wait(free.index(stage), ((it // NUM_STAGES) & 1) ^ 1)
-        slots = it * BLOCK_TOPK + offs_t
+        mbarrier.wait(free.index(stage), ((i // NUM_STAGES) & 1) ^ 1)
+        slots = i * BLOCK_TOPK + offs_t
         idx = gl.load(idx_row + slots, mask=slots < n_slots, other=-1)
         # Any index outside [0, s_kv) is invalid: its copy is masked (zero-filled), row 0 stands in.
         valid = (idx >= 0) & (idx < s_kv)
@@ -135,24 +140,45 @@ def _gather_partition(KV, IDX, TOPK_LEN, k_main, k_tail, ready, free,
             async_copy.async_copy_global_to_shared(k_tail.index(stage), rows[:, None] + (D_V + offs_c)[None, :],
                                                    mask=valid[:, None] & (offs_c < D_TAIL)[None, :])
         async_copy.mbarrier_arrive(ready.index(stage), increment_count=False)
+        slot_bias.index(stage).store(gl.where(valid, 0.0, float("-inf")))
+        gl.thread_barrier()
+        mbarrier.arrive(ready.index(stage), count=1)
 
 
 @gluon.jit
-def _attend_partition(Q, IDX, SINK, TOPK_LEN, OUT, MAX_LOGITS, LSE, q_main, q_tail, k_main, k_tail, p_smem,
-                      ready, free, s_kv, topk, heads_per_group, head_blocks, qk_scale,
-                      stride_qb, stride_qs, stride_qh, stride_ib, stride_is, stride_ih, stride_lb, stride_ls,
-                      stride_ob, stride_os, stride_oh, stride_mb, stride_ms,
-                      D_V: gl.constexpr, D_TAIL: gl.constexpr, BLOCK_TOPK: gl.constexpr, NUM_STAGES: gl.constexpr,
-                      HAS_SINK: gl.constexpr, HAS_TOPK_LEN: gl.constexpr):
-    """Consumers (8 warps): online softmax over the gathered tiles, in log2 units (`qk_scale` is
-    sm_scale * log2(e)); writes out, max_logits and the natural-log lse like the head-block kernel (a
-    row with no valid slot: out 0, max_logits -inf, lse +inf)."""
-    # Warps [4, 2]: warpgroup 0 owns the left half of the scores' slots and of out's columns.
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
-                                                       instr_shape=[16, BLOCK_TOPK // 2, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+def _publish_and_exponentiate(s, m_i, m_new, l_i, m_smem, published):
+    """Hand this side's new row maximum to the peer (m_smem, then one arrival on `published`) and take
+    the online-softmax step: (the shift, P, the factor for the old accumulator, the new row sums)."""
+    m_smem.store(m_new)
+    gl.thread_barrier()
+    mbarrier.arrive(published, count=1)
+    # Rows with no valid slot so far keep m = -inf: shift by 0 so exp2 gives 0 instead of NaN.
+    m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)
+    p = gl.exp2(s - m_shift[:, None])
+    alpha = gl.exp2(m_i - m_shift)
+    return m_shift, p, alpha, l_i * alpha + gl.sum(p, 1)
+
+
+@gluon.jit
+def _attend_half(Q, IDX, SINK, TOPK_LEN, OUT, MAX_LOGITS, LSE, q_main, q_tail, k_main, k_tail, slot_bias, p_own, p_peer,
+                 m_own_smem, m_peer_smem, l_own_smem, l_peer_smem, ready, free, bars,
+                 s_kv, topk, heads_per_group, head_blocks, qk_scale,
+                 stride_qb, stride_qs, stride_qh, stride_ib, stride_is, stride_ih, stride_lb, stride_ls,
+                 stride_ob, stride_os, stride_oh, stride_mb, stride_ms,
+                 SIDE: gl.constexpr, D_V: gl.constexpr, D_TAIL: gl.constexpr, HAS_SINK: gl.constexpr,
+                 HAS_TOPK_LEN: gl.constexpr):
+    """Consumer warpgroup SIDE (0 leads, 1 follows): block 2j + SIDE of each pair j and out's columns
+    [SIDE * d_v / 2, (SIDE + 1) * d_v / 2). Online softmax in log2 units (`qk_scale` is sm_scale *
+    log2(e)); writes out, and (the leader) max_logits and the natural-log lse like the head-block kernel
+    (a row with no valid slot: out 0, max_logits -inf, lse +inf). Bars: 0 Q loaded, 1 the leader's
+    maximum, 2 the follower's (the pair's), 3 the leader's P, 4 the follower's, 5 + s side s's row sums.
+    The slot bias makes the consumers independent of the indices: with per-thread index loads here,
+    LLVM hoists their addresses above the partitions' register hand-off and ptxas spills them."""
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_TOPK, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, D_V // 2, 16])
-    q_load: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
+    p_operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
     o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
     t = gl.program_id(0)
@@ -160,77 +186,120 @@ def _attend_partition(Q, IDX, SINK, TOPK_LEN, OUT, MAX_LOGITS, LSE, q_main, q_ta
     hb = gl.program_id(1) % head_blocks
     b = gl.program_id(2).to(gl.int64)
 
-    # Q once, into shared memory (heads past the group read 0 and are never stored).
-    offs_hq = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, q_load))
-    offs_cq = gl.arange(0, COLS, layout=gl.SliceLayout(0, q_load))
-    q_ok = (offs_hq < heads_per_group)[:, None]
-    q_row = (Q + b * stride_qb + t.to(gl.int64) * stride_qs
-             + (g * heads_per_group + offs_hq)[:, None].to(gl.int64) * stride_qh)
-    for c in gl.static_range(D_V // COLS):
-        q_main.slice(c * COLS, COLS, dim=1).store(gl.load(q_row + (c * COLS + offs_cq)[None, :], mask=q_ok, other=0.0))
-    if D_TAIL > 0:
-        q_tail.store(gl.load(q_row + (D_V + offs_cq)[None, :], mask=q_ok & (offs_cq < D_TAIL)[None, :], other=0.0))
-    fence_async_shared()
-    gl.thread_barrier()
+    if SIDE == 0:
+        # Q once, into shared memory with cp.async (through registers it would cost this warpgroup
+        # the registers its loop needs); heads past the group read 0 and are never stored.
+        q_load: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        offs_hq = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, q_load))
+        offs_cq = gl.arange(0, COLS, layout=gl.SliceLayout(0, q_load))
+        q_ok = (offs_hq < heads_per_group)[:, None]
+        q_row = (Q + b * stride_qb + t.to(gl.int64) * stride_qs
+                 + (g * heads_per_group + offs_hq)[:, None].to(gl.int64) * stride_qh)
+        for c in gl.static_range(D_V // COLS):
+            async_copy.async_copy_global_to_shared(q_main.slice(c * COLS, COLS, dim=1),
+                                                   q_row + (c * COLS + offs_cq)[None, :], mask=q_ok)
+        if D_TAIL > 0:
+            async_copy.async_copy_global_to_shared(q_tail, q_row + (D_V + offs_cq)[None, :],
+                                                   mask=q_ok & (offs_cq < D_TAIL)[None, :])
+        async_copy.commit_group()
+        async_copy.wait_group(0)
+        fence_async_shared()
+        gl.thread_barrier()
+        mbarrier.arrive(bars.index(0), count=1)
+    else:
+        mbarrier.wait(bars.index(0), 0)
 
-    n_slots, idx_row = _query_slots(IDX, TOPK_LEN, topk, t, g, b, stride_ib, stride_is, stride_ih, stride_lb,
-                                    stride_ls, HAS_TOPK_LEN)
-    offs_t = gl.arange(0, BLOCK_TOPK, layout=gl.SliceLayout(0, s_layout))
-
+    n_slots, _ = _query_slots(IDX, TOPK_LEN, topk, t, g, b, stride_ib, stride_is, stride_ih, stride_lb,
+                              stride_ls, HAS_TOPK_LEN)
     m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=s_rows)
-    l_cols = gl.zeros([BLOCK_H, BLOCK_TOPK], gl.float32, layout=s_layout)  # row sums, per slot column
-    acc = gl.zeros([BLOCK_H, D_V], gl.float32, layout=o_layout)
+    l_i = gl.zeros([BLOCK_H], gl.float32, layout=s_rows)
+    acc = gl.zeros([BLOCK_H, D_V // 2], gl.float32, layout=o_layout)
     s_init = gl.zeros([BLOCK_H, BLOCK_TOPK], gl.float32, layout=s_layout)
-    for it in range(gl.cdiv(n_slots, BLOCK_TOPK)):
-        stage = it % NUM_STAGES
-        slots = it * BLOCK_TOPK + offs_t
-        idx = gl.load(idx_row + slots, mask=slots < n_slots, other=-1)
-        valid = (idx >= 0) & (idx < s_kv)
-        mbarrier.wait(ready.index(stage), (it // NUM_STAGES) & 1)
+    for pair in range(gl.cdiv(n_slots, 2 * BLOCK_TOPK)):
+        phase = pair & 1
+        block = 2 * pair + SIDE
+        stage = block % NUM_STAGES
+        peer_stage = (block + 1 - 2 * SIDE) % NUM_STAGES
+        mbarrier.wait(ready.index(stage), (block // NUM_STAGES) & 1)
         # The rows arrived through cp.async (generic proxy); wgmma reads them through the async proxy.
         fence_async_shared()
-        keys = k_main.index(stage)
-        s = warpgroup_mma(q_main, keys.permute((1, 0)), s_init, use_acc=False, is_async=True)
+        s = warpgroup_mma(q_main, k_main.index(stage).permute((1, 0)), s_init, use_acc=False, is_async=True)
         if D_TAIL > 0:
             s = warpgroup_mma(q_tail, k_tail.index(stage).permute((1, 0)), s, is_async=True)
         s = warpgroup_mma_wait(0, deps=(s,))
-        s = gl.where(valid[None, :], s * qk_scale, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, 1))
-        # Rows with no valid slot so far keep m = -inf: shift by 0 so exp2 gives 0 instead of NaN.
-        m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)
-        p = gl.exp2(s - m_shift[:, None])
-        alpha = gl.exp2(m_i - m_shift)
-        l_cols = l_cols * alpha[:, None] + p
-        p_smem.store(p.to(p_smem.dtype))
-        fence_async_shared()
-        gl.thread_barrier()  # both halves of P are written before either warpgroup reads all of it
-        acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
-        acc = warpgroup_mma(p_smem, keys, acc, is_async=True)
-        acc = warpgroup_mma_wait(0, deps=(acc,))
-        gl.thread_barrier()  # both warpgroups are done with the stage (and with P) before it is freed
+        s = s * qk_scale + slot_bias.index(stage).load(gl.SliceLayout(0, s_layout))[None, :]
+        own_v = k_main.index(stage).slice(SIDE * (D_V // 2), D_V // 2, dim=1)
+        peer_v = k_main.index(peer_stage).slice(SIDE * (D_V // 2), D_V // 2, dim=1)
+        if SIDE == 0:
+            # Leader: shift by its own running maximum and start its product at once; the follower's
+            # maximum (which includes this one) then rescales P for the follower and the accumulator.
+            m_new = gl.maximum(m_i, gl.max(s, 1))
+            m_shift, p, alpha, l_i = _publish_and_exponentiate(s, m_i, m_new, l_i, m_own_smem, bars.index(1))
+            acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
+            p_op = gl.convert_layout(p.to(p_own.dtype), p_operand)
+            acc = warpgroup_mma(p_op, own_v, acc, is_async=True)
+            mbarrier.wait(bars.index(2), phase)
+            m_pair = m_peer_smem.load(s_rows)
+            # Rows still without a valid slot have p = 0, acc = 0, l = 0: any finite factor will do.
+            beta = gl.where(m_new == float("-inf"), 1.0,
+                            gl.exp2(m_shift - gl.where(m_pair == float("-inf"), 0.0, m_pair)))
+            p_own.store((p * beta[:, None]).to(p_own.dtype))
+            fence_async_shared()
+            gl.thread_barrier()
+            mbarrier.arrive(bars.index(3), count=1)
+            l_i = l_i * beta
+            acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
+            acc = acc * gl.convert_layout(beta, o_rows)[:, None]
+            mbarrier.wait(bars.index(4), phase)
+            acc = warpgroup_mma(p_peer, peer_v, acc, is_async=True)
+            acc = warpgroup_mma_wait(0, deps=(acc,))
+            m_i = m_pair
+        else:
+            # Follower: its maximum starts from the leader's, so it is the pair's and P is final.
+            mbarrier.wait(bars.index(1), phase)
+            m_new = gl.maximum(m_peer_smem.load(s_rows), gl.max(s, 1))
+            m_shift, p, alpha, l_i = _publish_and_exponentiate(s, m_i, m_new, l_i, m_own_smem, bars.index(2))
+            p16 = p.to(p_own.dtype)
+            p_own.store(p16)
+            fence_async_shared()
+            gl.thread_barrier()
+            mbarrier.arrive(bars.index(4), count=1)
+            acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
+            p_op = gl.convert_layout(p16, p_operand)
+            acc = warpgroup_mma(p_op, own_v, acc, is_async=True)
+            mbarrier.wait(bars.index(3), phase)
+            acc = warpgroup_mma(p_peer, peer_v, acc, is_async=True)
+            acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
+            m_i = m_new
+        # This side is done with both blocks of the pair (its own and its half of the peer's).
+        gl.thread_barrier()
         mbarrier.arrive(free.index(stage), count=1)
-        m_i = m_new
+        mbarrier.arrive(free.index(peer_stage), count=1)
 
-    l_i = gl.sum(l_cols, 1)
+    # The row sum is split between the sides; both finish with the pair's maximum.
+    l_own_smem.store(l_i)
+    gl.thread_barrier()
+    mbarrier.arrive(bars.index(5 + SIDE), count=1)
+    mbarrier.wait(bars.index(6 - SIDE), 0)
+    l_i = gl.convert_layout(l_i + l_peer_smem.load(s_rows), o_rows)
+    m_i = gl.convert_layout(m_i, o_rows)
     empty = l_i == 0.0
     lse = gl.where(empty, float("inf"), (m_i + gl.log2(gl.where(empty, 1.0, l_i))) * LN2)
     scale = gl.where(empty, 0.0, 1.0 / gl.where(empty, 1.0, l_i))
-    offs_h = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=s_rows)
+    offs_h = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=o_rows)
     head_ok = offs_h < heads_per_group
     heads = g * heads_per_group + offs_h
     if HAS_SINK:
         sink = gl.load(SINK + heads, mask=head_ok, other=0.0)
         # sigmoid(lse - sink); empty rows are already scaled to 0 whatever the sink.
         scale = scale * gl.where(empty, 0.0, 1.0 / (1.0 + gl.exp(sink - gl.where(empty, 0.0, lse))))
-    m_off = b * stride_mb + t.to(gl.int64) * stride_ms + heads
-    gl.store(MAX_LOGITS + m_off, m_i * LN2, mask=head_ok)
-    gl.store(LSE + m_off, lse, mask=head_ok)
-    out = (acc * gl.convert_layout(scale, o_rows)[:, None]).to(OUT.dtype.element_ty)
-    offs_ho = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=o_rows)
-    offs_d = gl.arange(0, D_V, layout=gl.SliceLayout(0, o_layout))
-    o_row = (OUT + b * stride_ob + t.to(gl.int64) * stride_os
-             + (g * heads_per_group + offs_ho)[:, None].to(gl.int64) * stride_oh)
-    gl.store(o_row + offs_d[None, :], out, mask=(offs_ho < heads_per_group)[:, None])
+    if SIDE == 0:
+        m_off = b * stride_mb + t.to(gl.int64) * stride_ms + heads
+        gl.store(MAX_LOGITS + m_off, m_i * LN2, mask=head_ok)
+        gl.store(LSE + m_off, lse, mask=head_ok)
+    offs_d = SIDE * (D_V // 2) + gl.arange(0, D_V // 2, layout=gl.SliceLayout(0, o_layout))
+    o_row = OUT + b * stride_ob + t.to(gl.int64) * stride_os + heads[:, None].to(gl.int64) * stride_oh
+    gl.store(o_row + offs_d[None, :], (acc * scale[:, None]).to(OUT.dtype.element_ty), mask=head_ok[:, None])
 
 
 @gluon.jit
@@ -243,13 +312,17 @@ def _sparse_mla_fwd_ws_kernel(
     stride_lb, stride_ls,
     stride_ob, stride_os, stride_oh,
     stride_mb, stride_ms,
-    D_V: gl.constexpr, D_TAIL: gl.constexpr, BLOCK_TOPK: gl.constexpr, NUM_STAGES: gl.constexpr,
-    HAS_SINK: gl.constexpr, HAS_TOPK_LEN: gl.constexpr, PRODUCER_WARPS: gl.constexpr,
+    D_V: gl.constexpr, D_TAIL: gl.constexpr, HAS_SINK: gl.constexpr, HAS_TOPK_LEN: gl.constexpr,
+    PRODUCER_WARPS: gl.constexpr, FOLLOWER_REGS: gl.constexpr,
 ):
     """One program: 64 heads of one kv group of one query (of one batch row); grid as the head-block
-    kernel's. Shared memory: Q, NUM_STAGES gathered tiles, P, the stage barriers."""
+    kernel's. Shared memory: Q, the stages of gathered rows and their slot biases, each side's P, the
+    swapped row maxima and sums, the barriers. FOLLOWER_REGS: registers per follower thread (the
+    leader, the default partition, gets what the follower and the producer leave)."""
     dtype: gl.constexpr = Q.dtype.element_ty
     swizzled: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_TOPK], dtype)
+    vec: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     q_main = gl.allocate_shared_memory(dtype, [BLOCK_H, D_V], swizzled)
     k_main = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_TOPK, D_V], swizzled)
     if D_TAIL > 0:
@@ -258,28 +331,53 @@ def _sparse_mla_fwd_ws_kernel(
     else:  # no rope tail: the names stay bound for the partitions' arguments, never used
         q_tail = q_main
         k_tail = k_main
-    # P's rows are BLOCK_TOPK 16-bit values: 64 bytes at 32 slots, too short for the 128-byte swizzle.
-    p_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, BLOCK_TOPK],
-                                       gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_TOPK], dtype))
+    p_side0 = gl.allocate_shared_memory(dtype, [BLOCK_H, BLOCK_TOPK], p_layout)
+    p_side1 = gl.allocate_shared_memory(dtype, [BLOCK_H, BLOCK_TOPK], p_layout)
+    m_side0 = gl.allocate_shared_memory(gl.float32, [BLOCK_H], vec)
+    m_side1 = gl.allocate_shared_memory(gl.float32, [BLOCK_H], vec)
+    l_side0 = gl.allocate_shared_memory(gl.float32, [BLOCK_H], vec)
+    l_side1 = gl.allocate_shared_memory(gl.float32, [BLOCK_H], vec)
+    slot_bias = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_TOPK], vec)
     ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     free = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(NUM_STAGES):
-        mbarrier.init(ready.index(i), count=PRODUCER_WARPS * 32)
-        mbarrier.init(free.index(i), count=1)
+    bars = gl.allocate_shared_memory(gl.int64, [7, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(NUM_STAGES):
+        mbarrier.init(ready.index(s), count=PRODUCER_WARPS * 32 + 1)
+        mbarrier.init(free.index(s), count=2)
+    for i in gl.static_range(7):
+        mbarrier.init(bars.index(i), count=1)
     gl.warp_specialize([
-        (_attend_partition, (Q, IDX, SINK, TOPK_LEN, OUT, MAX_LOGITS, LSE, q_main, q_tail, k_main, k_tail, p_smem,
-                             ready, free, s_kv, topk, heads_per_group, head_blocks, qk_scale,
-                             stride_qb, stride_qs, stride_qh, stride_ib, stride_is, stride_ih, stride_lb, stride_ls,
-                             stride_ob, stride_os, stride_oh, stride_mb, stride_ms,
-                             D_V, D_TAIL, BLOCK_TOPK, NUM_STAGES, HAS_SINK, HAS_TOPK_LEN)),
-        (_gather_partition, (KV, IDX, TOPK_LEN, k_main, k_tail, ready, free,
-                             s_kv, topk, heads_per_group, head_blocks,
-                             stride_kvb, stride_kvs, stride_kvh, stride_ib, stride_is, stride_ih, stride_lb, stride_ls,
-                             D_V, D_TAIL, BLOCK_TOPK, NUM_STAGES, HAS_TOPK_LEN, PRODUCER_WARPS)),
-    ], [PRODUCER_WARPS], [PRODUCER_REGS])
+        (_attend_half, (Q, IDX, SINK, TOPK_LEN, OUT, MAX_LOGITS, LSE, q_main, q_tail, k_main, k_tail, slot_bias,
+                        p_side0, p_side1, m_side0, m_side1, l_side0, l_side1, ready, free, bars,
+                        s_kv, topk, heads_per_group, head_blocks, qk_scale,
+                        stride_qb, stride_qs, stride_qh, stride_ib, stride_is, stride_ih, stride_lb, stride_ls,
+                        stride_ob, stride_os, stride_oh, stride_mb, stride_ms,
+                        0, D_V, D_TAIL, HAS_SINK, HAS_TOPK_LEN)),
+        (_attend_half, (Q, IDX, SINK, TOPK_LEN, OUT, MAX_LOGITS, LSE, q_main, q_tail, k_main, k_tail, slot_bias,
+                        p_side1, p_side0, m_side1, m_side0, l_side1, l_side0, ready, free, bars,
+                        s_kv, topk, heads_per_group, head_blocks, qk_scale,
+                        stride_qb, stride_qs, stride_qh, stride_ib, stride_is, stride_ih, stride_lb, stride_ls,
+                        stride_ob, stride_os, stride_oh, stride_mb, stride_ms,
+                        1, D_V, D_TAIL, HAS_SINK, HAS_TOPK_LEN)),
+        (_gather_blocks, (KV, IDX, TOPK_LEN, k_main, k_tail, slot_bias, ready, free,
+                          s_kv, topk, heads_per_group, head_blocks,
+                          stride_kvb, stride_kvs, stride_kvh, stride_ib, stride_is, stride_ih, stride_lb, stride_ls,
+                          D_V, D_TAIL, HAS_TOPK_LEN, PRODUCER_WARPS)),
+    ], [4, PRODUCER_WARPS], [FOLLOWER_REGS, PRODUCER_REGS])
 
 
 # ----------------------------------------------------------------------------- launcher
+# The fastest of the variant's space on the H200 at the V3.2 shape (benchmarks/NOTES.md).
+DEFAULT_KNOBS = {"PRODUCER_WARPS": 4, "FOLLOWER_REGS": 208}
+
+
+def launch_knobs(config: LaunchConfig) -> dict[str, int]:
+    """PRODUCER_WARPS and FOLLOWER_REGS of a config, the defaults where it has none: a config tuned for
+    an earlier version of this kernel (stale, still used: ARCHITECTURE.md) may lack them, and its tile
+    fields (BLOCK_TOPK, num_stages) no longer choose anything."""
+    return {name: config.blocks.get(name, default) for name, default in DEFAULT_KNOBS.items()}
+
+
 def _copies_aligned(kv: torch.Tensor) -> bool:
     """Whether kv's base and row strides are multiples of 16 elements (of 16 bytes for the base), which
     the JIT then assumes, so the gathers compile to 16-byte copies (cp.async cannot do 2-byte ones)."""
@@ -298,31 +396,34 @@ def _forward_ws(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, config: L
     max_logits = torch.empty((b, s_q, h_q), device=q.device, dtype=torch.float32)
     lse = torch.empty_like(max_logits)
     grid, head_blocks = _grid(s_q, h_q, h_kv, b, BLOCK_H.value)
-    blocks = config.blocks
     _sparse_mla_fwd_ws_kernel[grid](
         q, kv, indices, attn_sink, topk_length, out, max_logits, lse,
         s_kv, indices.shape[-1], h_q // h_kv, head_blocks, sm_scale * LOG2E.value,
         *_strides(q, 3), *_strides(kv, 3), *_strides(indices, 3), *_strides(topk_length, 2),
         *_strides(out, 3), *_strides(lse, 2),
-        D_V=d_v, D_TAIL=d_qk - d_v, BLOCK_TOPK=blocks["BLOCK_TOPK"], NUM_STAGES=config.num_stages,
-        HAS_SINK=attn_sink is not None, HAS_TOPK_LEN=topk_length is not None,
-        PRODUCER_WARPS=blocks["PRODUCER_WARPS"], num_warps=8,
+        D_V=d_v, D_TAIL=d_qk - d_v, HAS_SINK=attn_sink is not None, HAS_TOPK_LEN=topk_length is not None,
+        **launch_knobs(config), num_warps=4,
     )
     return out, max_logits, lse
 
-
 # ----------------------------------------------------------------------------- the variant
-def shared_bytes(d_v: int, d_tail: int, block_topk: int, num_stages: int) -> int:
-    """Shared memory of one program: Q, the stages of gathered rows, P (16-bit), barriers."""
-    heads, row = BLOCK_H.value, d_v + (COLS.value if d_tail else 0)
-    return 2 * (heads * row + num_stages * block_topk * row + heads * block_topk) + 16 * num_stages
+def shared_bytes(d_v: int, d_tail: int) -> int:
+    """Shared memory of one program: Q, the stages of gathered rows and their slot biases, each side's P
+    (16-bit), the row maxima and sums, the barriers."""
+    heads, row, slots, stages = BLOCK_H.value, d_v + (COLS.value if d_tail else 0), BLOCK_TOPK.value, NUM_STAGES.value
+    return (2 * (heads * row + stages * slots * row + 2 * heads * slots) + 4 * (stages * slots + 4 * heads)
+            + 8 * (2 * stages + 7))
 
 
 @register
 class SparseMLAWarpSpecializedHopper(SparseMLALaunch, Variant):
     """Hopper only (wgmma, setmaxnreg); d_v a power of two in [64, 512] (each warpgroup's half of the
     accumulator is one wgmma of N = d_v / 2 <= 256) and a rope tail of at most 64 dims in 8-dim steps
-    (whole 16-byte copies). Higher priority than the head-block kernel: it is the default where it runs."""
+    (whole 16-byte copies). Higher priority than the head-block kernel: it is the default where it runs.
+
+    The tiles are fixed (BLOCK_TOPK 32, NUM_STAGES 4: what fits beside Q); the space is the producer's
+    warps and the follower's registers (the leader gets the rest), the splits that compile without
+    spills on sm_90 (fewer follower registers spill in the follower, more in the leader)."""
 
     op = "sparse_mla"
     vendor = "nvidia"
@@ -330,18 +431,17 @@ class SparseMLAWarpSpecializedHopper(SparseMLALaunch, Variant):
     priority = 10
     source_modules = ("kernels.nvidia.sparse_mla", "kernels.common.sparse_mla")
     run_forward = staticmethod(_forward_ws)
-    SPACE = {"BLOCK_TOPK": (32, 64), "num_stages": (2, 3, 4), "PRODUCER_WARPS": (2, 4)}
-    # 64-slot tiles with 2 stages won every key of the H200 and H100 sweeps; 2 and 4 producer warps are
-    # within 1% of each other (benchmarks/NOTES.md).
-    DEFAULT = {"BLOCK_TOPK": 64, "PRODUCER_WARPS": 2, "num_stages": 2}
+    SPACE = {"PRODUCER_WARPS": (2, 4), "FOLLOWER_REGS": (200, 208)}
 
     @staticmethod
-    def _config(key: dict, block_topk: int, producer_warps: int, num_stages: int) -> LaunchConfig:
+    def _config(key: dict, producer_warps: int, follower_regs: int) -> LaunchConfig:
         """BLOCK_H records the heads a program serves (64 rows of wgmma, of which the group fills
-        min(64, its heads)); the backward's dq pass takes it as the cap of its own head block."""
+        min(64, its heads)); the backward's dq pass takes it as the cap of its own head block.
+        num_warps is the leader's (the default partition's); the program has 8 + PRODUCER_WARPS."""
         block_h = min(BLOCK_H.value, group_head_cap(key["h_q"] // key["h_kv"]))
-        return LaunchConfig(blocks={"BLOCK_H": block_h, "BLOCK_TOPK": block_topk, "PRODUCER_WARPS": producer_warps},
-                            num_warps=8, num_stages=num_stages)
+        blocks = {"BLOCK_H": block_h, "BLOCK_TOPK": BLOCK_TOPK.value, "PRODUCER_WARPS": producer_warps,
+                  "FOLLOWER_REGS": follower_regs}
+        return LaunchConfig(blocks=blocks, num_warps=4, num_stages=NUM_STAGES.value)
 
     def supports(self, key: dict, device) -> bool:
         d_v, tail = key["d_v"], key["d_qk"] - key["d_v"]
@@ -349,17 +449,16 @@ class SparseMLAWarpSpecializedHopper(SparseMLALaunch, Variant):
                 and 64 <= d_v <= 512 and d_v & (d_v - 1) == 0 and 0 <= tail <= COLS.value and tail % 8 == 0)
 
     def space(self, key: dict, device) -> list[LaunchConfig]:
-        return [self._config(key, t, w, s) for t in self.SPACE["BLOCK_TOPK"] for s in self.SPACE["num_stages"]
-                for w in self.SPACE["PRODUCER_WARPS"]]
+        return [self._config(key, w, r) for w in self.SPACE["PRODUCER_WARPS"] for r in self.SPACE["FOLLOWER_REGS"]]
 
     def prune_reason(self, config: LaunchConfig, key: dict, device) -> str | None:
-        need = shared_bytes(key["d_v"], key["d_qk"] - key["d_v"], config.blocks["BLOCK_TOPK"], config.num_stages)
+        need = shared_bytes(key["d_v"], key["d_qk"] - key["d_v"])
         if need > device.shared_mem_bytes:
             return f"needs {need} B of shared memory (> {device.shared_mem_bytes})"
         return None
 
     def default_config(self, key: dict, device) -> LaunchConfig:
-        return self._config(key, self.DEFAULT["BLOCK_TOPK"], self.DEFAULT["PRODUCER_WARPS"], self.DEFAULT["num_stages"])
+        return self._config(key, DEFAULT_KNOBS["PRODUCER_WARPS"], DEFAULT_KNOBS["FOLLOWER_REGS"])
 
     def backward_configs(self, config: LaunchConfig) -> tuple[LaunchConfig, LaunchConfig]:
         """The head-block variant's backward passes."""
@@ -368,9 +467,8 @@ class SparseMLAWarpSpecializedHopper(SparseMLALaunch, Variant):
     def compile_specs(self, key: dict, config: LaunchConfig, dtype: str = "bf16") -> list[CompileSpec]:
         """This forward (with sink and topk_length) and the head-block backward's two passes."""
         fn = _sparse_mla_fwd_ws_kernel
-        constexprs = {"D_V": key["d_v"], "D_TAIL": key["d_qk"] - key["d_v"],
-                      "BLOCK_TOPK": config.blocks["BLOCK_TOPK"], "NUM_STAGES": config.num_stages,
-                      "HAS_SINK": True, "HAS_TOPK_LEN": True, "PRODUCER_WARPS": config.blocks["PRODUCER_WARPS"]}
+        constexprs = {"D_V": key["d_v"], "D_TAIL": key["d_qk"] - key["d_v"], "HAS_SINK": True, "HAS_TOPK_LEN": True,
+                      **launch_knobs(config)}
         names = [n for n in fn.arg_names if n not in constexprs]
         elem = f"*{key.get('dtype', dtype)}"
         pointers = {"Q": elem, "KV": elem, "OUT": elem, "IDX": "*i32", "TOPK_LEN": "*i32", "SINK": "*fp32",
