@@ -23,6 +23,7 @@ the V3.2 shape, its warps waiting at CTA barriers around layout conversions and 
   skew lets one warpgroup's softmax run under the other's products (FlashMLA's schedule).
 
 Four stages of 32 slots: a pair uses two while the producer fills the other two.
+
 One program owns 64 heads (wgmma's M per warpgroup) of one kv group of one query, as in the head-block
 kernel with BLOCK_H 64. Semantics: `registry.ops.sparse_mla.reference`.
 
