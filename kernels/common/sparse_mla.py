@@ -373,27 +373,36 @@ def _rows_fit_int32(kv: torch.Tensor, *others: torch.Tensor) -> bool:
     return all((s_kv - 1) * t.stride(1) + d_qk < 2**31 for t in (kv, *others))
 
 
-def _forward(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, config: LaunchConfig):
-    """Run the forward kernel on batched-layout tensors; returns (out, max_logits, lse)."""
+def forward_launch(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, block_h: int):
+    """What every sparse_mla forward kernel takes (they share their leading parameters): the outputs
+    (out, max_logits, lse), the grid, the positional arguments and the shared constexprs."""
     b, s_q, h_q, d_qk = q.shape
     s_kv, h_kv = kv.shape[1], kv.shape[2]
-    blocks = config.blocks
-    block_dv, block_dt = dim_blocks(d_qk, d_v)
     out = torch.empty((b, s_q, h_q, d_v), device=q.device, dtype=q.dtype)
     max_logits = torch.empty((b, s_q, h_q), device=q.device, dtype=torch.float32)
     lse = torch.empty_like(max_logits)
-    grid, head_blocks = _grid(s_q, h_q, h_kv, b, blocks["BLOCK_H"])
+    grid, head_blocks = _grid(s_q, h_q, h_kv, b, block_h)
+    args = (q, kv, indices, attn_sink, topk_length, out, max_logits, lse,
+            s_kv, indices.shape[-1], h_q // h_kv, head_blocks, sm_scale * LOG2E.value,
+            *_strides(q, 3), *_strides(kv, 3), *_strides(indices, 3), *_strides(topk_length, 2),
+            *_strides(out, 3), *_strides(lse, 2))
+    constexprs = {"D_V": d_v, "D_TAIL": d_qk - d_v, "HAS_SINK": attn_sink is not None,
+                  "HAS_TOPK_LEN": topk_length is not None}
+    return (out, max_logits, lse), grid, args, constexprs
+
+
+def _forward(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, config: LaunchConfig):
+    """Run the forward kernel on batched-layout tensors; returns (out, max_logits, lse)."""
+    blocks = config.blocks
+    block_dv, block_dt = dim_blocks(q.shape[-1], d_v)
+    outputs, grid, args, constexprs = forward_launch(q, kv, indices, sm_scale, d_v, attn_sink, topk_length,
+                                                     blocks["BLOCK_H"])
     _sparse_mla_fwd_kernel[grid](
-        q, kv, indices, attn_sink, topk_length, out, max_logits, lse,
-        s_kv, indices.shape[-1], h_q // h_kv, head_blocks, sm_scale * LOG2E.value,
-        *_strides(q, 3), *_strides(kv, 3), *_strides(indices, 3), *_strides(topk_length, 2),
-        *_strides(out, 3), *_strides(lse, 2),
-        D_V=d_v, D_TAIL=d_qk - d_v, BLOCK_DV=block_dv, BLOCK_DT=block_dt,
-        BLOCK_H=blocks["BLOCK_H"], BLOCK_TOPK=blocks["BLOCK_TOPK"],
-        HAS_SINK=attn_sink is not None, HAS_TOPK_LEN=topk_length is not None, ROWS_I32=_rows_fit_int32(kv),
-        D_SPLIT=blocks.get("D_SPLIT", 1), **config.knobs(),
+        *args, **constexprs, BLOCK_DV=block_dv, BLOCK_DT=block_dt, BLOCK_H=blocks["BLOCK_H"],
+        BLOCK_TOPK=blocks["BLOCK_TOPK"], ROWS_I32=_rows_fit_int32(kv), D_SPLIT=d_split(config),
+        **config.knobs(),
     )
-    return out, max_logits, lse
+    return outputs
 
 
 # The dq pass hands P and dS to the dkv pass through a workspace of topk * 2 * h_q 16-bit values per
@@ -514,8 +523,7 @@ def sparse_mla_compile_specs(key: dict, config: LaunchConfig, bwd_configs: tuple
         block_h = min(cfg.blocks["BLOCK_H"], group_head_cap(heads_per_group))
         constexprs = {"D_V": key["d_v"], "D_TAIL": key["d_qk"] - key["d_v"], "BLOCK_DV": block_dv,
                       "BLOCK_DT": block_dt, "BLOCK_H": block_h, "BLOCK_TOPK": cfg.blocks["BLOCK_TOPK"],
-                      "HAS_SINK": True, "HAS_TOPK_LEN": True, "ROWS_I32": True,
-                      "D_SPLIT": cfg.blocks.get("D_SPLIT", 1)}
+                      "HAS_SINK": True, "HAS_TOPK_LEN": True, "ROWS_I32": True, "D_SPLIT": d_split(cfg)}
         constexprs = {n: v for n, v in constexprs.items() if n in fn.arg_names}
         names = [n for n in fn.arg_names if n not in constexprs]
         signature = _compile_signature(names, {n: t for n, t in pointers.items() if n in names}, floats)
@@ -582,8 +590,8 @@ class SparseMLAHeadBlockBase(SparseMLALaunch):
         knob_names = [n for n in self.SPACE if n not in BLOCK_NAMES]
         configs = []
         for block_h in (h for h in self.SPACE["BLOCK_H"] if h <= cap):
-            for block_topk, d_split in _product([self.SPACE["BLOCK_TOPK"], self.SPACE["D_SPLIT"]]):
-                blocks = _blocks(block_h, block_topk, d_split)
+            for block_topk, tiles in _product([self.SPACE["BLOCK_TOPK"], self.SPACE["D_SPLIT"]]):
+                blocks = _blocks(block_h, block_topk, tiles)
                 for values in _product([self._knob_values(n, device) for n in knob_names]):
                     configs.append(LaunchConfig(blocks=blocks, **dict(zip(knob_names, values, strict=True))))
         return configs
@@ -596,9 +604,9 @@ class SparseMLAHeadBlockBase(SparseMLALaunch):
         if device.key == "cpu":
             return None
         block_dv, _ = dim_blocks(key["d_qk"], key["d_v"])
-        d_split = config.blocks.get("D_SPLIT", 1)
-        if block_dv // d_split < 16:
-            return f"D tiles of {block_dv // d_split} columns (< 16, tl.dot's K)"
+        tiles = d_split(config)
+        if block_dv // tiles < 16:
+            return f"D tiles of {block_dv // tiles} columns (< 16, tl.dot's K)"
         threads = config.num_warps * device.warp_size
         acc_regs = config.blocks["BLOCK_H"] * block_dv // threads
         # The accumulator may take at most half of a thread's share of the register file.
@@ -614,14 +622,14 @@ class SparseMLAHeadBlockBase(SparseMLALaunch):
         if self.Q_IN_SHARED:
             smem = resident + q_tile
         else:
-            smem = max(resident, q_tile) // d_split
+            smem = max(resident, q_tile) // tiles
         if smem > device.shared_mem_bytes:
             return f"needs ~{smem} B of shared memory/LDS (> {device.shared_mem_bytes})"
         return None
 
     def default_config(self, key: dict, device) -> LaunchConfig:
         if device.key == "cpu":
-            return LaunchConfig(blocks={"BLOCK_H": 16, "BLOCK_TOPK": 16})
+            return LaunchConfig(blocks=_blocks(16, 16, 1))
         chosen = dict(self.DEFAULTS.get(device.arch, self.DEFAULTS["*"]))
         blocks = _blocks(min(chosen.pop("BLOCK_H"), self._head_cap(key)), chosen.pop("BLOCK_TOPK"),
                          chosen.pop("D_SPLIT", 1))
@@ -644,8 +652,14 @@ class SparseMLAHeadBlockBase(SparseMLALaunch):
         return sparse_mla_compile_specs(key, config, self.backward_configs(config), dtype)
 
 
-def _blocks(block_h: int, block_topk: int, d_split: int) -> dict[str, int]:
-    return {"BLOCK_H": block_h, "BLOCK_TOPK": block_topk, **({"D_SPLIT": d_split} if d_split != 1 else {})}
+def _blocks(block_h: int, block_topk: int, tiles: int) -> dict[str, int]:
+    """A head-block config's blocks; D_SPLIT only when it is 2 (configs from before it stay the same)."""
+    return {"BLOCK_H": block_h, "BLOCK_TOPK": block_topk, **({"D_SPLIT": tiles} if tiles != 1 else {})}
+
+
+def d_split(config: LaunchConfig) -> int:
+    """The D tiles of a head-block config's value part (1 where the config does not say)."""
+    return config.blocks.get("D_SPLIT", 1)
 
 
 def _product(lists: list[tuple]) -> list[tuple]:

@@ -47,13 +47,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from kernels.base import CompileSpec, Variant, register
 from kernels.common.sparse_mla import (
-    LOG2E,
     SparseMLAHeadBlockBase,
     SparseMLALaunch,
     _compile_signature,
     _forward,
-    _grid,
-    _strides,
+    forward_launch,
     group_head_cap,
     sparse_mla_compile_specs,
 )
@@ -161,13 +159,8 @@ def _publish_and_exponentiate(s, m_i, m_new, l_i, m_smem, published):
 
 
 @gluon.jit
-def _attend_half(Q, IDX, SINK, TOPK_LEN, OUT, MAX_LOGITS, LSE, q_main, q_tail, k_main, k_tail, slot_bias, p_own, p_peer,
-                 m_own_smem, m_peer_smem, l_own_smem, l_peer_smem, ready, free, bars,
-                 s_kv, topk, heads_per_group, head_blocks, qk_scale,
-                 stride_qb, stride_qs, stride_qh, stride_ib, stride_is, stride_ih, stride_lb, stride_ls,
-                 stride_ob, stride_os, stride_oh, stride_mb, stride_ms,
-                 SIDE: gl.constexpr, D_V: gl.constexpr, D_TAIL: gl.constexpr, HAS_SINK: gl.constexpr,
-                 HAS_TOPK_LEN: gl.constexpr):
+def _attend_half(common, own, peer, SIDE: gl.constexpr, D_V: gl.constexpr, D_TAIL: gl.constexpr,
+                 HAS_SINK: gl.constexpr, HAS_TOPK_LEN: gl.constexpr):
     """Consumer warpgroup SIDE (0 leads, 1 follows): block 2j + SIDE of each pair j and out's columns
     [SIDE * d_v / 2, (SIDE + 1) * d_v / 2). Online softmax in log2 units (`qk_scale` is sm_scale *
     log2(e)); writes out, and (the leader) max_logits and the natural-log lse like the head-block kernel
@@ -175,6 +168,13 @@ def _attend_half(Q, IDX, SINK, TOPK_LEN, OUT, MAX_LOGITS, LSE, q_main, q_tail, k
     maximum, 2 the follower's (the pair's), 3 the leader's P, 4 the follower's, 5 + s side s's row sums.
     The slot bias makes the consumers independent of the indices: with per-thread index loads here,
     LLVM hoists their addresses above the partitions' register hand-off and ptxas spills them."""
+    # The arguments both sides share, then (P, row maxima, row sums) of this side and of the peer's.
+    (Q, IDX, SINK, TOPK_LEN, OUT, MAX_LOGITS, LSE, q_main, q_tail, k_main, k_tail, slot_bias, ready, free, bars,
+     s_kv, topk, heads_per_group, head_blocks, qk_scale,
+     stride_qb, stride_qs, stride_qh, stride_ib, stride_is, stride_ih, stride_lb, stride_ls,
+     stride_ob, stride_os, stride_oh, stride_mb, stride_ms) = common
+    p_own, m_own_smem, l_own_smem = own
+    p_peer, m_peer_smem, l_peer_smem = peer
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_TOPK, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -347,19 +347,15 @@ def _sparse_mla_fwd_ws_kernel(
         mbarrier.init(free.index(s), count=2)
     for i in gl.static_range(7):
         mbarrier.init(bars.index(i), count=1)
+    common = (Q, IDX, SINK, TOPK_LEN, OUT, MAX_LOGITS, LSE, q_main, q_tail, k_main, k_tail, slot_bias, ready, free,
+              bars, s_kv, topk, heads_per_group, head_blocks, qk_scale,
+              stride_qb, stride_qs, stride_qh, stride_ib, stride_is, stride_ih, stride_lb, stride_ls,
+              stride_ob, stride_os, stride_oh, stride_mb, stride_ms)
+    side0 = (p_side0, m_side0, l_side0)
+    side1 = (p_side1, m_side1, l_side1)
     gl.warp_specialize([
-        (_attend_half, (Q, IDX, SINK, TOPK_LEN, OUT, MAX_LOGITS, LSE, q_main, q_tail, k_main, k_tail, slot_bias,
-                        p_side0, p_side1, m_side0, m_side1, l_side0, l_side1, ready, free, bars,
-                        s_kv, topk, heads_per_group, head_blocks, qk_scale,
-                        stride_qb, stride_qs, stride_qh, stride_ib, stride_is, stride_ih, stride_lb, stride_ls,
-                        stride_ob, stride_os, stride_oh, stride_mb, stride_ms,
-                        0, D_V, D_TAIL, HAS_SINK, HAS_TOPK_LEN)),
-        (_attend_half, (Q, IDX, SINK, TOPK_LEN, OUT, MAX_LOGITS, LSE, q_main, q_tail, k_main, k_tail, slot_bias,
-                        p_side1, p_side0, m_side1, m_side0, l_side1, l_side0, ready, free, bars,
-                        s_kv, topk, heads_per_group, head_blocks, qk_scale,
-                        stride_qb, stride_qs, stride_qh, stride_ib, stride_is, stride_ih, stride_lb, stride_ls,
-                        stride_ob, stride_os, stride_oh, stride_mb, stride_ms,
-                        1, D_V, D_TAIL, HAS_SINK, HAS_TOPK_LEN)),
+        (_attend_half, (common, side0, side1, 0, D_V, D_TAIL, HAS_SINK, HAS_TOPK_LEN)),
+        (_attend_half, (common, side1, side0, 1, D_V, D_TAIL, HAS_SINK, HAS_TOPK_LEN)),
         (_gather_blocks, (KV, IDX, TOPK_LEN, k_main, k_tail, slot_bias, ready, free,
                           s_kv, topk, heads_per_group, head_blocks,
                           stride_kvb, stride_kvs, stride_kvh, stride_ib, stride_is, stride_ih, stride_lb, stride_ls,
@@ -388,24 +384,14 @@ def _copies_aligned(kv: torch.Tensor) -> bool:
 def _forward_ws(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, config: LaunchConfig):
     """Run the warp-specialized forward on batched-layout tensors; returns (out, max_logits, lse).
     A kv whose rows are not 16-element aligned runs the head-block kernel instead."""
-    b, s_q, h_q, d_qk = q.shape
-    s_kv, h_kv = kv.shape[1], kv.shape[2]
     if not _copies_aligned(kv):  # the head-block kernel with its default for this group
-        fallback = _HEAD_BLOCK.default_config({"h_q": h_q, "h_kv": h_kv}, detect(q.device))
+        fallback = _HEAD_BLOCK.default_config({"h_q": q.shape[2], "h_kv": kv.shape[2]}, detect(q.device))
         return _forward(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, fallback)
-    out = torch.empty((b, s_q, h_q, d_v), device=q.device, dtype=q.dtype)
-    max_logits = torch.empty((b, s_q, h_q), device=q.device, dtype=torch.float32)
-    lse = torch.empty_like(max_logits)
-    grid, head_blocks = _grid(s_q, h_q, h_kv, b, BLOCK_H.value)
-    _sparse_mla_fwd_ws_kernel[grid](
-        q, kv, indices, attn_sink, topk_length, out, max_logits, lse,
-        s_kv, indices.shape[-1], h_q // h_kv, head_blocks, sm_scale * LOG2E.value,
-        *_strides(q, 3), *_strides(kv, 3), *_strides(indices, 3), *_strides(topk_length, 2),
-        *_strides(out, 3), *_strides(lse, 2),
-        D_V=d_v, D_TAIL=d_qk - d_v, HAS_SINK=attn_sink is not None, HAS_TOPK_LEN=topk_length is not None,
-        **launch_knobs(config), num_warps=4,
-    )
-    return out, max_logits, lse
+    outputs, grid, args, constexprs = forward_launch(q, kv, indices, sm_scale, d_v, attn_sink, topk_length,
+                                                     BLOCK_H.value)
+    _sparse_mla_fwd_ws_kernel[grid](*args, **constexprs, **launch_knobs(config), num_warps=4)
+    return outputs
+
 
 # ----------------------------------------------------------------------------- the variant
 def shared_bytes(d_v: int, d_tail: int) -> int:
