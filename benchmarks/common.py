@@ -1,28 +1,48 @@
-"""What every benchmark script shares: ceilings measured in the same run, correctness before timing,
-and long-format result rows (one row per op, shape and provider) that run.py prints as one table."""
+"""What every benchmark module shares: ceilings measured in the same run, correctness before timing,
+and the measurements `run.py` prints as one table and writes as long-format CSV rows.
+
+A benchmark module (`benchmarks/<family>.py`) sets `FAMILY` (its name for `--only`) and defines
+`run() -> list[Measurement]`; it may define `notes() -> list[str]`, lines printed under the table.
+`run.py` finds such modules by itself.
+"""
 
 from __future__ import annotations
 
 import csv
+import subprocess
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
-from registry.testing import TOLERANCE, max_relative_error
-from tuning.bench import time_gpu
+from registry.testing import GRAD_TOLERANCE, TOLERANCE, gradient_error, max_relative_error
+from tuning.bench import time_gpu, time_gpu_quantiles
+
+PROVIDER = "kreg"  # our own rows; every other provider is a peer
 
 
 @dataclass
-class Row:
+class Measurement:
+    """One provider timed on one op and shape: (p20, p50, p80) milliseconds, the work one call does
+    (FLOPs for "TFLOP/s", bytes for "TB/s") and its relative error against the reference (None for a
+    peer that was not checked)."""
+
     op: str
     shape: str
-    provider: str          # "kreg" or the peer's name
-    ms: float
-    rate: float | None     # TFLOP/s or TB/s
-    unit: str              # "TFLOP/s" or "TB/s"
-    rel_err: float | None  # vs the op's reference, checked before timing
-    device: str
+    provider: str
+    ms: tuple[float, float, float]
+    work: float
+    unit: str
+    rel_err: float | None
+
+    @property
+    def median_ms(self) -> float:
+        return self.ms[1]
+
+    def rate(self, ms: float | None = None) -> float:
+        """TFLOP/s or TB/s at `ms` (default: the median)."""
+        return self.work / (self.median_ms if ms is None else ms) / 1e9
 
 
 @dataclass
@@ -43,6 +63,11 @@ def measure_ceilings() -> Ceilings:
     return Ceilings(2 * n**3 / gemm_ms / 1e9, 2 * src.numel() * 4 / copy_ms / 1e9)
 
 
+def measure(op: str, shape: str, provider: str, fn, work: float, unit: str, rel_err: float | None) -> Measurement:
+    """Time `fn` (quantiles, CUDA graphs for microsecond calls) into a Measurement."""
+    return Measurement(op, shape, provider, time_gpu_quantiles(fn), work, unit, rel_err)
+
+
 def checked(op, args: dict, call) -> float:
     """Relative error of `call(args)` against the op's reference; raises when over the budget."""
     dtype = args[next(iter(args))].dtype
@@ -52,11 +77,50 @@ def checked(op, args: dict, call) -> float:
     return err
 
 
-def write_csv(rows: list[Row], path: str) -> None:
+def checked_backward(op, args: dict, call) -> float:
+    """Relative error of `call`'s gradients against the reference's (fp32) autograd; raises when over
+    the budget."""
+    dtype = args[next(iter(args))].dtype
+    err = gradient_error(op, call, args)
+    if not err <= GRAD_TOLERANCE[dtype]:
+        raise AssertionError(f"{op.name} backward: relative error {err:.3g}; not timing it")
+    return err
+
+
+def versions() -> dict[str, str]:
+    """Triton, torch and this checkout's commit, for every CSV row."""
+    import triton
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                cwd=Path(__file__).parent, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        commit = "unknown"
+    return {"triton_version": triton.__version__, "torch_version": torch.__version__, "commit": commit}
+
+
+CSV_FIELDS = ("op", "shape", "provider", "metric", "unit", "p20", "p50", "p80", "rel_err", "device",
+              "triton_version", "torch_version", "commit")
+
+
+def long_rows(measurements: list[Measurement], device: str) -> list[dict]:
+    """Long format: per measurement a time row (ms) and a throughput row (its unit; p20 is the rate at
+    the p80 time), each with the device and versions, so any plot can read them."""
+    base = {"device": device, **versions()}
+    rows = []
+    for m in measurements:
+        common = {"op": m.op, "shape": m.shape, "provider": m.provider, "rel_err": m.rel_err, **base}
+        rows.append({**common, "metric": "time", "unit": "ms", "p20": m.ms[0], "p50": m.ms[1], "p80": m.ms[2]})
+        rows.append({**common, "metric": "throughput", "unit": m.unit,
+                     "p20": m.rate(m.ms[2]), "p50": m.rate(), "p80": m.rate(m.ms[0])})
+    return rows
+
+
+def write_csv(rows: list[dict], path: str) -> None:
     with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(asdict(rows[0])))
+        writer = csv.DictWriter(f, fieldnames=list(CSV_FIELDS))
         writer.writeheader()
-        writer.writerows(asdict(r) for r in rows)
+        writer.writerows(rows)
 
 
 def host_overhead_us(fn, direct, iters: int = 2000, repeats: int = 7) -> tuple[float, float]:

@@ -1,4 +1,4 @@
-"""flash_attention forward vs torch SDPA at PERF.md's shapes, and what registry dispatch adds.
+"""flash_attention forward vs torch SDPA at the preset's full shapes, and what registry dispatch adds.
 
 FLOPs: 4 * b * h_q * pairs * d (pairs = allowed query-key pairs), from the op's cost model.
 """
@@ -9,11 +9,11 @@ import torch
 import torch.nn.functional as F
 
 import registry
-from benchmarks.common import Row, checked, host_overhead_us
-from registry.device import detect
+from benchmarks.common import PROVIDER, Measurement, checked, host_overhead_us, measure
 from registry.ops import OPS
-from tuning.bench import rotating, time_gpu
+from tuning.bench import rotating
 
+FAMILY = "flash_attention"
 OP = OPS["flash_attention"]
 
 
@@ -26,26 +26,31 @@ def _sdpa(causal: bool, gqa: bool):
     return lambda qkv: F.scaled_dot_product_attention(*qkv, is_causal=causal, enable_gqa=gqa)
 
 
-def run(dtype: torch.dtype = torch.bfloat16) -> list[Row]:
-    device = detect()
+def run(dtype: torch.dtype = torch.bfloat16) -> list[Measurement]:
     handle = registry.get("flash_attention")
-    rows: list[Row] = []
+    out: list[Measurement] = []
     for shape in OP.presets["full"]:
         sets = [OP.validate(**OP.make_inputs(shape, device="cuda", dtype=dtype, seed=i)) for i in range(2)]
         args = sets[0]
         err = checked(OP, args, lambda a: handle(**a))
         flops = OP.flops(args)
-        ms = time_gpu(rotating(lambda a: handle(**a), sets))
         name = _shape_name(shape)
-        rows.append(Row("flash_attention", name, "kreg", ms, flops / ms / 1e9, "TFLOP/s", err, device.name))
+        out.append(measure("flash_attention fwd", name, PROVIDER, rotating(lambda a: handle(**a), sets), flops,
+                           "TFLOP/s", err))
         # SDPA in its own [b, h, s, d] layout; bottom-right causal equals top-left when s_q == s_k.
         sdpa_sets = [tuple(a[n].transpose(1, 2).contiguous() for n in ("q", "k", "v")) for a in sets]
         gqa = shape["h_q"] != shape["h_kv"]
         sdpa = _sdpa(bool(shape.get("causal")), gqa)
-        peer_ms = time_gpu(rotating(sdpa, sdpa_sets))
-        rows.append(Row("flash_attention", name, "torch-sdpa", peer_ms, flops / peer_ms / 1e9, "TFLOP/s", None,
-                        device.name))
-    return rows
+        out.append(measure("flash_attention fwd", name, "torch-sdpa", rotating(sdpa, sdpa_sets), flops, "TFLOP/s",
+                           None))
+    return out
+
+
+def notes() -> list[str]:
+    o = dispatch_overhead()
+    return [f"dispatch: registry.get(op)(...) {o['registry_us']:.2f} us/call vs direct launch "
+            f"{o['direct_us']:.2f} us/call -> overhead {o['overhead_us']:.2f} us (validation alone "
+            f"{o['validate_us']:.2f} us; validation + dispatch without a launch {o['dispatch_no_launch_us']:.2f} us)"]
 
 
 def dispatch_overhead() -> dict[str, float]:

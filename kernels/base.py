@@ -1,29 +1,39 @@
-"""The variant interface every kernel file implements, and the registry variants join by decorator."""
+"""The interface every variant implements: its kernel roles, their config spaces, support, launch.
+
+A variant file defines a `Variant` subclass and registers it with `registry.catalog.register`.
+docs/architecture.md says how a call reaches `launch`; docs/adding-an-op.md walks through a new one.
+"""
 
 from __future__ import annotations
 
 import ast
 import hashlib
-import importlib
 import inspect
-from collections.abc import Callable
+import textwrap
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
-from registry.device import DeviceInfo
-from tuning_db.records import LaunchConfig
+from tuning_db.records import CallConfig, LaunchConfig
+
+if TYPE_CHECKING:
+    from registry.device import DeviceInfo
+    from tuning.space import ConfigSpace
 
 
 @dataclass(frozen=True)
 class CompileSpec:
     """One Triton kernel to compile offline: the jitted function, its signature and constexprs.
 
-    `signature` maps every non-constexpr argument to Triton's type string ("*fp16", "i32", "fp32");
-    `constexprs` maps constexpr argument names to values. `options` are extra compile options.
-    `values` gives integer arguments' values at the shape being checked, so that the check can
-    specialize them as the JIT does at run time (it changes pipelining and shared memory).
+    `role` is the kernel role whose LaunchConfig knobs (num_warps, num_stages, AMD knobs) it compiles
+    with; `signature` maps every non-constexpr argument to Triton's type string ("*fp16", "i32",
+    "fp32"); `constexprs` maps constexpr argument names to values; `options` are extra compile options
+    (a Gluon kernel's fixed num_warps, say). `values` gives integer arguments' values at the shape being
+    checked, so that the check can specialize them as the JIT does at run time (it changes pipelining
+    and shared memory).
     """
 
+    role: str
     fn: Any
     signature: dict[str, str]
     constexprs: dict[str, Any]
@@ -34,56 +44,84 @@ class CompileSpec:
 class Variant:
     """One way to run an op on one vendor's GPUs.
 
-    Subclasses set `op`, `vendor`, `name`, `priority` and `source_modules` (the modules whose source
-    defines the kernel, default: the variant's own module; their hash marks tuned configs of an older
-    kernel as stale), and implement the
-    methods below. `key` is the op's tuning key as a dict. A variant never validates user input again
-    (the op contract did) and masks every index inside its kernels.
+    A call of the op launches one kernel per role ("fwd"; "bwd_dq" and "bwd_dkv" for a backward;
+    "split" and "combine" for decode): `kernels` maps each role to its jitted kernel (their code is
+    the variant's source hash) and `spaces` each role to its `ConfigSpace` (vendor data). Roles named
+    `bwd...` run in the backward. A launch takes a `CallConfig`: one LaunchConfig per role.
+
+    Subclasses set `op`, `vendor`, `name`, `priority`, `kernels`, `spaces`, and implement `launch` and
+    `compile_specs`; `supports`, `role_default` and `prune_reason` refine the defaults below. `key` is
+    the op's tuning key as a dict. A variant never validates user input again (the op contract did)
+    and masks every index inside its kernels.
     """
 
     op: ClassVar[str]
     vendor: ClassVar[str]
     name: ClassVar[str]
     priority: ClassVar[int] = 0
-    source_modules: ClassVar[tuple[str, ...]] = ()
+    kernels: ClassVar[Mapping[str, Any]] = {}
+    spaces: ClassVar[Mapping[str, ConfigSpace]] = {}
+    # Gluon kernels (and anything else the Triton interpreter cannot run) say False: such a variant is
+    # tested on its GPU and compiled offline in CI.
+    runs_in_interpreter: ClassVar[bool] = True
+
+    @property
+    def roles(self) -> tuple[str, ...]:
+        """The kernel roles of one call, in the order a sweep tunes them."""
+        return tuple(self.kernels)
 
     def supports(self, key: dict, device: DeviceInfo) -> bool:
         return True
 
-    def space(self, key: dict, device: DeviceInfo) -> list[LaunchConfig]:
-        """Every config a sweep may try for this key on this device (before static pruning)."""
-        raise NotImplementedError
+    def space(self, key: dict, device: DeviceInfo) -> dict[str, list[LaunchConfig]]:
+        """Every config a sweep may try for each role, for this key on this device (before pruning)."""
+        return {role: self.spaces[role].configs(key, device) for role in self.roles}
 
-    def default_config(self, key: dict, device: DeviceInfo) -> LaunchConfig:
-        """The heuristic config used when no tuned entry exists."""
-        raise NotImplementedError
+    def role_default(self, role: str, key: dict, device: DeviceInfo) -> LaunchConfig:
+        """The heuristic config of one role; variants adjust the space's default to the key here."""
+        return self.spaces[role].default(device)
 
-    def prune_reason(self, config: LaunchConfig, key: dict, device: DeviceInfo) -> str | None:
-        """Why a config cannot run well here without compiling it (None when it may)."""
+    def default_config(self, key: dict, device: DeviceInfo) -> CallConfig:
+        """The heuristic call config, used when no tuned entry exists."""
+        return CallConfig({role: self.role_default(role, key, device) for role in self.roles})
+
+    def complete(self, config: CallConfig, key: dict, device: DeviceInfo) -> CallConfig:
+        """A tuned call config made launchable by this version of the variant: a role it lacks takes the
+        default, a role the variant no longer has is dropped, and each role's blocks are made those of
+        its space (`ConfigSpace.complete`)."""
+        out = {}
+        for role in self.roles:
+            default = self.role_default(role, key, device)
+            out[role] = self.spaces[role].complete(config[role], default) if role in config else default
+        return CallConfig(out)
+
+    def prune_reason(self, role: str, config: LaunchConfig, key: dict, device: DeviceInfo) -> str | None:
+        """Why a role's config cannot run well here without compiling it (None when it may)."""
         return None
 
-    def launch(self, args: dict, config: LaunchConfig) -> Any:
-        """Run on validated arguments (the op contract's dict) with this config."""
+    def launch(self, args: dict, config: CallConfig) -> Any:
+        """Run on validated arguments (the op contract's dict) with one config per role."""
         raise NotImplementedError
 
-    def bind(self, config: LaunchConfig) -> Callable[[dict], Any]:
+    def bind(self, config: CallConfig) -> Callable[[dict], Any]:
         """A callable(args) for the dispatch cache; override to precompute per-config launch state."""
         launch = self.launch
         return lambda args: launch(args, config)
 
-    def compile_specs(self, key: dict, config: LaunchConfig, dtype: str = "fp16") -> list[CompileSpec]:
-        """The kernels one call with this key and config launches, for offline compile checks."""
+    def compile_specs(self, key: dict, config: CallConfig, dtype: str = "fp16") -> list[CompileSpec]:
+        """The kernels one call with this key and call config launches, for offline compile checks."""
         raise NotImplementedError
 
     @property
     def source_hash(self) -> str:
+        """A hash of the code of the kernels this variant launches (and the jitted functions and
+        constexpr globals they use), without comments and docstrings: tuned configs of an older kernel
+        are stale; editing a space, a default, a launcher or another variant's kernel stales nothing."""
         cached = self.__dict__.get("_source_hash")
         if cached is None:
             digest = hashlib.sha256()
-            # The kernel's own modules: a vendor file that only holds config data (spaces, defaults)
-            # can change without marking the configs tuned for an unchanged kernel as stale.
-            for module in self.source_modules or (type(self).__module__,):
-                digest.update(code_fingerprint(inspect.getsource(importlib.import_module(module))))
+            for part in kernel_fingerprints(self.kernels[role] for role in self.roles):
+                digest.update(part)
             cached = self.__dict__["_source_hash"] = digest.hexdigest()[:16]
         return cached
 
@@ -91,11 +129,11 @@ class Variant:
         return f"<variant {self.name} ({self.vendor})>"
 
 
+# ----------------------------------------------------------------------------- source hashes
 def code_fingerprint(source: str) -> bytes:
-    """A module's code without its comments and docstrings (ast drops comments; docstrings are cut
-    here): editing documentation does not mark the configs tuned for that code as stale. Written out
-    by `_canonical`, not `ast.dump`, so that one source gives one fingerprint on every Python."""
-    tree = ast.parse(source)
+    """Code without its comments and docstrings (ast drops comments; docstrings are cut here), written
+    out by `_canonical`, not `ast.dump`, so that one source gives one fingerprint on every Python."""
+    tree = ast.parse(textwrap.dedent(source))
     for node in ast.walk(tree):
         if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
             body = node.body
@@ -117,21 +155,48 @@ def _canonical(node) -> str:
     return repr(node)
 
 
-VARIANTS: dict[str, list[Variant]] = {}
+def _python_function(kernel: Any):
+    """The Python function behind a @triton.jit or @gluon.jit kernel (compiled or interpreted), else None."""
+    from triton.runtime.jit import KernelInterface
+
+    return kernel.fn if isinstance(kernel, KernelInterface) and callable(getattr(kernel, "fn", None)) else None
 
 
-def register(cls: type[Variant]) -> type[Variant]:
-    """Class decorator: instantiate the variant and list it under its op."""
-    variants = VARIANTS.setdefault(cls.op, [])
-    if any(v.name == cls.name and v.vendor == cls.vendor for v in variants):
-        raise ValueError(f"variant {cls.name!r} ({cls.vendor}) is registered twice for op {cls.op!r}")
-    variants.append(cls())
-    variants.sort(key=lambda v: -v.priority)
-    return cls
+def _referenced(fn, tree: ast.AST) -> Iterable[tuple[str, Any]]:
+    """(name, object) of every global `fn` reads by a plain name or a dotted name (`module.helper`)."""
+    for node in ast.walk(tree):
+        parts = []
+        while isinstance(node, ast.Attribute):
+            parts.append(node.attr)
+            node = node.value
+        if not isinstance(node, ast.Name) or node.id not in fn.__globals__:
+            continue
+        value, name = fn.__globals__[node.id], node.id
+        for attr in reversed(parts):
+            if not inspect.ismodule(value) or not hasattr(value, attr):
+                break
+            value, name = getattr(value, attr), f"{name}.{attr}"
+        yield name, value
 
 
-def load_all() -> dict[str, list[Variant]]:
-    """Import every vendor package so their variants register; returns the registry."""
-    importlib.import_module("kernels.nvidia")
-    importlib.import_module("kernels.amd")
-    return VARIANTS
+def kernel_fingerprints(kernels: Iterable[Any]) -> list[bytes]:
+    """The code fingerprints of `kernels` and of every jitted function they reach, plus the values of
+    the constexpr globals they read, in a fixed order."""
+    import triton.language as tl
+
+    out: list[bytes] = []
+    seen: set[int] = set()
+    queue = list(kernels)
+    while queue:
+        fn = _python_function(queue.pop(0))
+        if fn is None or id(fn) in seen:
+            continue
+        seen.add(id(fn))
+        tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+        out.append(code_fingerprint(inspect.getsource(fn)))
+        for name, value in _referenced(fn, tree):
+            if _python_function(value) is not None:
+                queue.append(value)
+            elif isinstance(value, tl.constexpr):
+                out.append(f"{name}={value.value!r}".encode())
+    return out

@@ -9,39 +9,28 @@
 from __future__ import annotations
 
 import inspect
-from typing import Any
 
-# Load the contracts package first: importing a submodule binds it as an attribute of this package,
-# which would otherwise replace the `ops()` function defined below.
+# Layers, bottom up: device and op contracts, the variant catalog, dispatch. Kernel modules import the
+# contracts and the catalog; nothing here imports a kernel module (the catalog discovers them by name on first use).
+# Submodules load before the functions below are defined: importing a submodule binds it as an
+# attribute of this package, which would otherwise replace the `ops()` function.
+from registry.catalog import load_all as _load_all
+from registry.dispatch import clear_caches, get
 from registry.ops import OPS as _OPS
 
 __all__ = ["get", "ops", "variants", "describe", "clear_caches"]
 
 
-def __getattr__(name: str) -> Any:
-    # `get` and `clear_caches` live in registry.dispatch, which imports the kernels; importing it lazily
-    # lets kernel modules import registry.device and registry.ops without a cycle. After the first
-    # access the name is a plain module global, so `registry.get` costs nothing extra.
-    if name in ("get", "clear_caches"):
-        from registry import dispatch
-
-        value = globals()[name] = getattr(dispatch, name)
-        return value
-    raise AttributeError(f"module 'registry' has no attribute {name!r}")
-
-
 def ops() -> list[str]:
-    """The logical ops, in the order ARCHITECTURE.md lists them."""
+    """The logical ops, in the order docs/op-contracts.md lists them."""
     return list(_OPS)
 
 
 def variants(op: str, vendor: str | None = None) -> list:
     """The registered Triton variants of `op` (optionally of one vendor), highest priority first."""
-    from kernels.base import load_all
-
     if op not in _OPS:
         raise ValueError(f"op: expected one of {', '.join(_OPS)}, got {op!r}")
-    return [v for v in load_all().get(op, []) if vendor is None or v.vendor == vendor]
+    return [v for v in _load_all().get(op, []) if vendor is None or v.vendor == vendor]
 
 
 def describe(op: str) -> str:
@@ -53,7 +42,8 @@ def describe(op: str) -> str:
     lines += [inspect.cleandoc(contract.validate.__doc__ or ""), "", "Variants:"]
     for vendor in ("nvidia", "amd"):
         found = variants(op, vendor)
-        names = ", ".join(f"{v.name} (priority {v.priority}, source {v.source_hash})" for v in found)
+        names = ", ".join(f"{v.name} (priority {v.priority}, roles {'/'.join(v.roles)}, source {v.source_hash})"
+                          for v in found)
         lines.append(f"  {vendor}: {names or 'none yet (the PyTorch reference runs)'}")
     text = "\n".join(lines)
     print(text)

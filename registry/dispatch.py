@@ -1,8 +1,8 @@
-"""From a call to a launch: pick the variant, find its tuned config, cache the bound launcher.
+"""From a call to a launch: pick the variant, find its tuned call config, cache the bound launcher.
 
-Lookup order on a cache miss (ARCHITECTURE.md): user database -> shipped tables -> nearest tuned key
-for the same op and device -> the highest-priority supporting variant's heuristic default. After the
-first call for a key, a call costs the op's validation, its tuning key and one dict lookup.
+Lookup order on a cache miss (docs/architecture.md): user database -> shipped tables -> nearest tuned
+key for the same op and device -> the highest-priority supporting variant's heuristic default. After
+the first call for a key, a call costs the op's validation, its raw key and one dict lookup.
 """
 
 from __future__ import annotations
@@ -14,23 +14,27 @@ import threading
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kernels.base import Variant, load_all
+from registry.catalog import load_all
 from registry.device import CPU, DeviceInfo, detect, interpreter_enabled
 from registry.ops import OPS
 from registry.ops._contract import Args, Op
-from tuning_db.records import LaunchConfig, TunedConfig, canonical_json
+from tuning_db.records import CallConfig, TunedConfig, canonical_json
+
+if TYPE_CHECKING:
+    from kernels.base import Variant
 
 
 @dataclass(frozen=True)
 class Choice:
-    """What a key resolved to: the variant (None: the PyTorch reference), its config, and where from."""
+    """What a key resolved to: the variant (None: the PyTorch reference), its call config, and where
+    the config came from."""
 
     variant: Variant | None
-    config: LaunchConfig | None
+    config: CallConfig | None
     source: str  # "database", "tables", "nearest-database", "nearest-tables", "default", "autotune", "reference"
     launcher: Callable[[dict], Any]
 
@@ -63,7 +67,7 @@ def _user_store(url: str):
 
 @functools.lru_cache(maxsize=1)
 def _shipped_tables():
-    from tuning_db.store import ShippedTables
+    from tuning_db.table_files import ShippedTables
 
     return ShippedTables()
 
@@ -84,8 +88,8 @@ def _warn_once(message: str) -> None:
         warnings.warn(message, RuntimeWarning, stacklevel=4)
 
 
-def _tuned_lookups(op: str, device: DeviceInfo, key_json: str, dims: dict):
-    """(source, lookup) pairs in ARCHITECTURE.md's order; each lookup returns a TunedConfig or None."""
+def tuned_lookups(op: Op, device: DeviceInfo, key_json: str, dims: dict):
+    """(source, lookup) pairs in docs/architecture.md's order; each lookup returns a TunedConfig or None."""
     from tuning_db.store import TuningDatabaseError
 
     def guarded(fn):
@@ -98,14 +102,27 @@ def _tuned_lookups(op: str, device: DeviceInfo, key_json: str, dims: dict):
 
         return run
 
-    yield "database", guarded(lambda: user_store().best(op, device, key_json))
-    yield "tables", lambda: _shipped_tables().best(op, device, key_json)
-    yield "nearest-database", guarded(lambda: user_store().nearest(op, device, dims))
-    yield "nearest-tables", lambda: _shipped_tables().nearest(op, device, dims)
+    yield "database", guarded(lambda: user_store().best(op.name, device, key_json))
+    yield "tables", lambda: _shipped_tables().best(op.name, device, key_json)
+    yield "nearest-database", guarded(lambda: user_store().nearest(op.name, device, dims, op.length_dims))
+    yield "nearest-tables", lambda: _shipped_tables().nearest(op.name, device, dims, op.length_dims)
+
+
+def tuned_vendor(tuned: TunedConfig, device: DeviceInfo) -> str:
+    """The vendor whose variant a tuned entry names: recorded, or (entries from before vendors were
+    recorded) the device's, NVIDIA for the interpreter's "cpu"."""
+    if tuned.vendor is not None:
+        return tuned.vendor
+    return "nvidia" if device.vendor == "cpu" else device.vendor
+
+
+def _bound(variant: Variant, config: CallConfig, source: str, dims: dict, device: DeviceInfo) -> Choice:
+    config = variant.complete(config, dims, device)
+    return Choice(variant, config, source, variant.bind(config))
 
 
 def resolve(op: Op, vendor: str, variant: str | None, key: tuple, device: DeviceInfo, args: dict) -> Choice:
-    """Pick (variant, config) for one key. Runs once per key per process."""
+    """Pick (variant, call config) for one key. Runs once per key per process."""
     dims = dict(key)
     pool = candidates(op.name, vendor, variant, dims, device)
     if not pool:
@@ -114,21 +131,18 @@ def resolve(op: Op, vendor: str, variant: str | None, key: tuple, device: Device
         return Choice(None, None, "reference", lambda a: op.reference(**a))
     by_name = {v.name: v for v in pool}
     key_json = canonical_json(dims)
-    for source, lookup in _tuned_lookups(op.name, device, key_json, dims):
+    for source, lookup in tuned_lookups(op, device, key_json, dims):
         tuned: TunedConfig | None = lookup()
-        if tuned is not None and tuned.variant in by_name:
-            chosen = by_name[tuned.variant]
-            return Choice(chosen, tuned.config, source, chosen.bind(tuned.config))
+        if tuned is not None and tuned.variant in by_name and tuned_vendor(tuned, device) == vendor:
+            return _bound(by_name[tuned.variant], tuned.config, source, dims, device)
     if os.environ.get("KREG_AUTOTUNE") == "1" and device.key != "cpu":
-        from tuning.sweep import autotune_call
+        from tuning.autotune import autotune_call
 
         tuned = autotune_call(op, pool, device, args, user_store())
         if tuned is not None:
-            chosen = by_name[tuned.variant]
-            return Choice(chosen, tuned.config, "autotune", chosen.bind(tuned.config))
+            return _bound(by_name[tuned.variant], tuned.config, "autotune", dims, device)
     chosen = pool[0]
-    config = chosen.default_config(dims, device)
-    return Choice(chosen, config, "default", chosen.bind(config))
+    return _bound(chosen, chosen.default_config(dims, device), "default", dims, device)
 
 
 class OpHandle:
@@ -136,7 +150,8 @@ class OpHandle:
 
     Two caches per device: by the raw key an op's validation returns (`Args.key`: shapes, dtype and
     flags as read), so a repeated call costs one dict lookup; and by the canonical tuning key, so new
-    raw keys that bucket to a known tuning key (another sequence length) reuse its resolution.
+    raw keys that map to a known tuning key (another sequence length in its bucket, the other layout)
+    reuse its resolution.
     """
 
     def __init__(self, op: Op, vendor: str | None, variant: str | None) -> None:
@@ -177,29 +192,32 @@ class OpHandle:
             choices[raw] = choice
             return choice
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        a = self._validate(*args, **kwargs)
+    def _choose(self, a: dict) -> Choice | None:
+        """The cached choice for validated arguments (None: the reference runs)."""
         dev = a[self._device_arg].device
         found = self._devices.get(dev)
         if found is None:
             found = self._devices[dev] = self._device(dev)
         vendor, info, choices = found
         if not vendor:
-            return self.op.reference(**a)
+            return None
         raw = a.key if a.__class__ is Args else self.op.tuning_key(a)
         choice = choices.get(raw)
         if choice is None:
             choice = self._resolve(vendor, info, choices, raw, a)
-        return choice.launcher(a)
+        return choice
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        a = self._validate(*args, **kwargs)
+        choice = self._choose(a)
+        return self.op.reference(**a) if choice is None else choice.launcher(a)
 
     def choice(self, *args: Any, **kwargs: Any) -> Choice:
-        """What a call with these arguments runs (variant, config, where the config came from)."""
+        """What a call with these arguments runs (variant, call config, where the config came from),
+        resolved and cached as a call would, without launching anything."""
         a = self._validate(*args, **kwargs)
-        vendor, info, choices = self._device(a[self._device_arg].device)
-        if not vendor:
-            return Choice(None, None, "reference", lambda x: self.op.reference(**x))
-        self(*args, **kwargs)
-        return self._by_tuning_key[(info.key, self.op.tuning_key(a))]
+        choice = self._choose(a)
+        return Choice(None, None, "reference", lambda x: self.op.reference(**x)) if choice is None else choice
 
     def clear_cache(self) -> None:
         self._devices.clear()

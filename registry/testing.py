@@ -58,3 +58,49 @@ def assert_close(actual, expected, rtol: float, what: str = "output") -> None:
 
 # Relative-error budgets against an fp32/fp64 reference, by input dtype (METHOD.md's ranges).
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 2e-2}
+
+
+# ----------------------------------------------------------------------------- gradients
+def first_output(value) -> torch.Tensor:
+    """The output a backward differentiates: the op's first (`out`)."""
+    return value if isinstance(value, torch.Tensor) else value[0]
+
+
+def grad_leaves(op, args: dict) -> dict[str, torch.Tensor]:
+    """Fresh leaf copies (requires_grad) of the arguments gradients flow to (the `op.grad_inputs` that
+    the call passes)."""
+    return {name: args[name].detach().clone().requires_grad_()
+            for name in op.grad_inputs if isinstance(args.get(name), torch.Tensor)}
+
+
+def cotangent(out: torch.Tensor, seed: int = 7) -> torch.Tensor:
+    """A seeded random gradient for `out` (drawn on the CPU: the same values on every device)."""
+    return torch.randn(out.shape, generator=torch.Generator().manual_seed(seed)).to(out.device, out.dtype)
+
+
+def gradients(op, call, args: dict, dout: torch.Tensor | None = None) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """(gradients of `call`'s first output for each of `grad_leaves`, the cotangent used)."""
+    leaves = grad_leaves(op, args)
+    out = first_output(call({**args, **leaves}))
+    dout = cotangent(out) if dout is None else dout.to(out.dtype)
+    return list(torch.autograd.grad(out, list(leaves.values()), dout)), dout
+
+
+def reference_gradients(op, args: dict, dout: torch.Tensor) -> list[torch.Tensor]:
+    """The reference's gradients in fp32 for the same leaves and cotangent."""
+    leaves = {name: args[name].detach().float().requires_grad_() for name in grad_leaves(op, args)}
+    out = first_output(op.reference(**{**args, **leaves}))
+    return list(torch.autograd.grad(out, list(leaves.values()), dout.float()))
+
+
+def gradient_error(op, call, args: dict, expected: list[torch.Tensor] | None = None) -> float:
+    """The largest relative error of `call`'s gradients against the reference's (fp32) autograd; pass
+    `expected` (from `reference_gradients` with `cotangent`'s default seed) to reuse it."""
+    got, dout = gradients(op, call, args)
+    if expected is None:
+        expected = reference_gradients(op, args, dout)
+    return max_relative_error([g.float() for g in got], expected)
+
+
+# The backward's budget, by input dtype: gradients sum over more terms than the forward.
+GRAD_TOLERANCE = {dtype: 2 * tol for dtype, tol in TOLERANCE.items()}

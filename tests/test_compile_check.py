@@ -15,14 +15,13 @@ from pathlib import Path
 
 import pytest
 
-from kernels.base import load_all
 from registry import device as device_info
+from registry.catalog import load_all
 from tuning.compile_check import compile_config, main
-from tuning_db.records import LaunchConfig
+from tuning_db.records import CallConfig, LaunchConfig
 
 ROOT = Path(__file__).resolve().parents[1]
-KEY = {"causal": True, "d": 128, "dtype": "bf16", "h_kv": 8, "h_q": 32, "s_k": 8192, "s_q": 8192,
-       "varlen": False, "window": None}
+KEY = {"causal": True, "d": 128, "dtype": "bf16", "h_kv": 8, "h_q": 32, "s_k": 8192, "s_q": 8192, "window": None}
 
 
 def _env() -> dict[str, str]:
@@ -41,20 +40,27 @@ def _variant(vendor: str):
     return next(v for v in load_all()["flash_attention"] if v.vendor == vendor and v.name == "flash_attention_tiled")
 
 
+def _fwd(**fields) -> CallConfig:
+    return CallConfig({"fwd": LaunchConfig(**fields)})
+
+
 def test_nvidia_default_fits_h200_and_oversized_does_not():
+    """Each config compiles twice: padded and packed (varlen) inputs share the key."""
     h200 = device_info.preset("h200")
     default = _variant("nvidia").default_config(KEY, h200)
-    huge = LaunchConfig(blocks={"BLOCK_M": 128, "BLOCK_N": 128}, num_warps=8, num_stages=5)
+    huge = _fwd(blocks={"BLOCK_M": 128, "BLOCK_N": 128}, num_warps=8, num_stages=5)
     rc, rows = _compile_check("--variant", "flash_attention_tiled", "--vendor", "nvidia", "--target", "h200",
                               "--key-json", json.dumps(KEY), "--config-json", default.to_json(),
                               "--config-json", huge.to_json())
     assert rc == 1  # something did not fit
-    fit, big = rows
-    assert fit["arch"] == "sm_90" and fit["config"] == json.loads(default.to_json())
-    assert fit["fits"] and fit["spills"] == 0 and fit["reason"] is None
-    assert 0 < fit["registers"] <= 255 and 0 < fit["shared_bytes"] <= h200.shared_mem_bytes
-    assert not big["fits"] and big["shared_bytes"] > h200.shared_mem_bytes
-    assert "shared memory" in big["reason"]
+    assert len(rows) == 4
+    for fit in rows[:2]:
+        assert fit["arch"] == "sm_90" and fit["config"] == json.loads(default.to_json())
+        assert fit["fits"] and fit["spills"] == 0 and fit["reason"] is None
+        assert 0 < fit["registers"] <= 255 and 0 < fit["shared_bytes"] <= h200.shared_mem_bytes
+    for big in rows[2:]:
+        assert not big["fits"] and big["shared_bytes"] > h200.shared_mem_bytes
+        assert "shared memory" in big["reason"]
 
 
 def test_amd_default_fits_gfx942_and_gfx950_and_lds_overflow_is_caught():
@@ -62,18 +68,21 @@ def test_amd_default_fits_gfx942_and_gfx950_and_lds_overflow_is_caught():
     defaults = {variant.default_config(KEY, device_info.preset(t)).to_json() for t in ("mi300x", "mi355x")}
     assert len(defaults) == 1  # one default for both here, so one call checks it on both targets
     # LDS overflow compiles fine on AMD: only the check against the target's budget catches it.
-    wide = LaunchConfig(blocks={"BLOCK_M": 128, "BLOCK_N": 128}, num_warps=8, num_stages=2, kpack=1)
+    wide = _fwd(blocks={"BLOCK_M": 128, "BLOCK_N": 128}, num_warps=8, num_stages=2, kpack=1)
     rc, rows = _compile_check("--variant", "flash_attention_tiled", "--vendor", "amd", "--target", "mi300x,mi355x",
                               "--key-json", json.dumps(KEY), "--config-json", defaults.pop(),
                               "--config-json", wide.to_json())
     assert rc == 1
-    by_arch = {(row["arch"], row["config"]["blocks"]["BLOCK_N"]): row for row in rows}
+    by_arch: dict[tuple, list] = {}
+    for row in rows:
+        by_arch.setdefault((row["arch"], row["config"]["fwd"]["blocks"]["BLOCK_N"]), []).append(row)
     for arch in ("gfx942", "gfx950"):
-        row = by_arch[arch, 64]
-        assert row["fits"] and row["spills"] == 0 and row["detail"]["vgpr_spill_count"] == 0, row
-        assert 0 < row["registers"] <= 512 and 0 < row["shared_bytes"] <= 65536
-    overflow = by_arch["gfx942", 128]
-    assert not overflow["fits"] and overflow["shared_bytes"] > 65536 and "shared memory" in overflow["reason"]
+        assert len(by_arch[arch, 64]) == 2  # padded and varlen
+        for row in by_arch[arch, 64]:
+            assert row["fits"] and row["spills"] == 0 and row["detail"]["vgpr_spill_count"] == 0, row
+            assert 0 < row["registers"] <= 512 and 0 < row["shared_bytes"] <= 65536
+    for overflow in by_arch["gfx942", 128]:
+        assert not overflow["fits"] and overflow["shared_bytes"] > 65536 and "shared memory" in overflow["reason"]
 
 
 def test_compile_error_is_a_report(tmp_path):
@@ -86,13 +95,13 @@ def test_compile_error_is_a_report(tmp_path):
         from kernels.base import CompileSpec
         from registry.device import preset
         from tuning.compile_check import compile_config
-        from tuning_db.records import LaunchConfig
+        from tuning_db.records import CallConfig, LaunchConfig
 
         @triton.jit
         def _broken_kernel(X, BLOCK: tl.constexpr):
             tl.store(X + tl.arange(0, BLOCK), 1.0)  # arange needs a power of two
 
-        spec = CompileSpec(_broken_kernel, {"X": "*fp32"}, {"BLOCK": 3})
+        spec = CompileSpec("fwd", _broken_kernel, {"X": "*fp32"}, {"BLOCK": 3})
         report = compile_config(spec, LaunchConfig(), preset(sys.argv[1]))
         print(json.dumps({"fits": report.fits, "reason": report.reason, "registers": report.registers}))
     """))
@@ -106,7 +115,7 @@ def test_compile_error_is_a_report(tmp_path):
 def test_interpreted_kernels_are_refused_in_process():
     if not device_info.interpreter_enabled():
         pytest.skip("kernels here were decorated without TRITON_INTERPRET")
-    (spec,) = _variant("amd").compile_specs(KEY, LaunchConfig(blocks={"BLOCK_M": 64, "BLOCK_N": 32}))
+    spec = _variant("amd").compile_specs(KEY, _fwd(blocks={"BLOCK_M": 64, "BLOCK_N": 32}))[0]
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
         compile_config(spec, LaunchConfig(), device_info.preset("mi355x"))
 
@@ -123,12 +132,13 @@ def test_integer_values_are_specialized_as_the_jit_does():
     """A value of 1 becomes a constant, a multiple of 16 is marked divisible, others stay plain i32."""
     from tuning.compile_check import _alignment_attrs, _as_jit_specializes, _full_signature
 
-    (spec,) = _variant("nvidia").compile_specs({**KEY, "h_kv": 32}, LaunchConfig(blocks={"BLOCK_M": 64, "BLOCK_N": 32}))
+    spec = _variant("nvidia").compile_specs({**KEY, "h_kv": 32}, _fwd(blocks={"BLOCK_M": 64, "BLOCK_N": 32}))[0]
     assert spec.values == {"group": 1} and "group" not in spec.constexprs
     specialized = _as_jit_specializes(spec)
     assert specialized.constexprs["group"] == 1 and _full_signature(specialized)["group"] == "constexpr"
     names = spec.fn.arg_names
     for value, marked in ((32, True), (24, False)):
-        plain = _as_jit_specializes(type(spec)(spec.fn, spec.signature, spec.constexprs, values={"group": value}))
+        plain = _as_jit_specializes(type(spec)("fwd", spec.fn, spec.signature, spec.constexprs,
+                                               values={"group": value}))
         attrs = _alignment_attrs(plain, _full_signature(plain))
         assert ((names.index("group"),) in attrs) is marked

@@ -12,12 +12,12 @@ import math
 import pytest
 import torch
 
-from kernels.base import load_all
+from registry.catalog import load_all
 from registry.device import CPU, PRESETS
 from registry.ops import flash_attention as fa_op
 from registry.ops._contract import random_normal
 from registry.testing import TOLERANCE, assert_close, relative_error
-from tuning_db.records import LaunchConfig
+from tuning_db.records import CallConfig, LaunchConfig
 
 RTOL = TOLERANCE[torch.float16]
 # The interpreter turns the loop bounds (0-d arrays) into ints through a path numpy deprecates.
@@ -30,12 +30,16 @@ def _variants():
     return variants
 
 
-def _configs(variant, key: dict) -> list[LaunchConfig]:
+def _configs(variant, key: dict) -> list[CallConfig]:
     """The CPU default, then a different CPU-space config (smaller tiles: more blocks and stages)."""
     default = variant.default_config(key, CPU)
-    other = next(c for c in variant.space(key, CPU) if c.blocks["BLOCK_M"] == 16 and c.blocks["BLOCK_N"] == 16)
-    assert other != default
-    return [default, other]
+    other = next(c for c in variant.space(key, CPU)["fwd"] if c.blocks["BLOCK_M"] == 16 and c.blocks["BLOCK_N"] == 16)
+    assert other != default["fwd"]
+    return [default, default.replace("fwd", other)]
+
+
+def _fwd(blocks: dict, **knobs) -> CallConfig:
+    return CallConfig({"fwd": LaunchConfig(blocks=blocks, **knobs)})
 
 
 def _launch_poisoned(variant, args: dict, config: LaunchConfig, monkeypatch):
@@ -147,7 +151,7 @@ def test_varlen_three_sequences(causal, window, device, monkeypatch):
     args = fa_op.validate(q, k, v, causal=causal, window=window, return_lse=True, cu_seqlens_q=cu_q,
                           cu_seqlens_k=cu_k, max_seqlen_q=max(lens_q), max_seqlen_k=max(lens_k))
     _check_all(args, monkeypatch)
-    out, lse = _variants()[0].launch(args, LaunchConfig(blocks={"BLOCK_M": 16, "BLOCK_N": 16}))
+    out, lse = _variants()[0].launch(args, _fwd({"BLOCK_M": 16, "BLOCK_N": 16}))
     for rows in (slice(0, 2), slice(64, 66)):
         assert torch.equal(out[rows], torch.zeros_like(out[rows]))
         assert torch.isposinf(lse[:, rows]).all()
@@ -169,49 +173,55 @@ def test_gradients_recompute_through_the_reference(device):
 
 
 # ----------------------------------------------------------------------------- variant data, no kernel runs
-KEY = {"causal": True, "d": 128, "dtype": "bf16", "h_kv": 8, "h_q": 32, "s_k": 8192, "s_q": 8192,
-       "varlen": False, "window": None}
+KEY = {"causal": True, "d": 128, "dtype": "bf16", "h_kv": 8, "h_q": 32, "s_k": 8192, "s_q": 8192, "window": None}
 
 
-def test_variants_are_registered_with_their_source():
+def _keep(variant, config) -> bool:
+    return variant.spaces["fwd"].keep(config, KEY)
+
+
+def test_variants_are_registered_with_their_kernel():
+    from kernels.common.flash_attention import _flash_attention_fwd_kernel
+
     for variant in _variants():
         assert variant.op == "flash_attention" and variant.priority == 0
-        assert variant.source_modules == ("kernels.common.flash_attention",)
+        assert variant.roles == ("fwd",) and variant.kernels["fwd"] is _flash_attention_fwd_kernel
         assert len(variant.source_hash) == 16
+    assert len({v.source_hash for v in _variants()}) == 1  # one kernel body for both vendors
 
 
 def test_spaces_differ_only_by_vendor_data():
     nvidia, amd = sorted(_variants(), key=lambda v: v.vendor != "nvidia")
     h200, mi300x, mi355x = PRESETS["h200"], PRESETS["mi300x"], PRESETS["mi355x"]
-    space = nvidia.space(KEY, h200)
+    space = nvidia.space(KEY, h200)["fwd"]
     assert {c.num_stages for c in space} == {2, 3, 4, 5}
     assert {c.blocks["BLOCK_N"] for c in space} == {32, 64, 128}
-    assert all(c.waves_per_eu is None for c in space) and all(nvidia.keep(c) for c in space)
+    assert all(c.waves_per_eu is None for c in space) and all(_keep(nvidia, c) for c in space)
     assert not any(c.num_warps == 8 and c.blocks["BLOCK_M"] == 64 for c in space)
-    assert {c.kpack for c in amd.space(KEY, mi300x)} == {1, 2}
-    gfx950 = amd.space(KEY, mi355x)
+    assert {c.kpack for c in amd.space(KEY, mi300x)["fwd"]} == {1, 2}
+    gfx950 = amd.space(KEY, mi355x)["fwd"]
     assert {c.kpack for c in gfx950} == {1}
     assert {c.num_stages for c in gfx950} == {1, 2} and {c.waves_per_eu for c in gfx950} == {0, 1, 2}
     assert {c.matrix_instr_nonkdim for c in gfx950} == {16, 32}
     for variant in (nvidia, amd):
-        cpu_space = variant.space(KEY, CPU)
+        cpu_space = variant.space(KEY, CPU)["fwd"]
         assert len({c.to_json() for c in cpu_space}) == len(cpu_space) <= 4
         assert all(max(c.blocks.values()) <= 32 for c in cpu_space)
-        assert max(variant.default_config(KEY, CPU).blocks.values()) <= 32
+        assert max(variant.default_config(KEY, CPU)["fwd"].blocks.values()) <= 32
 
 
 def test_prune_reasons():
     nvidia, amd = sorted(_variants(), key=lambda v: v.vendor != "nvidia")
     h200, mi300x = PRESETS["h200"], PRESETS["mi300x"]
     huge = LaunchConfig(blocks={"BLOCK_M": 128, "BLOCK_N": 128}, num_warps=8, num_stages=5)
-    assert "shared memory" in nvidia.prune_reason(huge, KEY, h200)
-    assert nvidia.prune_reason(huge.model_copy(update={"num_stages": 2}), KEY, h200) is None
+    assert "shared memory" in nvidia.prune_reason("fwd", huge, KEY, h200)
+    assert nvidia.prune_reason("fwd", huge.model_copy(update={"num_stages": 2}), KEY, h200) is None
     wide = LaunchConfig(blocks={"BLOCK_M": 128, "BLOCK_N": 128}, num_warps=8, num_stages=2, kpack=1)
-    assert "LDS" in amd.prune_reason(wide, {**KEY, "d": 256}, mi300x)
+    assert "LDS" in amd.prune_reason("fwd", wide, {**KEY, "d": 256}, mi300x)
     short = {**KEY, "s_q": 16}
-    assert "s_q bucket" in nvidia.prune_reason(huge.model_copy(update={"num_stages": 2}), short, h200)
+    assert "s_q bucket" in nvidia.prune_reason("fwd", huge.model_copy(update={"num_stages": 2}), short, h200)
     small = LaunchConfig(blocks={"BLOCK_M": 64, "BLOCK_N": 64}, num_warps=4, num_stages=2)
-    assert nvidia.prune_reason(small, short, h200) is None  # the smallest BLOCK_M always survives
+    assert nvidia.prune_reason("fwd", small, short, h200) is None  # the smallest BLOCK_M always survives
 
 
 @pytest.mark.parametrize("d", [64, 80, 128, 256])
@@ -221,17 +231,17 @@ def test_defaults_survive_pruning(d):
         for device in (PRESETS["h200"], PRESETS["mi300x"], PRESETS["mi355x"], CPU):
             if device.vendor not in (variant.vendor, "cpu"):
                 continue
-            config = variant.default_config(key, device)
-            assert variant.prune_reason(config, key, device) is None, (variant.vendor, device.key, config)
+            config = variant.default_config(key, device)["fwd"]
+            assert variant.prune_reason("fwd", config, key, device) is None, (variant.vendor, device.key, config)
             if device.key != "cpu":
-                assert variant.keep(config)
+                assert _keep(variant, config)
                 # NVIDIA's d 256 default runs num_stages 1 (no spills), below the sweep's stages.
-                assert config in variant.space(key, device) or (variant.vendor, d) == ("nvidia", 256)
+                assert config in variant.space(key, device)["fwd"] or (variant.vendor, d) == ("nvidia", 256)
     # Short sequences shrink the tiles to the smallest the space has.
     for variant, device in zip(sorted(_variants(), key=lambda v: v.vendor),
                                (PRESETS["mi355x"], PRESETS["h200"]), strict=True):
-        short = variant.default_config({**key, "s_q": 16, "s_k": 32}, device)
-        assert short.blocks == {"BLOCK_M": 64, "BLOCK_N": 32} and variant.keep(short)
+        short = variant.default_config({**key, "s_q": 16, "s_k": 32}, device)["fwd"]
+        assert short.blocks == {"BLOCK_M": 64, "BLOCK_N": 32} and _keep(variant, short)
 
 
 def test_supports_fp16_bf16_only():
@@ -241,12 +251,15 @@ def test_supports_fp16_bf16_only():
 
 
 def test_compile_specs_type_every_kernel_argument():
+    """Padded and packed (varlen) calls share a key, so a key's config is compiled both ways."""
     variant = _variants()[0]
-    for key in (KEY, {**KEY, "h_kv": 32, "varlen": True, "window": 128, "d": 80}):
+    for key in (KEY, {**KEY, "h_kv": 32, "window": 128, "d": 80}):
         config = variant.default_config(key, PRESETS["h200"])
-        (spec,) = variant.compile_specs(key, config)
-        names = set(spec.signature) | set(spec.constexprs)
-        assert names == set(spec.fn.arg_names) and not set(spec.signature) & set(spec.constexprs)
-        assert spec.constexprs["BLOCK_M"] == config.blocks["BLOCK_M"]
-        assert spec.constexprs["HEAD_DIM"] == key["d"] and spec.constexprs["BLOCK_D"] == 128
-        assert spec.signature["Q"] == "*bf16" and spec.constexprs["IS_VARLEN"] == key["varlen"]
+        specs = variant.compile_specs(key, config)
+        assert [spec.constexprs["IS_VARLEN"] for spec in specs] == [False, True]
+        for spec in specs:
+            names = set(spec.signature) | set(spec.constexprs)
+            assert names == set(spec.fn.arg_names) and not set(spec.signature) & set(spec.constexprs)
+            assert spec.role == "fwd" and spec.constexprs["BLOCK_M"] == config["fwd"].blocks["BLOCK_M"]
+            assert spec.constexprs["HEAD_DIM"] == key["d"] and spec.constexprs["BLOCK_D"] == 128
+            assert spec.signature["Q"] == "*bf16"

@@ -297,13 +297,32 @@ def test_tuning_key_is_hashable_and_buckets_lengths():
 
     k5 = key(5)
     assert hash(OP.tuning_key(validate(**_good())))
-    assert k5 == {"batched": False, "d_qk": 64, "d_v": 32, "dtype": "fp16", "h_kv": 1, "h_q": 16, "s_q": 16,
+    assert k5 == {"d_qk": 64, "d_v": 32, "dtype": "fp16", "h_kv": 1, "h_q": 16, "kv_aligned": True, "s_q": 16,
                   "topk": 8}
     assert key(9) == k5 and key(17)["s_q"] == 32 and key(33)["s_q"] == 64
-    assert key(17, b=3) == {**k5, "batched": True, "s_q": 64}  # 3 * 17 query rows
+    assert key(17, b=3) == {**k5, "s_q": 64}  # 3 * 17 query rows; the layout is not part of the key
+    assert key(17, b=1) == key(17)  # batched and unbatched spellings of the same rows share a key
     assert key(5, dtype=torch.bfloat16)["dtype"] == "bf16"
     names = [n for n, _ in OP.tuning_key(validate(**_good()))]
     assert names == sorted(names)
+
+
+def test_kv_row_alignment_is_a_key_dim():
+    """The warp-specialized kernel copies 16-byte chunks: a kv whose rows are not 16-element aligned
+    gets its own key (and its own raw dispatch key), which that variant does not support."""
+    from registry.ops.sparse_mla import kv_rows_aligned
+
+    args = validate(**_good())
+    assert dict(OP.tuning_key(args))["kv_aligned"] is (args["kv"].stride(-2) % 16 == 0)
+    assert kv_rows_aligned(torch.empty(2, 8, 1, 576, dtype=torch.bfloat16))
+    padded = torch.empty(8, 1, 584, dtype=torch.bfloat16)[..., :576]  # row stride 584
+    assert not kv_rows_aligned(padded)
+    assert not kv_rows_aligned(torch.empty(1, 8 * 576 + 1, dtype=torch.bfloat16)[:, 1:].view(1, 8, 1, 576))
+    good = dict(q=torch.randn(3, 16, 576).bfloat16(), kv=torch.randn(8, 1, 576).bfloat16(),
+                indices=torch.zeros(3, 1, 4, dtype=torch.int32))
+    bad = {**good, "kv": torch.randn(8, 1, 584).bfloat16()[..., :576]}
+    assert validate(**good).key != validate(**bad).key
+    assert dict(OP.tuning_key(validate(**bad)))["kv_aligned"] is False
 
 
 def test_flops_and_bytes():

@@ -10,7 +10,7 @@ import registry
 from registry import dispatch
 from registry.device import CPU, detect
 from registry.ops import OPS
-from tuning_db.records import LaunchConfig, TunedConfig, canonical_json
+from tuning_db.records import CallConfig, LaunchConfig, TunedConfig, canonical_json
 
 from .conftest import HAS_GPU
 
@@ -118,12 +118,14 @@ def _key_json(op_name: str, kwargs: dict) -> tuple[dict, str]:
     return dims, canonical_json(dims)
 
 
-def _tuned(op: str, key_json: str, config: LaunchConfig, variant: str = "flash_attention_tiled") -> TunedConfig:
-    from kernels.base import load_all
+def _tuned(op: str, key_json: str, config: LaunchConfig, variant: str = "flash_attention_tiled",
+           vendor: str | None = None) -> TunedConfig:
+    from registry.catalog import load_all
 
     source = next(v.source_hash for v in load_all()[op] if v.name == variant)
-    return TunedConfig(op=op, device_key=KERNEL_INFO.key, tuning_key=key_json, variant=variant, source_hash=source,
-                       config=config, time_ms=1.0, triton_version="3.6.0", torch_version=torch.__version__)
+    return TunedConfig(op=op, device_key=KERNEL_INFO.key, tuning_key=key_json, variant=variant, vendor=vendor,
+                       source_hash=source, config=CallConfig({"fwd": config}), time_ms=1.0, triton_version="3.6.0",
+                       torch_version=torch.__version__)
 
 
 def test_lookup_order_database_then_tables_then_nearest_then_default(tmp_path, monkeypatch):
@@ -140,26 +142,37 @@ def test_lookup_order_database_then_tables_then_nearest_then_default(tmp_path, m
     other.upsert_tuned(_tuned("flash_attention", key_json, shipped), KERNEL_INFO)
     tables = tmp_path / "tables"
     export_json(other, KERNEL_INFO.key, "flash_attention", tables)
-    from tuning_db import store as store_module
+    from tuning_db import table_files
 
-    monkeypatch.setattr(store_module.ShippedTables, "__init__",
-                        lambda self, folder=None, _init=store_module.ShippedTables.__init__: _init(self, tables))
+    monkeypatch.setattr(table_files.ShippedTables, "__init__",
+                        lambda self, folder=None, _init=table_files.ShippedTables.__init__: _init(self, tables))
     registry.clear_caches()
     choice = handle.choice(**kwargs)
-    assert (choice.source, choice.config) == ("tables", shipped)
+    assert (choice.source, choice.config["fwd"]) == ("tables", shipped)
 
     # The user's database wins over shipped tables.
     mine = LaunchConfig(blocks={"BLOCK_M": 32, "BLOCK_N": 16}, num_warps=4, num_stages=2)
     dispatch.user_store().upsert_tuned(_tuned("flash_attention", key_json, mine), KERNEL_INFO)
     registry.clear_caches()
     choice = handle.choice(**kwargs)
-    assert (choice.source, choice.config) == ("database", mine)
+    assert (choice.source, choice.config["fwd"]) == ("database", mine)
 
     # A key never tuned takes the nearest tuned key (same heads/dims, closest lengths).
     longer = {**kwargs, **{name: torch.randn(2, 70, heads, 64).to(KERNEL_DEVICE, KERNEL_DTYPE)
                            for name, heads in (("q", 4), ("k", 2), ("v", 2))}}
     choice = handle.choice(**longer)
-    assert (choice.source, choice.config) == ("nearest-database", mine)
+    assert (choice.source, choice.config["fwd"]) == ("nearest-database", mine)
+
+    # An entry of the other vendor's variant of the same name (tuned in the interpreter, device "cpu")
+    # is never launched for this vendor.
+    if not HAS_GPU:
+        other_vendor = "amd" if VENDORS[0] == "nvidia" else "nvidia"
+        theirs = LaunchConfig(blocks={"BLOCK_M": 16, "BLOCK_N": 16})
+        dispatch.user_store().upsert_tuned(_tuned("flash_attention", key_json, theirs, vendor=other_vendor),
+                                           KERNEL_INFO)
+        registry.clear_caches()
+        choice = handle.choice(**kwargs)
+        assert choice.source == "tables" and choice.config["fwd"] == shipped
 
 
 def test_later_calls_do_not_touch_the_database(monkeypatch):
@@ -190,8 +203,8 @@ def test_corrupted_database_warns_and_still_runs(tmp_path, monkeypatch):
 
 
 def test_shipped_tables_are_valid_and_name_known_variants():
-    from kernels.base import load_all
-    from tuning_db.store import ShippedTables
+    from registry.catalog import load_all
+    from tuning_db.table_files import ShippedTables
 
     names = {(v.op, v.name) for vs in load_all().values() for v in vs}
     tables = ShippedTables()
@@ -214,3 +227,74 @@ def test_source_hash_ignores_documentation_but_not_code():
     assert code_fingerprint(source) == (
         b"Module(body=[FunctionDef(name='kernel',args=arguments(args=[arg(arg='x')]),"
         b"body=[Return(value=BinOp(left=Name(id='x',ctx=Load()),op=Mult(),right=Constant(value=2)))])])")
+
+
+def test_any_layer_imports_first_without_a_cycle():
+    """Contracts and devices sit below kernels, the catalog between, dispatch on top: any module can be
+    the first one a process imports, and the registry package hides no cycle behind a module
+    __getattr__ (`registry.get` is a plain attribute from the start)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    modules = ["kernels.nvidia.sparse_mla", "kernels.amd.flash_attention", "kernels.common.sparse_mla",
+               "kernels.base", "registry.ops.sparse_mla", "registry.device", "registry.dispatch", "tuning.sweep"]
+    check = ("import importlib, sys; importlib.import_module(sys.argv[1]); import registry; "
+             "assert 'get' in vars(registry) and '__getattr__' not in vars(registry); "
+             "assert registry.variants('sparse_mla')")
+    root = Path(__file__).resolve().parents[1]
+    procs = {m: subprocess.Popen([sys.executable, "-c", check, m], cwd=root, stderr=subprocess.PIPE, text=True)
+             for m in modules}
+    for module, proc in procs.items():
+        _, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, f"importing {module} first: {err[-2000:]}"
+
+
+def test_source_hash_covers_kernel_code_only(tmp_path, monkeypatch):
+    """A variant's hash is its kernels' code (and the jitted helpers and constexpr globals they use):
+    comments, docstrings, launchers, spaces and other kernels do not change it."""
+    import importlib
+    import textwrap
+
+    from kernels.base import kernel_fingerprints
+
+    source = textwrap.dedent('''
+        import triton
+        import triton.language as tl
+
+        SCALE = tl.constexpr(2)
+
+        @triton.jit
+        def _helper(x):
+            return x * SCALE
+
+        @triton.jit
+        def _kernel(X, BLOCK: tl.constexpr):
+            """Doc."""
+            offs = tl.arange(0, BLOCK)  # why
+            tl.store(X + offs, _helper(tl.load(X + offs)))
+
+        def launcher(x):
+            return _kernel[(1,)](x, BLOCK=16)
+    ''')
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+    def fingerprint(name: str, text: str) -> list[bytes]:
+        (tmp_path / f"{name}.py").write_text(text)
+        return kernel_fingerprints([importlib.import_module(name)._kernel])
+
+    base = fingerprint("hash_base", source)
+    assert len(base) == 3  # the kernel, its helper, the constexpr it reads
+    assert fingerprint("hash_docs", source.replace('"""Doc."""', '"""Other words."""')
+                       .replace("# why", "# because")) == base
+    assert fingerprint("hash_launcher", source.replace("BLOCK=16", "BLOCK=32")) == base
+    assert fingerprint("hash_helper", source.replace("x * SCALE", "x + SCALE")) != base
+    assert fingerprint("hash_constexpr", source.replace("tl.constexpr(2)", "tl.constexpr(3)")) != base
+
+    from registry.catalog import load_all
+
+    by_name = {(v.name, v.vendor): v for v in load_all()["sparse_mla"]}
+    headblock, warpspec = by_name["sparse_mla_headblock", "nvidia"], by_name["sparse_mla_warpspec", "nvidia"]
+    assert headblock.source_hash == by_name["sparse_mla_headblock", "amd"].source_hash  # one kernel body
+    assert warpspec.source_hash != headblock.source_hash  # its own forward kernel
+    assert warpspec.kernels["bwd_dq"] is headblock.kernels["bwd_dq"]  # the same backward

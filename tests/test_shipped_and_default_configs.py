@@ -1,6 +1,7 @@
-"""Every variant's default configs (at its op's full preset keys) and every shipped tuned config
-compile for their targets with no spills and within shared memory/LDS: sm_90 for NVIDIA variants,
-gfx942 and gfx950 for AMD ones. Compiles run in a subprocess without TRITON_INTERPRET."""
+"""Every variant's default call configs (at its op's full preset keys) and every shipped tuned call
+config compile for their targets with no spills and within shared memory/LDS: sm_90 for NVIDIA
+variants, gfx942 and gfx950 for AMD ones; every kernel role of the call (forward and backward passes).
+Compiles run in a subprocess without TRITON_INTERPRET."""
 
 import json
 import os
@@ -10,18 +11,21 @@ from pathlib import Path
 
 import pytest
 
-from kernels.base import load_all
+from registry.catalog import load_all
+from tuning.compile_check import shipped_configs
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGETS = {"nvidia": "h200", "amd": "mi300x,mi355x"}
-VARIANTS = sorted({(v.name, v.vendor) for vs in load_all().values() for v in vs})
+ALL = sorted((v for vs in load_all().values() for v in vs), key=lambda v: (v.op, v.name, v.vendor))
+# Only variants that shipped tables name are checked against tables: a parameter with nothing to check
+# would pass having checked nothing.
+CASES = [(v, "defaults") for v in ALL] + [(v, "tables") for v in ALL if shipped_configs(v)]
 
 
-@pytest.mark.parametrize("what", ["defaults", "tables"])
-@pytest.mark.parametrize("name,vendor", VARIANTS, ids=[f"{n}-{v}" for n, v in VARIANTS])
-def test_configs_compile_without_spills(name, vendor, what):
+@pytest.mark.parametrize("variant,what", CASES, ids=[f"{v.name}-{v.vendor}-{what}" for v, what in CASES])
+def test_configs_compile_without_spills(variant, what):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    argv = ["--variant", name, "--vendor", vendor, "--target", TARGETS[vendor], "--json"]
+    argv = ["--variant", variant.name, "--vendor", variant.vendor, "--target", TARGETS[variant.vendor], "--json"]
     if what == "tables":
         argv.append("--tables")
     proc = subprocess.run([sys.executable, "-m", "tuning.compile_check", *argv], cwd=ROOT, env=env,
@@ -29,6 +33,19 @@ def test_configs_compile_without_spills(name, vendor, what):
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     unfit = [(r["arch"], r["key"], r["config"], r["kernel"], r["reason"]) for r in rows if not r["fits"]]
     assert proc.returncode == 0 and not unfit, unfit or proc.stderr[-2000:]
-    assert all(r["spills"] == 0 for r in rows)
-    if what == "defaults":
-        assert rows, proc.stderr[-2000:]
+    assert rows and all(r["spills"] == 0 for r in rows), proc.stderr[-2000:]
+    # Every role's kernel was compiled, for every target.
+    kernels = {kernel.fn.__name__ for kernel in variant.kernels.values()}
+    for arch in {r["arch"] for r in rows}:
+        assert {r["kernel"] for r in rows if r["arch"] == arch} == kernels
+    assert len({r["arch"] for r in rows}) == len(TARGETS[variant.vendor].split(","))
+
+
+def test_every_variant_is_checked():
+    """The defaults of every registered variant are compiled above, and every variant a shipped table
+    names has its tables compiled."""
+    assert {(v.name, v.vendor) for v, what in CASES if what == "defaults"} == {(v.name, v.vendor) for v in ALL}
+    from tuning_db.table_files import ShippedTables
+
+    named = {(t.variant, t.vendor or t.device_key.split("-", 1)[0]) for t in ShippedTables().tuned()}
+    assert named == {(v.name, v.vendor) for v, what in CASES if what == "tables"}

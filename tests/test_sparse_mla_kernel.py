@@ -7,9 +7,9 @@ bf16. The Hopper Gluon variant (sparse_mla_warpspec) cannot be interpreted: it r
 import pytest
 import torch
 
-from kernels.base import load_all
+from registry.catalog import load_all
 from registry.device import CPU, detect
-from registry.ops.sparse_mla import make_inputs, reference, validate
+from registry.ops.sparse_mla import make_inputs, reference, tuning_key, validate
 from registry.testing import TOLERANCE, assert_close
 from tuning_db.records import LaunchConfig
 
@@ -18,7 +18,7 @@ from .conftest import HAS_GPU, gpu
 VARIANTS = load_all()["sparse_mla"]
 HEADBLOCK = [v for v in VARIANTS if v.name == "sparse_mla_headblock"]
 # A key every variant supports on a device that can run it (the V3.2 head dims).
-V32_KEY = {"d_qk": 576, "d_v": 512, "h_q": 128, "h_kv": 1, "dtype": "bf16", "topk": 2048}
+V32_KEY = {"d_qk": 576, "d_v": 512, "h_q": 128, "h_kv": 1, "dtype": "bf16", "topk": 2048, "kv_aligned": True}
 DTYPE = torch.bfloat16 if HAS_GPU else torch.float16
 TOL = TOLERANCE[DTYPE]
 
@@ -28,14 +28,14 @@ def _device_info():
 
 
 def _configs(variant, args):
-    """The variant's default config here, plus one other block shape (CPU: the interpreter's space)."""
-    from registry.ops.sparse_mla import tuning_key
-
+    """The variant's default call config here, plus one with another forward block shape (CPU: the
+    interpreter's space)."""
     key = dict(tuning_key(args))
     info = _device_info()
     default = variant.default_config(key, info)
-    others = [c for c in variant.space(key, info) if c != default and variant.prune_reason(c, key, info) is None]
-    return [default] + others[:1]
+    others = [c for c in variant.space(key, info)["fwd"]
+              if c != default["fwd"] and variant.prune_reason("fwd", c, key, info) is None]
+    return [default] + [default.replace("fwd", c) for c in others[:1]]
 
 
 def _inputs(device, seed=0, **shape):
@@ -184,6 +184,23 @@ def test_invalid_slots_get_no_gradient(variant, device):
     assert torch.all(grad[[1, 2, 5]].abs().sum(-1) > 0)
 
 
+def test_every_backward_config_of_the_space_matches_reference(variant, device):
+    """Each backward role's configs (the interpreter's tiles on the CPU; a sample of the GPU space on a
+    GPU), the other roles at their defaults: 40 heads make partial dq head blocks and dkv chunks."""
+    from registry.ops import OPS
+    from registry.testing import GRAD_TOLERANCE, gradient_error
+
+    args = _inputs(device, seed=12, s_q=3, s_kv=90, h_q=40, h_kv=1, d_qk=96, d_v=64, topk=70, sink=True)
+    key, info = dict(tuning_key(args)), _device_info()
+    default = variant.default_config(key, info)
+    for role in ("bwd_dq", "bwd_dkv"):
+        configs = [c for c in variant.space(key, info)[role] if variant.prune_reason(role, c, key, info) is None]
+        for config in configs[:: max(1, len(configs) // 4)]:
+            call = default.replace(role, config)
+            err = gradient_error(OPS["sparse_mla"], lambda a, c=call: variant.launch(a, c), args)
+            assert err <= GRAD_TOLERANCE[DTYPE], (role, str(config), err)
+
+
 @gpu
 def test_v32_shape_bf16_on_gpu():
     """The DeepSeek-V3.2 shape on the GPU through the registry, in bf16."""
@@ -204,16 +221,19 @@ def test_value_part_in_d_tiles_with_odd_dims(device, d_split):
     for variant in HEADBLOCK:
         if HAS_GPU and variant.vendor != detect().vendor:
             continue
-        blocks = {"BLOCK_H": 16, "BLOCK_TOPK": 32, **({"D_SPLIT": 2} if d_split == 2 else {})}
-        assert_close(variant.launch(args, LaunchConfig(blocks=blocks)), expected, TOL, what=f"{variant.vendor}")
+        config = variant.default_config(dict(tuning_key(args)), _device_info())
+        config = config.replace("fwd", LaunchConfig(blocks={"BLOCK_H": 16, "BLOCK_TOPK": 32, "D_SPLIT": d_split}))
+        assert_close(variant.launch(args, config), expected, TOL, what=f"{variant.vendor}")
 
 
 def test_interpreter_space_is_small_and_valid():
     info = CPU
     for variant in HEADBLOCK:
-        space = variant.space({**V32_KEY, "dtype": "fp16"}, info)
-        assert 1 <= len(space) <= 4
-        assert all(isinstance(c, LaunchConfig) for c in space)
+        spaces = variant.space({**V32_KEY, "dtype": "fp16"}, info)
+        assert set(spaces) == {"fwd", "bwd_dq", "bwd_dkv"}
+        for space in spaces.values():
+            assert 1 <= len(space) <= 4
+            assert all(isinstance(c, LaunchConfig) and c.knobs() == LaunchConfig().knobs() for c in space)
 
 
 def test_gpu_spaces_offer_wide_head_blocks():
@@ -224,11 +244,12 @@ def test_gpu_spaces_offer_wide_head_blocks():
     key = V32_KEY
     for variant in HEADBLOCK:
         target = preset("h200") if variant.vendor == "nvidia" else preset("mi355x")
-        space = variant.space(key, target)
+        space = variant.space(key, target)["fwd"]
         assert {c.blocks["BLOCK_H"] for c in space} == {16, 32, 64, 128}
-        assert {c.blocks.get("D_SPLIT", 1) for c in space} == {1, 2}
-        kept = [c for c in space if variant.prune_reason(c, key, target) is None]
-        assert kept and variant.prune_reason(variant.default_config(key, target), key, target) is None
+        assert {c.blocks["D_SPLIT"] for c in space} == {1, 2}
+        kept = [c for c in space if variant.prune_reason("fwd", c, key, target) is None]
+        default = variant.default_config(key, target)
+        assert kept and all(variant.prune_reason(role, default[role], key, target) is None for role in variant.roles)
         if variant.vendor == "amd":
             assert {c.num_stages for c in space} == {1, 2}
             assert {c.kpack for c in space} == {1}
@@ -237,4 +258,5 @@ def test_gpu_spaces_offer_wide_head_blocks():
             assert 128 not in {c.blocks["BLOCK_H"] for c in kept}
     # A group of 8 heads never gets a head block wider than 16.
     small = {**key, "h_q": 16, "h_kv": 2}
-    assert {c.blocks["BLOCK_H"] for c in HEADBLOCK[0].space(small, preset("h200"))} == {16}
+    for role, space in HEADBLOCK[0].space(small, preset("h200")).items():
+        assert {c.blocks["BLOCK_H"] for c in space} == {16}, role

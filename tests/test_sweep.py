@@ -1,5 +1,6 @@
-"""The sweep: correctness gate before timing, every trial recorded, clean stops and resumes, device
-checks, compile-only reports and stale detection."""
+"""The sweep: correctness gate before timing, every trial recorded, roles tuned one at a time, clean
+stops and resumes, a watchdog for hanging trials, argument errors, device checks, compile-only reports
+and stale detection."""
 
 import os
 import signal
@@ -11,11 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels.base import Variant, load_all
+from kernels.base import Variant
+from registry.catalog import load_all
 from registry.device import CPU
 from registry.ops import OPS
+from tuning.space import ConfigSpace
 from tuning.sweep import sweep_op
-from tuning_db.records import LaunchConfig
+from tuning_db.records import CallConfig, LaunchConfig
 from tuning_db.store import TuningStore
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -29,24 +32,40 @@ def _cli(*args: str, db: str, interpret: bool = True, timeout: int = 600) -> sub
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+def _probe_space(*blocks: int) -> ConfigSpace:
+    return ConfigSpace(blocks={"BLOCK": blocks}, defaults={"*": {"BLOCK": blocks[0]}},
+                       interpreter=tuple({"BLOCK": b} for b in blocks))
+
+
 class _Gated(Variant):
-    """A fake variant: BLOCK=1 is right, BLOCK=2 is wrong, BLOCK=3 raises. Only BLOCK=1 may win."""
+    """A fake variant: BLOCK=1 is right, BLOCK=2 is wrong, BLOCK=3 raises, BLOCK=5 hangs (only when
+    asked to). Only BLOCK=1 may win."""
 
     op, vendor, name = "flash_attention", "nvidia", "flash_attention_gate_probe"
+    kernels = {"fwd": None}
+    spaces = {"fwd": _probe_space(1, 2, 3, 4)}
 
-    def space(self, key, device):
-        return [LaunchConfig(blocks={"BLOCK": b}) for b in (1, 2, 3, 4)]
-
-    def prune_reason(self, config, key, device):
+    def prune_reason(self, role, config, key, device):
         return "too big" if config.blocks["BLOCK"] == 4 else None
 
     def launch(self, args, config):
+        block = config["fwd"].blocks["BLOCK"]
         out = OPS["flash_attention"].reference(**args)
-        if config.blocks["BLOCK"] == 2:
+        if block == 2:
             return out + 1
-        if config.blocks["BLOCK"] == 3:
+        if block == 3:
             raise RuntimeError("boom")
+        if block == 5:
+            time.sleep(3600)  # a kernel that never finishes
         return out
+
+
+class _Hangs(_Gated):
+    spaces = {"fwd": _probe_space(1, 5, 2)}
+
+
+def _blocks(trials) -> dict:
+    return {t.config["fwd"].blocks["BLOCK"]: t.status for t in trials}
 
 
 def test_gate_rejects_wrong_configs_and_the_right_one_wins(tmp_path):
@@ -56,26 +75,57 @@ def test_gate_rejects_wrong_configs_and_the_right_one_wins(tmp_path):
     stats, finished = sweep_op(op, [_Gated()], CPU, torch.device("cpu"), [shape], torch.float16, store,
                                resume=False, deadline=None)
     assert finished
-    status = {t.config.blocks["BLOCK"]: t.status for t in store.trials()}
-    assert status == {1: "ok", 2: "wrong_result", 3: "runtime_error", 4: "pruned"}
+    assert _blocks(store.trials()) == {1: "ok", 2: "wrong_result", 3: "runtime_error", 4: "pruned"}
+    assert {t.role for t in store.trials()} == {"fwd"}
     assert all(t.time_ms is None for t in store.trials() if t.status != "ok")
     (winner,) = store.tuned(op="flash_attention")
-    assert winner.config.blocks == {"BLOCK": 1} and winner.device_key == "cpu"
+    assert winner.config == CallConfig({"fwd": LaunchConfig(blocks={"BLOCK": 1})}) and winner.device_key == "cpu"
+    assert winner.vendor == "nvidia" and winner.backward_ms is None  # no backward role: no backward time
+
+
+def test_a_hanging_trial_is_killed_and_the_sweep_goes_on(tmp_path):
+    """BLOCK=5 never returns: its child process is killed at the trial timeout, the trial is recorded as
+    a timeout, and the next trial runs in a new child."""
+    store = TuningStore(f"sqlite:///{tmp_path / 'hang.db'}")
+    op = OPS["flash_attention"]
+    started = time.monotonic()
+    _, finished = sweep_op(op, [_Hangs()], CPU, torch.device("cpu"), [op.presets["tiny"][0]], torch.float16, store,
+                           resume=False, deadline=None, trial_timeout=8)
+    assert finished and time.monotonic() - started < 300
+    assert _blocks(store.trials()) == {1: "ok", 5: "timeout", 2: "wrong_result"}
+    hung = next(t for t in store.trials() if t.status == "timeout")
+    assert "did not finish in 8 s" in hung.error and hung.time_ms is None
+    assert store.tuned(op="flash_attention")[0].config["fwd"].blocks == {"BLOCK": 1}
+
+
+def test_statuses_come_from_exception_types():
+    from triton.compiler.errors import CompilationError
+    from triton.runtime.errors import OutOfResources
+
+    from tuning.trials import classify
+
+    assert classify(OutOfResources(300000, 232448, "shared memory")) == "out_of_resources"
+    assert classify(torch.cuda.OutOfMemoryError("out of memory")) == "out_of_resources"
+    assert classify(CompilationError.__new__(CompilationError)) == "compile_error"
+    # A message that merely mentions compiling or resources is still a runtime error.
+    assert classify(RuntimeError("out of resource: compilation failed")) == "runtime_error"
 
 
 def test_autotune_call_tunes_one_key_on_its_own_inputs(tmp_path):
-    from tuning.sweep import autotune_call
+    from tuning.autotune import autotune_call
 
     store = TuningStore(f"sqlite:///{tmp_path / 'auto.db'}")
     op = OPS["flash_attention"]
     args = op.validate(**op.make_inputs(op.presets["tiny"][1], device="cpu", dtype=torch.float16, seed=3))
     tuned = autotune_call(op, [_Gated()], CPU, args, store)
-    assert tuned is not None and tuned.config.blocks == {"BLOCK": 1}
+    assert tuned is not None and tuned.config["fwd"].blocks == {"BLOCK": 1}
     assert store.best("flash_attention", CPU, tuned.tuning_key) == tuned
     assert {t.status for t in store.trials()} == {"ok", "wrong_result", "runtime_error", "pruned"}
 
 
-def test_cli_sweeps_in_the_interpreter_and_prints_winners(tmp_path):
+def test_cli_sweeps_every_role_in_the_interpreter_and_prints_winners(tmp_path):
+    """sparse_mla's call launches a forward and two backward kernels: each role is tuned in turn (the
+    backward ones gated on gradients and timed on the backward), and the winner holds all three."""
     db = f"sqlite:///{tmp_path / 'cli.db'}"
     done = _cli("--device", "cpu", "--op", "sparse_mla", "--shapes", "tiny:0", db=db)
     assert done.returncode == 0, done.stderr
@@ -83,20 +133,39 @@ def test_cli_sweeps_in_the_interpreter_and_prints_winners(tmp_path):
     trials = store.trials(op="sparse_mla")
     assert trials and all(t.device_key == "cpu" for t in trials)
     assert {t.status for t in trials} == {"ok"}, [t.error for t in trials]
+    variant = next(v for v in load_all()["sparse_mla"] if v.name == "sparse_mla_headblock" and v.vendor == "nvidia")
+    sizes = {role: len(c) for role, c in variant.space({}, CPU).items()}
+    assert {r: sum(t.role == r for t in trials) for r in sizes} == sizes
+    # Each stage varies its own role only, from the winner of the stages before it.
+    fwd_winner = min((t for t in trials if t.role == "fwd"), key=lambda t: t.time_ms).config["fwd"]
+    assert all(t.config["fwd"] == fwd_winner for t in trials if t.role != "fwd")
     assert "tuned configs on cpu" in done.stdout and "sparse_mla_headblock" in done.stdout
-    assert len(store.tuned(op="sparse_mla", device_key="cpu")) == 1
+    (tuned,) = store.tuned(op="sparse_mla", device_key="cpu")
+    assert tuned.config.roles() == ("bwd_dkv", "bwd_dq", "fwd") or set(tuned.config.roles()) == set(sizes)
+    assert tuned.time_ms > 0 and tuned.backward_ms > 0 and tuned.vendor == "nvidia"
+
+
+def test_roles_tunes_only_those_and_times_the_rest_once(tmp_path):
+    db = f"sqlite:///{tmp_path / 'roles.db'}"
+    done = _cli("--device", "cpu", "--op", "sparse_mla", "--shapes", "tiny:0", "--roles", "bwd_dkv", db=db)
+    assert done.returncode == 0, done.stderr
+    trials = TuningStore(db).trials(op="sparse_mla")
+    # The bwd_dkv stage, then one forward timing of the call config as it stands.
+    assert sorted(t.role for t in trials) == ["bwd_dkv", "bwd_dkv", "fwd"]
+    (tuned,) = TuningStore(db).tuned(op="sparse_mla")
+    assert tuned.time_ms is not None and tuned.backward_ms is not None
 
 
 def _space_size(op_name: str, preset_index: int = 0) -> int:
     op = OPS[op_name]
     args = op.validate(**op.make_inputs(op.presets["tiny"][preset_index], device="cpu", dtype=torch.float16, seed=0))
     variant = next(v for v in load_all()[op_name] if v.vendor == "nvidia")
-    return len({tuple(c.blocks.items()) for c in variant.space(dict(op.tuning_key(args)), CPU)})
+    return sum(len(configs) for configs in variant.space(dict(op.tuning_key(args)), CPU).values())
 
 
 def _assert_one_complete_run(store: TuningStore, expected: int) -> None:
     trials = store.trials()
-    keys = [(t.variant, t.tuning_key, t.config.to_json()) for t in trials]
+    keys = [(t.variant, t.tuning_key, t.config.to_json(), t.role) for t in trials]
     assert len(keys) == len(set(keys)) == expected
 
 
@@ -146,6 +215,25 @@ def test_unknown_device_op_and_filter_are_clear_errors(tmp_path):
     assert "--filter" in _cli("--device", "cpu", "--filter", "BLOCK_H", db=db).stderr
 
 
+@pytest.mark.parametrize("args,message", [
+    (("--shapes", "tiny:99"), "--shapes: flash_attention's 'tiny' preset has shapes 0..2, got '99'"),
+    (("--shapes", "tiny:x"), "--shapes"),
+    (("--shapes", "huge"), "--shapes: flash_attention has presets tiny, full, got 'huge'"),
+    (("--max-minutes", "-5"), "--max-minutes"),
+    (("--trial-timeout", "0"), "--trial-timeout"),
+    (("--variant", "nope"), "--variant: flash_attention has nvidia variants flash_attention_tiled, got 'nope'"),
+    (("--filter", "BLOCK_Z=3"), "--filter BLOCK_Z=3: selects no config of flash_attention"),
+    (("--filter", "speed=3"), "--filter: 'speed' is neither a block"),
+    (("--roles", "bwd_dq"), "--roles: flash_attention's variants have the roles fwd, got bwd_dq"),
+])
+def test_arguments_that_select_nothing_exit_2_with_a_message(tmp_path, args, message):
+    """Nothing is swept, no traceback: one line naming the argument."""
+    done = _cli("--device", "cpu", "--op", "flash_attention", *args, db=f"sqlite:///{tmp_path / 'x.db'}")
+    assert done.returncode == 2, done.stderr
+    assert message in done.stderr and "Traceback" not in done.stderr
+    assert TuningStore(f"sqlite:///{tmp_path / 'x.db'}").trials() == []
+
+
 def test_corrupted_database_is_a_clear_cli_error(tmp_path):
     bad = tmp_path / "bad.db"
     bad.write_text("not sqlite\n" * 100)
@@ -156,12 +244,12 @@ def test_corrupted_database_is_a_clear_cli_error(tmp_path):
 def test_compile_only_records_resources_for_gfx950(tmp_path):
     db = f"sqlite:///{tmp_path / 'cc.db'}"
     done = _cli("--device", "mi355x", "--compile-only", "--op", "sparse_mla", "--shapes", "tiny:0",
-                "--filter", "BLOCK_TOPK=32,num_warps=4,waves_per_eu=0,matrix_instr_nonkdim=16",
+                "--filter", "BLOCK_TOPK=32,num_warps=4,waves_per_eu=0,matrix_instr_nonkdim=16", "--roles", "fwd",
                 db=db, interpret=False)
     assert done.returncode == 0, done.stderr
     assert "compile-only resources for amd-mi355x" in done.stdout
     trials = TuningStore(db).trials(op="sparse_mla")
-    assert trials and all(t.device_key == "amd-mi355x" for t in trials)
+    assert trials and all(t.device_key == "amd-mi355x" and t.role == "fwd" for t in trials)
     ok = [t for t in trials if t.status == "ok"]
     assert ok and all(t.registers and t.spills == 0 and t.shared_bytes is not None for t in ok)
 

@@ -14,13 +14,14 @@ from pathlib import Path
 
 import pytest
 
-import tuning_db.store as store_module
+import tuning_db.table_files as table_files_module
 from registry.device import preset
 from tuning.export import export_csv, export_json, export_markdown, resolve_device, write_atomic
 from tuning.export import main as export_main
 from tuning.load import load_table
 from tuning_db.records import LaunchConfig, TunedConfig, canonical_json
-from tuning_db.store import ShippedTables, TableError, TuningStore, read_table
+from tuning_db.store import TuningStore
+from tuning_db.table_files import ShippedTables, TableError, read_table
 
 REPO = Path(__file__).resolve().parent.parent
 H200 = preset("h200")
@@ -82,12 +83,13 @@ def test_json_export_and_load_round_trip(filled, tmp_path):
     assert sorted(os.listdir(tmp_path / "tables")) == sorted(p.name for p in paths)  # no temp files left
 
     data = json.loads(paths[1].read_text())
-    assert data["format"] == 1 and data["op"] == "sparse_mla"
+    assert data["format"] == 2 and data["op"] == "sparse_mla"
     assert data["device"] == {"key": "nvidia-h200", "vendor": "nvidia", "arch": "sm_90", "name": H200.name,
                               "pci_device_id": H200.pci_device_id, "num_sms": H200.num_sms}
     keys = [canonical_json(row["tuning_key"]) for row in data["configs"]]
     assert keys == sorted(keys) and isinstance(data["configs"][0]["tuning_key"], dict)
-    assert "waves_per_eu" not in data["configs"][0]["config"]  # unset AMD knobs are left out
+    assert list(data["configs"][0]["config"]) == ["fwd"]  # a call config by role
+    assert "waves_per_eu" not in data["configs"][0]["config"]["fwd"]  # unset AMD knobs are left out
 
     fresh = TuningStore(f"sqlite:///{tmp_path / 'fresh.db'}")
     assert sum(load_table(p, fresh) for p in paths) == 11
@@ -113,15 +115,16 @@ def test_csv_and_markdown_hold_every_row(filled):
     db, entries = filled
     want = {t.tuning_key: t for t in entries[(MI355X.key, "sparse_mla")]}
     rows = list(csv.DictReader(io.StringIO(export_csv(db, "amd-mi355x"))))
-    assert len(rows) == len(want)
+    assert len(rows) == len(want)  # one row per entry and role; these entries have one role
     for row in rows:
         tuned = want[row["tuning_key"]]
-        assert (row["op"], row["device_key"], row["variant"], row["source_hash"]) == (
-            "sparse_mla", MI355X.key, tuned.variant, tuned.source_hash)
-        assert int(row["BLOCK_H"]) == tuned.config.blocks["BLOCK_H"]
-        assert int(row["BLOCK_N"]) == tuned.config.blocks["BLOCK_N"]
+        assert (row["op"], row["device_key"], row["variant"], row["source_hash"], row["role"]) == (
+            "sparse_mla", MI355X.key, tuned.variant, tuned.source_hash, "fwd")
+        config = tuned.config["fwd"]
+        assert int(row["BLOCK_H"]) == config.blocks["BLOCK_H"]
+        assert int(row["BLOCK_N"]) == config.blocks["BLOCK_N"]
         for knob in ("num_warps", "num_stages", "waves_per_eu", "matrix_instr_nonkdim", "kpack"):
-            assert int(row[knob]) == getattr(tuned.config, knob)
+            assert int(row[knob]) == getattr(config, knob)
         assert (float(row["time_ms"]) if row["time_ms"] else None) == tuned.time_ms
         assert (row["triton_version"], row["torch_version"]) == (tuned.triton_version, tuned.torch_version)
 
@@ -164,11 +167,14 @@ def test_write_atomic_never_leaves_half_a_file(tmp_path, monkeypatch):
 def _mutate(rows: list[dict], case: str) -> tuple[int, str]:
     """Break one row of a table's configs; returns (row index, what the error must name)."""
     if case == "bad config value":
-        rows[2]["config"]["num_warps"] = 3
-        return 2, "config.num_warps"
+        rows[2]["config"]["fwd"]["num_warps"] = 3
+        return 2, "config.fwd.num_warps"
     if case == "negative block":
-        rows[5]["config"]["blocks"]["BLOCK_H"] = -16
-        return 5, "config.blocks"
+        rows[5]["config"]["fwd"]["blocks"]["BLOCK_H"] = -16
+        return 5, "config.fwd.blocks"
+    if case == "bad role name":
+        rows[3]["config"]["Backward!"] = rows[3]["config"]["fwd"]
+        return 3, "role names"
     if case == "missing field":
         del rows[1]["variant"]
         return 1, "variant"
@@ -182,8 +188,8 @@ def _mutate(rows: list[dict], case: str) -> tuple[int, str]:
         rows[0]["time_ms"] = "fast"
         return 0, "time_ms"
     if case == "number as text":
-        rows[6]["config"]["num_stages"] = "2"
-        return 6, "config.num_stages"
+        rows[6]["config"]["fwd"]["num_stages"] = "2"
+        return 6, "config.fwd.num_stages"
     if case == "unknown field":
         rows[1]["speedup"] = 2.0
         return 1, "speedup"
@@ -193,7 +199,7 @@ def _mutate(rows: list[dict], case: str) -> tuple[int, str]:
     raise AssertionError(case)
 
 
-CASES = ["bad config value", "negative block", "missing field", "key not an object", "key is a list",
+CASES = ["bad config value", "negative block", "bad role name", "missing field", "key not an object", "key is a list",
          "wrong type", "number as text", "unknown field", "repeated key"]
 
 
@@ -212,6 +218,22 @@ def test_a_bad_row_rejects_the_whole_file(table_file, tmp_path, case):
     message = str(info.value)
     assert str(bad) in message and f"row {row} (configs[{row}])" in message and field in message
     assert without_time(target.tuned()) == before
+
+
+def test_format_1_tables_still_load(table_file, tmp_path):
+    """A table written before kernel roles (format 1: one launch config per entry, no vendor) loads,
+    each config read as the forward's."""
+    data = json.loads(table_file.read_text())
+    data["format"] = 1
+    for row in data["configs"]:
+        row["config"] = row["config"]["fwd"]
+        del row["vendor"], row["backward_ms"]
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps(data))
+    table = read_table(old)
+    new = read_table(table_file)
+    assert [e.config for e in table.configs] == [e.config for e in new.configs]
+    assert all(e.config.roles() == ("fwd",) and e.vendor is None for e in table.configs)
 
 
 @pytest.mark.parametrize("content", [b"", b"op,device\nsparse_mla,h200\n", b"\xff\xfe\x00garbage", b"[1, 2]",
@@ -237,7 +259,7 @@ def test_shipped_tables_match_the_store(filled, tmp_path):
             device = H200 if tuned.device_key == H200.key else MI355X
             assert without_time([shipped.best(op, device, tuned.tuning_key)]) == without_time([tuned])
             dims = {**json.loads(tuned.tuning_key), "s_q": 3 * json.loads(tuned.tuning_key)["s_q"] // 2 + 1}
-            got, want = shipped.nearest(op, device, dims), db.nearest(op, device, dims)
+            got, want = shipped.nearest(op, device, dims, ("s_q",)), db.nearest(op, device, dims, ("s_q",))
             assert without_time([got]) == without_time([want])
     h100 = preset("h100")  # another sm_90 model: falls back to the h200 table
     first = entries[(H200.key, "decode")][0]
@@ -245,7 +267,7 @@ def test_shipped_tables_match_the_store(filled, tmp_path):
     assert shipped.best("decode", preset("mi300x"), first.tuning_key) is None
     assert len(shipped.tuned()) == 16 and len(shipped.tuned("decode")) == 4
     assert ShippedTables(tmp_path / "nowhere").best("decode", H200, first.tuning_key) is None
-    assert ShippedTables().folder == Path(store_module.__file__).parent / "tables"
+    assert ShippedTables().folder == Path(table_files_module.__file__).parent / "tables"
 
 
 def test_broken_shipped_table_names_the_file(table_file, tmp_path):
@@ -253,7 +275,7 @@ def test_broken_shipped_table_names_the_file(table_file, tmp_path):
     folder.mkdir()
     (folder / "good.json").write_text(table_file.read_text())
     data = json.loads(table_file.read_text())
-    data["configs"][1]["config"]["num_warps"] = 6
+    data["configs"][1]["config"]["fwd"]["num_warps"] = 6
     (folder / "nvidia-h200__broken.json").write_text(json.dumps(data))
     shipped = ShippedTables(folder)  # lazy: nothing is read yet
     with pytest.raises(TableError, match=r"nvidia-h200__broken\.json.*row 1"):
@@ -287,13 +309,13 @@ def test_export_and_load_clis(filled, tmp_path):
     assert without_time(target.tuned()) == without_time(entries[(H200.key, "sparse_mla")])
 
     data = json.loads(exported.read_text())
-    data["configs"][3]["config"]["blocks"]["BLOCK_N"] = 0
+    data["configs"][3]["config"]["fwd"]["blocks"]["BLOCK_N"] = 0
     data["configs"][3]["variant"] = "renamed"  # would change the database if the file got in
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps(data))
     result = _cli("tuning.load", str(exported), str(bad), "--db", target_url)
     assert result.returncode == 2
-    assert "row 3 (configs[3])" in result.stderr and "config.blocks" in result.stderr
+    assert "row 3 (configs[3])" in result.stderr and "config.fwd.blocks" in result.stderr
     assert str(bad) in result.stderr
     assert without_time(target.tuned()) == without_time(entries[(H200.key, "sparse_mla")])
     (tmp_path / "notes.txt").write_text("not json")

@@ -18,17 +18,13 @@ from pathlib import Path
 
 import pytest
 
-from tuning_db.records import LaunchConfig, TrialResult, TunedConfig, canonical_json
-from tuning_db.store import (
-    DeviceDescriptor,
-    TuningDatabaseError,
-    TuningStore,
-    default_url,
-    is_length_field,
-    key_distance,
-)
+from tuning_db.matching import key_distance
+from tuning_db.records import CallConfig, LaunchConfig, TrialResult, TunedConfig, canonical_json
+from tuning_db.store import TuningDatabaseError, TuningStore, default_url
+from tuning_db.table_files import DeviceDescriptor
 
 OP = "sparse_mla"
+LENGTHS = ("s_q", "s_kv")  # the test keys' length dims
 SPAWN = multiprocessing.get_context("spawn")
 
 
@@ -87,8 +83,8 @@ def same_entry(a: TunedConfig | None, b: TunedConfig) -> bool:
     return a is not None and a.model_dump(exclude={"updated_at"}) == b.model_dump(exclude={"updated_at"})
 
 
-def trial_id(trial: TrialResult) -> tuple[str, str, str, str]:
-    return (trial.variant, trial.source_hash, trial.tuning_key, trial.config.to_json())
+def trial_id(trial: TrialResult) -> tuple[str, str, str, str, str | None]:
+    return (trial.variant, trial.source_hash, trial.tuning_key, trial.config.to_json(), trial.role)
 
 
 # ----------------------------------------------------------------------------- round trips
@@ -205,6 +201,88 @@ def test_import_tuned_is_all_or_nothing(store, presets, monkeypatch):
                                                  strict=True))
 
 
+def test_roles_vendor_and_backward_time_round_trip(store, presets):
+    """A tuned entry keeps its call config by role, its vendor and both times; one call config tried
+    for two roles (the forward's winner is the backward stage's first candidate) is two trials."""
+    h200 = presets["h200"]
+    launch = LaunchConfig(blocks={"BLOCK_H": 32, "BLOCK_TOPK": 64}, num_warps=8, num_stages=2)
+    call = CallConfig({"fwd": launch, "bwd_dq": launch.model_copy(update={"num_warps": 4})})
+    tuned = TunedConfig(op=OP, device_key=h200.key, tuning_key=make_key(random.Random(1)), variant="v",
+                        vendor="nvidia", source_hash="h", config=call, time_ms=1.5, backward_ms=7.25,
+                        triton_version="3.6.0", torch_version="2.13.0")
+    store.upsert_tuned(tuned, h200)
+    assert same_entry(store.best(OP, h200, tuned.tuning_key), tuned)
+    run = store.start_run(OP, h200, {})
+    fields = dict(op=OP, variant="v", vendor="nvidia", source_hash="h", device_key=h200.key,
+                  tuning_key=tuned.tuning_key, config=call, status="ok", triton_version="3.6.0",
+                  torch_version="2.13.0")
+    forward = TrialResult(role="fwd", time_ms=1.5, **fields)
+    backward = TrialResult(role="bwd_dq", time_ms=7.25, **fields)
+    assert store.record(run, forward) and store.record(run, backward) and not store.record(run, backward)
+    assert store.trials(run_id=run) == [forward, backward]
+    assert store.done_configs(run) == {trial_id(forward), trial_id(backward)}
+
+
+def test_a_database_from_before_roles_is_migrated_with_every_row(tmp_path, presets):
+    """A file written by the first schema (one config per entry, no roles, no vendor) opens, its trials
+    and tuned entries are kept (their single config read as the forward's), and new trials that
+    differ only by role can be recorded."""
+    path = tmp_path / "old.db"
+    old = sqlite3.connect(path)
+    old.executescript("""
+        CREATE TABLE devices (id INTEGER PRIMARY KEY, key VARCHAR(64), vendor VARCHAR(16), arch VARCHAR(32),
+            name VARCHAR(128), pci_device_id INTEGER, num_sms INTEGER,
+            CONSTRAINT uq_devices_identity UNIQUE (key, arch, name, pci_device_id, num_sms));
+        CREATE INDEX ix_devices_key ON devices (key);
+        CREATE TABLE sweep_runs (id INTEGER PRIMARY KEY, op VARCHAR(64), device_id INTEGER REFERENCES devices(id),
+            started_at DATETIME, finished_at DATETIME, status VARCHAR(16), args_json TEXT,
+            triton_version VARCHAR(64), torch_version VARCHAR(64));
+        CREATE INDEX ix_sweep_runs_op ON sweep_runs (op);
+        CREATE TABLE trials (id INTEGER PRIMARY KEY, run_id INTEGER REFERENCES sweep_runs(id), op VARCHAR(64),
+            variant VARCHAR(128), source_hash VARCHAR(128), device_id INTEGER REFERENCES devices(id),
+            tuning_key TEXT, config_json TEXT, status VARCHAR(32), time_ms FLOAT, error TEXT, registers INTEGER,
+            spills INTEGER, shared_bytes INTEGER, triton_version VARCHAR(64), torch_version VARCHAR(64),
+            created_at DATETIME,
+            CONSTRAINT uq_trials_run UNIQUE (run_id, variant, source_hash, tuning_key, config_json));
+        CREATE INDEX ix_trials_op ON trials (op);
+        CREATE INDEX ix_trials_device_id ON trials (device_id);
+        CREATE TABLE tuned_configs (id INTEGER PRIMARY KEY, op VARCHAR(64), device_id INTEGER REFERENCES devices(id),
+            tuning_key TEXT, variant VARCHAR(128), source_hash VARCHAR(128), config_json TEXT, time_ms FLOAT,
+            triton_version VARCHAR(64), torch_version VARCHAR(64), updated_at DATETIME,
+            CONSTRAINT uq_tuned_configs_key UNIQUE (op, device_id, tuning_key));
+        CREATE INDEX ix_tuned_configs_device_id ON tuned_configs (device_id);
+        INSERT INTO devices VALUES (1, 'nvidia-h200', 'nvidia', 'sm_90', 'NVIDIA H200', 9013, 132);
+        INSERT INTO sweep_runs VALUES (1, 'sparse_mla', 1, '2026-11-01 10:00:00', NULL, 'stopped', '{}',
+            '3.6.0', '2.11');
+        INSERT INTO trials VALUES (1, 1, 'sparse_mla', 'v', 'h', 1, '{"s_q":16}',
+            '{"blocks":{"BLOCK_H":64},"num_stages":3,"num_warps":8}', 'ok', 1.25, NULL, 255, 0, 1000, '3.6.0', '2.11',
+            '2026-11-01 10:00:01');
+        INSERT INTO trials VALUES (2, 1, 'sparse_mla', 'v', 'h', 1, '{"s_q":16}',
+            '{"blocks":{"BLOCK_H":32},"num_stages":3,"num_warps":8}', 'wrong_result', NULL, 'bad', NULL, NULL, NULL,
+            '3.6.0', '2.11', '2026-11-01 10:00:02');
+        INSERT INTO tuned_configs VALUES (1, 'sparse_mla', 1, '{"s_q":16}', 'v', 'h',
+            '{"blocks":{"BLOCK_H":64},"num_stages":3,"num_warps":8}', 1.25, '3.6.0', '2.11', '2026-11-01 10:00:03');
+    """)
+    old.close()
+    store = TuningStore(f"sqlite:///{path}")
+    trials = store.trials()
+    assert [(t.status, t.role, t.config.roles(), t.config["fwd"].blocks) for t in trials] == [
+        ("ok", None, ("fwd",), {"BLOCK_H": 64}), ("wrong_result", None, ("fwd",), {"BLOCK_H": 32})]
+    (tuned,) = store.tuned()
+    assert tuned.config["fwd"] == LaunchConfig(blocks={"BLOCK_H": 64}, num_warps=8, num_stages=3)
+    assert (tuned.vendor, tuned.backward_ms, tuned.time_ms) == (None, None, 1.25)
+    assert store.resumable_run(OP, presets["h200"]) == 1
+    again = trials[0].model_copy(update={"role": "bwd_dq"})
+    assert store.record(1, again) and len(store.trials(run_id=1)) == 3
+    store.close()
+    check = sqlite3.connect(path)
+    assert check.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+    names = {row[0] for row in check.execute("SELECT name FROM sqlite_master")}
+    assert "trials_before_roles" not in names and {"ix_trials_op", "ix_trials_device_id"} <= names
+    check.close()
+    TuningStore(f"sqlite:///{path}").close()  # a migrated file opens as it is
+
+
 # ----------------------------------------------------------------------------- device matching
 def test_device_matching_order(store, presets):
     h200, h100, mi300x, mi355x = presets["h200"], presets["h100"], presets["mi300x"], presets["mi355x"]
@@ -243,15 +321,18 @@ def test_device_matching_order(store, presets):
 
 
 # ----------------------------------------------------------------------------- nearest key
-def test_length_fields():
-    assert is_length_field("s_q", 4096) and is_length_field("s_kv", 2.0)
-    assert is_length_field("n", 64) and is_length_field("t", 128)
-    assert not is_length_field("h_q", 128) and not is_length_field("s_q", True)
-    assert not is_length_field("s_q", "4096") and not is_length_field("topk", 2048)
-    assert key_distance({"s_q": 1024, "h_q": 8}, {"s_q": 4096, "h_q": 8}) == pytest.approx(2.0)
-    assert key_distance({"s_q": 1024, "h_q": 8}, {"s_q": 1024, "h_q": 16}) is None
-    assert key_distance({"s_q": 1024}, {"s_q": 1024, "window": 128}) is None
-    assert key_distance({"causal": True, "t": 64}, {"causal": 1, "t": 64}) is None
+def test_length_dims_come_from_the_op():
+    """Only the dims an op declares as lengths are bridged; every other dim must match exactly, and a
+    length dim must hold numbers (not bools or strings) on both sides."""
+    assert key_distance({"s_q": 1024, "h_q": 8}, {"s_q": 4096, "h_q": 8}, LENGTHS) == pytest.approx(2.0)
+    assert key_distance({"n": 64, "t": 128}, {"n": 256, "t": 128}, ("n",)) == pytest.approx(2.0)
+    assert key_distance({"s_q": 1024, "h_q": 8}, {"s_q": 4096, "h_q": 8}, ()) is None  # not a length here
+    assert key_distance({"s_q": 1024, "h_q": 8}, {"s_q": 1024, "h_q": 16}, LENGTHS) is None
+    assert key_distance({"h_q": 8, "topk": 2048}, {"h_q": 8, "topk": 1024}, LENGTHS) is None
+    assert key_distance({"s_q": True}, {"s_q": 16}, LENGTHS) is None
+    assert key_distance({"s_q": "4096"}, {"s_q": 4096}, LENGTHS) is None
+    assert key_distance({"s_q": 1024}, {"s_q": 1024, "window": 128}, LENGTHS) is None
+    assert key_distance({"causal": True, "t": 64}, {"causal": 1, "t": 64}, ("t",)) is None
 
 
 def test_nearest_matches_brute_force(store, presets):
@@ -281,15 +362,15 @@ def test_nearest_matches_brute_force(store, presets):
         ranked = sorted(entries, key=lambda t: reference_distance(dims, t))
         if reference_distance(dims, ranked[1]) - reference_distance(dims, ranked[0]) < 1e-9:
             continue  # a tie: either answer is right
-        assert same_entry(store.nearest(OP, h200, dims), ranked[0])
+        assert same_entry(store.nearest(OP, h200, dims, LENGTHS), ranked[0])
         # Another sm_90 card falls back to the h200 entries, with the same choice.
-        assert same_entry(store.nearest(OP, h100, dims), ranked[0])
+        assert same_entry(store.nearest(OP, h100, dims, LENGTHS), ranked[0])
         checked += 1
-    assert store.nearest(OP, h200, {**fixed, "h_q": 32, "s_q": 128, "s_kv": 1024}) is None
-    assert store.nearest(OP, h200, {**fixed, "s_q": 128}) is None  # s_kv missing: another key shape
-    assert store.nearest(OP, presets["mi355x"], {**fixed, "s_q": 128, "s_kv": 1024}) is None
+    assert store.nearest(OP, h200, {**fixed, "h_q": 32, "s_q": 128, "s_kv": 1024}, LENGTHS) is None
+    assert store.nearest(OP, h200, {**fixed, "s_q": 128}, LENGTHS) is None  # s_kv missing: another key shape
+    assert store.nearest(OP, presets["mi355x"], {**fixed, "s_q": 128, "s_kv": 1024}, LENGTHS) is None
     with pytest.raises(TypeError, match="dims"):
-        store.nearest(OP, h200, [("s_q", 128)])
+        store.nearest(OP, h200, [("s_q", 128)], LENGTHS)
 
 
 def test_nearest_prefers_the_most_specific_device(store, presets):
@@ -299,7 +380,7 @@ def test_nearest_prefers_the_most_specific_device(store, presets):
     store.upsert_tuned(own, h100)
     # An exact length match on another sm_90 model loses to a far one tuned on this model.
     store.upsert_tuned(make_tuned(h200.key, make_key(rng, s_q=65536), rng, variant="other"), h200)
-    assert same_entry(store.nearest(OP, h100, json.loads(make_key(rng, s_q=65536))), own)
+    assert same_entry(store.nearest(OP, h100, json.loads(make_key(rng, s_q=65536)), LENGTHS), own)
 
 
 # ----------------------------------------------------------------------------- files and processes

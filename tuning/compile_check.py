@@ -26,7 +26,7 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING
 
-from tuning_db.records import LaunchConfig, canonical_json
+from tuning_db.records import CallConfig, LaunchConfig, canonical_json
 
 if TYPE_CHECKING:
     from kernels.base import CompileSpec, Variant
@@ -105,7 +105,8 @@ def _amd_resources(amdgcn: str) -> dict[str, int]:
 
 
 def compile_config(spec: CompileSpec, config: LaunchConfig, target: DeviceInfo) -> CompileReport:
-    """Compile `spec` with `config`'s knobs for `target` (no GPU needed) and report its resources.
+    """Compile `spec` with `config`'s knobs (its role's config) for `target` (no GPU needed) and report
+    its resources.
 
     A compile error gives a report with fits False and reason "compile_error: ...". Raises
     RuntimeError when the kernel was decorated under TRITON_INTERPRET (it cannot be compiled then).
@@ -157,27 +158,83 @@ def compile_config(spec: CompileSpec, config: LaunchConfig, target: DeviceInfo) 
 _reports: dict[tuple, CompileReport] = {}
 
 
-def check_variant(variant: Variant, key: dict, config: LaunchConfig,
-                  target: DeviceInfo) -> list[CompileReport]:
-    """Compile every kernel one call of `variant` with this tuning key and config launches.
+def unfit(reports: list[CompileReport]) -> tuple[str, str] | None:
+    """The trial status and reason of the first kernel that does not fit (`compile_error` or
+    `out_of_resources`), None when every kernel fits."""
+    bad = [r for r in reports if not r.fits]
+    if not bad:
+        return None
+    status = "compile_error" if (bad[0].reason or "").startswith("compile_error") else "out_of_resources"
+    return status, f"{bad[0].kernel}: {bad[0].reason}"
+
+
+def _memo(spec: CompileSpec, config: LaunchConfig, target: DeviceInfo) -> tuple:
+    """What a compile depends on: kernel, signature, constexprs, specialized values, options, target."""
+    return (spec.fn.__name__, tuple(spec.signature.items()), tuple(sorted(spec.constexprs.items())),
+            tuple(sorted(spec.values.items())), tuple(sorted({**config.knobs(), **spec.options}.items())), target)
+
+
+def _compile_job(job: tuple) -> CompileReport:
+    """A worker process's compile: the kernel named by (module, attribute), rebuilt from its spec."""
+    import importlib
+
+    module, name, spec, config, target = job
+    return compile_config(replace(spec, fn=getattr(importlib.import_module(module), name)), config, target)
+
+
+def check_many(variant: Variant, key: dict, configs: list[CallConfig], target: DeviceInfo,
+               roles: tuple[str, ...] | None = None, workers: int | None = None) -> None:
+    """Compile, in parallel worker processes, what `check_variant` would for each of `configs`, so its
+    later calls find the reports (a sweep does this for a role's whole stage: compiling is CPU work
+    that one process does one kernel at a time)."""
+    import concurrent.futures
+    import multiprocessing
+
+    jobs, memos = [], []
+    for config in configs:
+        for spec in variant.compile_specs(key, config, dtype=key.get("dtype", "fp16")):
+            memo = _memo(spec, config[spec.role], target)
+            if (roles is None or spec.role in roles) and memo not in _reports and memo not in memos:
+                jobs.append((spec.fn.fn.__module__, spec.fn.fn.__name__, replace(spec, fn=None),
+                             config[spec.role], target))
+                memos.append(memo)
+    if len(jobs) < 2:
+        return
+    workers = min(len(jobs), workers or max(1, (os.cpu_count() or 2) - 1))
+    context = multiprocessing.get_context("spawn")
+    saved = os.environ.pop("TRITON_INTERPRET", None)  # the workers compile; they must not interpret
+    try:
+        with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
+            for memo, report in zip(memos, pool.map(_compile_job, jobs), strict=True):
+                _reports[memo] = report
+    finally:
+        if saved is not None:
+            os.environ["TRITON_INTERPRET"] = saved
+
+
+def check_variant(variant: Variant, key: dict, config: CallConfig, target: DeviceInfo,
+                  roles: tuple[str, ...] | None = None) -> list[CompileReport]:
+    """Compile every kernel one call of `variant` with this tuning key and call config launches (or
+    only those of `roles`), each with its role's config.
 
     Reports are remembered per process by what the compile depends on (kernel, signature,
-    constexprs, options, target), so sweeping many shapes of one head dim compiles each config once."""
-    specs = variant.compile_specs(key, config, dtype=key.get("dtype", "fp16"))
+    constexprs, options, target), so sweeping many shapes of one head dim, or one role of a call
+    config, compiles each kernel's config once."""
+    specs = [spec for spec in variant.compile_specs(key, config, dtype=key.get("dtype", "fp16"))
+             if roles is None or spec.role in roles]
     reports = []
     for spec in specs:
-        memo = (spec.fn.__name__, tuple(spec.signature.items()), tuple(sorted(spec.constexprs.items())),
-                tuple(sorted(spec.values.items())), tuple(sorted({**config.knobs(), **spec.options}.items())),
-                target)
+        role_config = config[spec.role]
+        memo = _memo(spec, role_config, target)
         if memo not in _reports:
-            _reports[memo] = compile_config(spec, config, target)
+            _reports[memo] = compile_config(spec, role_config, target)
         reports.append(_reports[memo])
     return reports
 
 
 # ----------------------------------------------------------------------------- command line
 def _find_variant(name: str, vendor: str) -> Variant:
-    from kernels.base import load_all
+    from registry.catalog import load_all
 
     for variants in load_all().values():
         for variant in variants:
@@ -203,13 +260,14 @@ def _preset_keys(op_name: str) -> list[dict]:
     return keys
 
 
-def _shipped_configs(variant: Variant) -> dict[str, list[LaunchConfig]]:
-    """The configs the shipped tables hold for this variant on its vendor's devices, by tuning key."""
-    from tuning_db.store import ShippedTables
+def shipped_configs(variant: Variant) -> dict[str, list[CallConfig]]:
+    """The call configs the shipped tables hold for this variant on its vendor's devices, by tuning key."""
+    from tuning_db.table_files import ShippedTables
 
-    out: dict[str, list[LaunchConfig]] = {}
+    out: dict[str, list[CallConfig]] = {}
     for tuned in ShippedTables().tuned(variant.op):
-        if tuned.variant == variant.name and tuned.device_key.startswith(f"{variant.vendor}-"):
+        vendor = tuned.vendor or tuned.device_key.split("-", 1)[0]
+        if tuned.variant == variant.name and vendor == variant.vendor:
             out.setdefault(tuned.tuning_key, []).append(tuned.config)
     return out
 
@@ -225,9 +283,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--target", required=True, help="presets, comma-separated (h200, mi300x, mi355x)")
     parser.add_argument("--key-json", action="append", help="a tuning key as JSON (repeatable); "
                         "default: the keys of the op's full preset shapes")
-    parser.add_argument("--config-json", action="append", help="a LaunchConfig as JSON (repeatable); "
-                        "default: the variant's default config for each key and target")
-    parser.add_argument("--space", action="store_true", help="every config of the space not pruned")
+    parser.add_argument("--config-json", action="append", help="a CallConfig as JSON, by role (repeatable); "
+                        "default: the variant's default call config for each key and target")
+    parser.add_argument("--space", action="store_true",
+                        help="every config of each role's space not pruned (the other roles at their defaults)")
     parser.add_argument("--tables", action="store_true",
                         help="the shipped tuned configs of this variant (tuning_db/tables) instead of defaults")
     parser.add_argument("--json", action="store_true", help="print one JSON object per line")
@@ -239,21 +298,24 @@ def main(argv: list[str] | None = None) -> int:
         if target.vendor != variant.vendor:
             parser.error(f"--target: expected a target of vendor {variant.vendor}, got {target.key} ({target.vendor})")
     keys = [json.loads(text) for text in opts.key_json] if opts.key_json else _preset_keys(variant.op)
-    shipped = _shipped_configs(variant) if opts.tables else {}
+    shipped = shipped_configs(variant) if opts.tables else {}
     if opts.tables:
+        if not shipped:
+            parser.error(f"--tables: no shipped table holds {variant.name} ({variant.vendor})")
         keys = [json.loads(k) for k in shipped]
     all_fit = True
     for key in keys:
         for target in targets:
+            default = variant.default_config(key, target)
             if opts.tables:
-                configs = shipped[canonical_json(key)]
+                configs = [variant.complete(c, key, target) for c in shipped[canonical_json(key)]]
             elif opts.config_json:
-                configs = [LaunchConfig.from_json(text) for text in opts.config_json]
+                configs = [variant.complete(CallConfig.from_json(text), key, target) for text in opts.config_json]
             elif opts.space:
-                configs = [c for c in variant.space(key, target)
-                           if variant.prune_reason(c, key, target) is None]
+                configs = [default.replace(role, c) for role, space in variant.space(key, target).items()
+                           for c in space if variant.prune_reason(role, c, key, target) is None]
             else:
-                configs = [variant.default_config(key, target)]
+                configs = [default]
             for config in configs:
                 for report in check_variant(variant, key, config, target):
                     all_fit &= report.fits

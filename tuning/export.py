@@ -21,16 +21,12 @@ from collections import Counter
 from pathlib import Path
 
 from registry.device import PRESETS, DeviceInfo, preset
+from tuning.space import KNOB_NAMES
+from tuning_db.matching import match_level
 from tuning_db.records import TunedConfig
-from tuning_db.store import (
-    StoredDevice,
-    TableFile,
-    TuningDatabaseError,
-    TuningStore,
-    match_level,
-)
+from tuning_db.store import StoredDevice, TuningDatabaseError, TuningStore
+from tuning_db.table_files import TableFile
 
-KNOBS = ("num_warps", "num_stages", "waves_per_eu", "matrix_instr_nonkdim", "kpack")
 _KEY_PATTERN = re.compile(r"[a-z0-9][a-z0-9._-]*")
 
 
@@ -103,22 +99,22 @@ def export_json(store: TuningStore, device_key: str, op: str | None = None,
 
 
 def export_csv(store: TuningStore, device_key: str, op: str | None = None) -> str:
-    """Long-format CSV, one row per tuned entry, config fields flattened to columns (block sizes by
-    name, then the launch knobs; empty where a variant has no such field)."""
-    rows = [(table, tuned) for table in tables(store, device_key, op) for tuned in table.tuned()]
-    blocks = sorted({name for _, tuned in rows for name in tuned.config.blocks})
-    header = ["op", "device_key", "tuning_key", "variant", "source_hash", *blocks, *KNOBS,
-              "time_ms", "triton_version", "torch_version"]
+    """Long-format CSV, one row per tuned entry and kernel role, the role's config flattened to columns
+    (block sizes by name, then the launch knobs; empty where a kernel has no such field)."""
+    rows = [(tuned, role, config) for table in tables(store, device_key, op) for tuned in table.tuned()
+            for role, config in tuned.config.items()]
+    blocks = sorted({name for _, _, config in rows for name in config.blocks})
+    header = ["op", "device_key", "tuning_key", "variant", "vendor", "source_hash", "role", *blocks, *KNOB_NAMES,
+              "time_ms", "backward_ms", "triton_version", "torch_version"]
     buffer = io.StringIO()
     writer = csv.writer(buffer, lineterminator="\n")
     writer.writerow(header)
-    for _, tuned in rows:
-        config = tuned.config
-        knobs = [getattr(config, name) for name in KNOBS]
-        writer.writerow([tuned.op, tuned.device_key, tuned.tuning_key, tuned.variant, tuned.source_hash,
-                         *(config.blocks.get(name, "") for name in blocks),
+    for tuned, role, config in rows:
+        knobs = [getattr(config, name) for name in KNOB_NAMES]
+        writer.writerow([tuned.op, tuned.device_key, tuned.tuning_key, tuned.variant, tuned.vendor or "",
+                         tuned.source_hash, role, *(config.blocks.get(name, "") for name in blocks),
                          *("" if value is None else value for value in knobs),
-                         "" if tuned.time_ms is None else tuned.time_ms,
+                         *("" if ms is None else ms for ms in (tuned.time_ms, tuned.backward_ms)),
                          tuned.triton_version, tuned.torch_version])
     return buffer.getvalue()
 
@@ -128,14 +124,15 @@ def _cell(text: str) -> str:
 
 
 def export_markdown(store: TuningStore, device_key: str, op: str | None = None) -> str:
-    """A Markdown table of the device's tuned entries for docs: op, key dims, variant, config, time."""
+    """A Markdown table of the device's tuned entries for docs: op, key dims, variant, call config,
+    forward and backward times."""
     found = tables(store, device_key, op)
-    lines = ["| op | key | variant | config | time (ms) |", "|---|---|---|---|---:|"]
+    lines = ["| op | key | variant | config | time (ms) | backward (ms) |", "|---|---|---|---|---:|---:|"]
     for table in found:
         for tuned in table.tuned():
             dims = " ".join(f"{k}={v}" for k, v in json.loads(tuned.tuning_key).items())
-            time_ms = "" if tuned.time_ms is None else f"{tuned.time_ms:.4g}"
-            cells = [table.op, dims, tuned.variant, str(tuned.config), time_ms]
+            times = ["" if ms is None else f"{ms:.4g}" for ms in (tuned.time_ms, tuned.backward_ms)]
+            cells = [table.op, dims, tuned.variant, str(tuned.config), *times]
             lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
     return "\n".join(lines) + "\n"
 

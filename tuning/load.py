@@ -2,7 +2,7 @@
 
     python -m tuning.load FILE [FILE ...] [--db URL]
 
-Every file is validated whole (`tuning_db.store.read_table`) before anything is written: one bad row
+Every file is validated whole (`tuning_db.table_files.read_table`) before anything is written: one bad row
 rejects the file, and the error names the row (its index in "configs") and the field. A good file is
 imported in one transaction, upserting its entries for the device its table names.
 """
@@ -13,7 +13,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from tuning_db.store import TableError, TuningDatabaseError, TuningStore, read_table
+from tuning_db.store import TuningDatabaseError, TuningStore
+from tuning_db.table_files import TableError, read_table
 
 
 def load_table(path: str | Path, store: TuningStore) -> int:

@@ -1,38 +1,134 @@
-"""Config spaces as a sweep sees them: each variant's space, deduplicated, with static pruning."""
+"""Config spaces: how every variant declares the launch configs of each kernel role, and the rules of
+the Triton interpreter that spaces, sweeps and tests share.
+
+A `ConfigSpace` is data: the values of each block (tile constexpr) and each launch knob, per-arch
+overrides of those values, a named `keep` predicate that drops configs which never make sense, the
+heuristic default per arch, and the few block shapes the interpreter tries. A variant holds one space
+per kernel role (`Variant.spaces`); nothing else builds configs.
+
+This module sits below the kernels: it imports only the records and the device description.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import itertools
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from kernels.base import Variant
-from registry.device import DeviceInfo
+import torch
+
 from tuning_db.records import LaunchConfig
+
+if TYPE_CHECKING:
+    from registry.device import DeviceInfo
+
+KNOB_NAMES = ("num_warps", "num_stages", "waves_per_eu", "matrix_instr_nonkdim", "kpack")
+
+# ----------------------------------------------------------------------------- the interpreter
+# The Triton interpreter (TRITON_INTERPRET=1) runs kernels on the CPU, under the device key "cpu". It
+# ignores every launch knob, so a space offers it block shapes only; and its tl.dot on bf16 operands
+# returns garbage, so everything that runs kernels there (tests, CPU sweeps) uses fp16.
+INTERPRETER_DTYPE = torch.float16
+
+
+def is_interpreter(device: DeviceInfo) -> bool:
+    """Whether configs for `device` run in the Triton interpreter (the "cpu" device)."""
+    return device.key == "cpu"
+
+
+# ----------------------------------------------------------------------------- spaces
+Keep = Callable[[LaunchConfig, Mapping], bool]
 
 
 @dataclass(frozen=True)
-class Candidate:
-    variant: Variant
-    config: LaunchConfig
-    pruned: str | None  # why static pruning rejected it, or None
+class ConfigSpace:
+    """One kernel role's configs on one vendor.
 
+    blocks: the tile constexprs and the values each may take, in the order configs enumerate them;
+    knobs: LaunchConfig's launch knobs (KNOB_NAMES) and their values; one not named keeps its default;
+    arch: per-arch overrides of block or knob values, e.g. {"gfx950": {"kpack": (1,)}};
+    keep: a named predicate (config, tuning key) -> bool; configs it rejects are not in the space
+        (static pruning of what may not fit a device is the variant's `prune_reason`, not this; the
+        interpreter's shapes are not judged by it);
+    defaults: the heuristic config per arch ("*" for any other): a value for every block and any knobs;
+    interpreter: the block shapes the interpreter tries, its default first (none for a kernel the
+        interpreter cannot run, such as a Gluon one).
+    """
 
-def interpreter_equivalent(config: LaunchConfig) -> LaunchConfig:
-    """The interpreter ignores launch knobs: configs that differ only in them are one config there."""
-    return LaunchConfig(blocks=config.blocks)
+    blocks: Mapping[str, tuple[int, ...]]
+    knobs: Mapping[str, tuple] = field(default_factory=dict)
+    arch: Mapping[str, Mapping[str, tuple]] = field(default_factory=dict)
+    keep: Keep | None = None
+    defaults: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
+    interpreter: tuple[Mapping[str, int], ...] = ()
 
+    def __post_init__(self) -> None:
+        unknown = [n for n in self.knobs if n not in KNOB_NAMES]
+        if unknown:
+            raise ValueError(f"knobs: expected names among {KNOB_NAMES}, got {unknown}")
+        for arch, values in self.arch.items():
+            stray = [n for n in values if n not in self.blocks and n not in self.knobs]
+            if stray:
+                raise ValueError(f"arch[{arch!r}]: overrides {stray} name no block or knob of this space")
+        for arch, fields in self.defaults.items():
+            missing = [n for n in self.blocks if n not in fields]
+            if missing:
+                raise ValueError(f"defaults[{arch!r}]: no value for the blocks {missing}")
+        if "*" not in self.defaults:
+            raise ValueError('defaults: expected an entry for "*" (any arch)')
+        for shape in self.interpreter:
+            if set(shape) != set(self.blocks):
+                raise ValueError(f"interpreter: expected the blocks {list(self.blocks)}, got {dict(shape)}")
 
-def candidates(variants: list[Variant], key: dict, device: DeviceInfo) -> list[Candidate]:
-    """Every (variant, config) a sweep tries for `key`, in space order, with static pruning applied."""
-    out: list[Candidate] = []
-    for variant in variants:
-        if not variant.supports(key, device):
-            continue
-        seen: set[LaunchConfig] = set()
-        for config in variant.space(key, device):
-            if device.key == "cpu":
-                config = interpreter_equivalent(config)
-            if config in seen:
-                continue
-            seen.add(config)
-            out.append(Candidate(variant, config, variant.prune_reason(config, key, device)))
-    return out
+    def values(self, device: DeviceInfo) -> dict[str, tuple]:
+        """Every block and knob with its values on `device` (arch overrides applied)."""
+        return {**self.blocks, **self.knobs, **self.arch.get(device.arch, {})}
+
+    def block_values(self, device: DeviceInfo) -> dict[str, tuple[int, ...]]:
+        """The values each block takes on `device` (in the interpreter: those of its block shapes)."""
+        if is_interpreter(device):
+            return {n: tuple(sorted({shape[n] for shape in self.interpreter})) for n in self.blocks}
+        values = self.values(device)
+        return {n: tuple(values[n]) for n in self.blocks}
+
+    def make(self, fields: Mapping[str, int]) -> LaunchConfig:
+        """A config from block and knob values by name."""
+        blocks = {n: v for n, v in fields.items() if n in self.blocks}
+        return LaunchConfig(blocks=blocks, **{n: v for n, v in fields.items() if n in KNOB_NAMES})
+
+    def _kept(self, config: LaunchConfig, key: Mapping) -> bool:
+        return self.keep is None or self.keep(config, key)
+
+    def configs(self, key: Mapping, device: DeviceInfo) -> list[LaunchConfig]:
+        """The space for one tuning key on one device, in declaration order, without duplicates. The
+        interpreter's block shapes are taken as they are: `keep` judges hardware, which it has none of."""
+        if is_interpreter(device):
+            return [LaunchConfig(blocks=dict(shape)) for shape in self.interpreter]
+        values = self.values(device)
+        names = list(values)
+        candidates = [self.make(dict(zip(names, combo, strict=True)))
+                      for combo in itertools.product(*(values[n] for n in names))]
+        out, seen = [], set()
+        for config in candidates:
+            if config not in seen and self._kept(config, key):
+                seen.add(config)
+                out.append(config)
+        return out
+
+    def default(self, device: DeviceInfo) -> LaunchConfig:
+        """The heuristic default on `device` before any key-dependent adjustment (the variant's)."""
+        if is_interpreter(device):
+            if not self.interpreter:
+                raise ValueError("this space has no configs for the Triton interpreter")
+            return LaunchConfig(blocks=dict(self.interpreter[0]))
+        return self.make(self.defaults.get(device.arch, self.defaults["*"]))
+
+    def complete(self, config: LaunchConfig, default: LaunchConfig) -> LaunchConfig:
+        """`config` with exactly this space's blocks: a block it lacks takes `default`'s value, a block
+        the space no longer has is dropped. A tuned config of an older version of a kernel (stale, still
+        used) launches this way."""
+        if set(config.blocks) == set(self.blocks):
+            return config
+        blocks = {n: config.blocks.get(n, default.blocks[n]) for n in self.blocks}
+        return config.model_copy(update={"blocks": LaunchConfig(blocks=blocks).blocks})

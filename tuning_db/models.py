@@ -1,7 +1,7 @@
 """SQLAlchemy ORM of the tuning database: devices, sweep runs, trials and tuned configs.
 
-Tuning keys and configs are stored as canonical JSON text (`records.canonical_json`), so the same key
-or config always has the same spelling and the unique constraints below can compare them as strings.
+Tuning keys and call configs are stored as canonical JSON text (`records.canonical_json`), so the same
+key or config always has the same spelling and the unique constraints below can compare them as strings.
 """
 
 from __future__ import annotations
@@ -65,13 +65,14 @@ class SweepRun(Base):
 
 
 class TrialRow(Base):
-    """One config tried on one shape in one run. The unique key makes a resumed run unable to record
-    the same trial twice."""
+    """One call config tried on one shape in one run, timed for the role it varied (a forward role on
+    the forward call, a backward role on the backward alone). The unique key makes a resumed run unable
+    to record the same trial twice; `role` is NULL for trials recorded before roles existed."""
 
     __tablename__ = "trials"
     __table_args__ = (
-        UniqueConstraint("run_id", "variant", "source_hash", "tuning_key", "config_json",
-                         name="uq_trials_run"),
+        UniqueConstraint("run_id", "variant", "source_hash", "tuning_key", "config_json", "role",
+                         name="uq_trials_run_role"),
         CheckConstraint(_in("status", TRIAL_STATUSES), name="ck_trials_status"),
     )
 
@@ -79,6 +80,8 @@ class TrialRow(Base):
     run_id: Mapped[int] = mapped_column(ForeignKey("sweep_runs.id"))
     op: Mapped[str] = mapped_column(String(64), index=True)
     variant: Mapped[str] = mapped_column(String(128))
+    vendor: Mapped[str | None] = mapped_column(String(16), nullable=True)
+    role: Mapped[str | None] = mapped_column(String(64), nullable=True)
     source_hash: Mapped[str] = mapped_column(String(128))
     device_id: Mapped[int] = mapped_column(ForeignKey("devices.id"), index=True)
     tuning_key: Mapped[str] = mapped_column(Text)
@@ -95,7 +98,9 @@ class TrialRow(Base):
 
 
 class TunedRow(Base):
-    """The winning (variant, config) for (op, device, tuning key)."""
+    """The winning (variant, call config) for (op, device, tuning key); `vendor` is the variant's
+    (NULL for entries recorded before it was), `time_ms` the forward's time, `backward_ms` the
+    backward's."""
 
     __tablename__ = "tuned_configs"
     __table_args__ = (UniqueConstraint("op", "device_id", "tuning_key", name="uq_tuned_configs_key"),)
@@ -105,9 +110,11 @@ class TunedRow(Base):
     device_id: Mapped[int] = mapped_column(ForeignKey("devices.id"), index=True)
     tuning_key: Mapped[str] = mapped_column(Text)
     variant: Mapped[str] = mapped_column(String(128))
+    vendor: Mapped[str | None] = mapped_column(String(16), nullable=True)
     source_hash: Mapped[str] = mapped_column(String(128))
     config_json: Mapped[str] = mapped_column(Text)
     time_ms: Mapped[float | None] = mapped_column(Float, nullable=True)
+    backward_ms: Mapped[float | None] = mapped_column(Float, nullable=True)
     triton_version: Mapped[str] = mapped_column(String(64))
     torch_version: Mapped[str] = mapped_column(String(64))
     updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)

@@ -1,5 +1,8 @@
 """Pydantic records: what a config space yields, what the database stores and what tables carry.
 
+A call launches one or more kernels, each in a role ("fwd", "bwd_dq", "split", ...): a `LaunchConfig`
+is one kernel's launch, a `CallConfig` the launches of a whole call by role.
+
 These objects are validated once, when they are made (from a space, a table file or a database row);
 the dispatch hot path only reads plain attributes of an already built record.
 """
@@ -7,10 +10,11 @@ the dispatch hot path only reads plain attributes of an already built record.
 from __future__ import annotations
 
 import json
+import re
 from datetime import datetime
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, RootModel, field_validator, model_validator
 
 TrialStatus = Literal[
     "ok", "compile_error", "out_of_resources", "runtime_error", "wrong_result", "timeout", "pruned"
@@ -87,17 +91,101 @@ class LaunchConfig(BaseModel):
         return " ".join(parts)
 
 
+ROLE_PATTERN = re.compile(r"[a-z][a-z0-9_]*")
+
+
+def is_backward_role(role: str) -> bool:
+    """Roles named `bwd...` run in a call's backward (timed on the backward's own time); every other
+    role runs in its forward."""
+    return role.startswith("bwd")
+
+
+class CallConfig(RootModel[dict[str, LaunchConfig]]):
+    """The launch configs of every kernel one call launches, by role: `{"fwd": ..., "bwd_dq": ...}`
+    (a decode call: `{"split": ..., "combine": ...}`). What a variant's space yields, what a trial
+    records and what a tuned entry stores. Its JSON sorts the roles; variants launch by role name."""
+
+    model_config = ConfigDict(frozen=True)
+
+    @field_validator("root")
+    @classmethod
+    def _roles_named(cls, roles: dict[str, LaunchConfig]) -> dict[str, LaunchConfig]:
+        if not roles:
+            raise ValueError("a call config needs at least one role")
+        for role in roles:
+            if not ROLE_PATTERN.fullmatch(role) or role in LaunchConfig.model_fields:
+                raise ValueError(f"role names are lower-case identifiers other than a LaunchConfig field, "
+                                 f"got {role!r}")
+        return roles
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_config_is_the_forward(cls, value: object) -> object:
+        # Tables and databases written before roles existed hold one LaunchConfig: the forward's.
+        if isinstance(value, LaunchConfig):
+            return {"fwd": value}
+        if isinstance(value, dict) and value and set(value) <= set(LaunchConfig.model_fields):
+            return {"fwd": value}
+        return value
+
+    def __getitem__(self, role: str) -> LaunchConfig:
+        return self.root[role]
+
+    def __contains__(self, role: object) -> bool:
+        return role in self.root
+
+    def __hash__(self) -> int:
+        # Equal call configs (dict equality ignores role order) hash alike.
+        return hash(frozenset(self.root.items()))
+
+    def roles(self) -> tuple[str, ...]:
+        return tuple(self.root)
+
+    def items(self):
+        return self.root.items()
+
+    def replace(self, role: str, config: LaunchConfig) -> CallConfig:
+        """This call config with `role` set to `config` (added last when it was missing)."""
+        return CallConfig({**self.root, role: config})
+
+    def to_data(self) -> dict[str, dict]:
+        """Plain data by role, unset AMD knobs left out (what JSON files and columns hold)."""
+        return {role: c.model_dump(exclude_none=True) for role, c in self.root.items()}
+
+    def to_json(self) -> str:
+        return canonical_json(self.to_data())
+
+    @classmethod
+    def from_json(cls, text: str) -> CallConfig:
+        return cls.model_validate_json(text)
+
+    def __str__(self) -> str:
+        if list(self.root) == ["fwd"]:
+            return str(self.root["fwd"])
+        return " ".join(f"{role}[{config}]" for role, config in self.root.items())
+
+
+def call_config(**roles: LaunchConfig) -> CallConfig:
+    """`call_config(fwd=..., bwd_dq=...)`: a CallConfig from keyword roles."""
+    return CallConfig(roles)
+
+
 class TrialResult(BaseModel):
-    """One config tried on one shape: its status, its time when it ran, and why it did not."""
+    """One call config tried on one shape: its status, its time when it ran, and why it did not.
+
+    `role` is the role this trial varied (None for trials recorded before roles existed); the time is
+    that role's phase: the forward call, or the backward alone for `bwd...` roles."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     op: str
     variant: str
+    vendor: str | None = None
     source_hash: str
     device_key: str
     tuning_key: str
-    config: LaunchConfig
+    config: CallConfig
+    role: str | None = None
     status: TrialStatus
     time_ms: float | None = None
     error: str | None = None
@@ -109,7 +197,9 @@ class TrialResult(BaseModel):
 
 
 class TunedConfig(BaseModel):
-    """The winner for (op, device, tuning key): a (variant, config) pair, as tables and databases hold it."""
+    """The winner for (op, device, tuning key): a variant of a vendor and its call config, as tables and
+    databases hold it. `time_ms` is the forward call's time, `backward_ms` the backward's (when the
+    sweep timed one)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -117,9 +207,11 @@ class TunedConfig(BaseModel):
     device_key: str
     tuning_key: str
     variant: str
+    vendor: str | None = None
     source_hash: str
-    config: LaunchConfig
+    config: CallConfig
     time_ms: float | None = Field(default=None, ge=0)
+    backward_ms: float | None = Field(default=None, ge=0)
     triton_version: str
     torch_version: str
     updated_at: datetime | None = None

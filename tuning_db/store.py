@@ -1,68 +1,45 @@
-"""The tuning database (`TuningStore`) and the shipped tuned tables (`ShippedTables`).
+"""The tuning database (`TuningStore`): devices, sweep runs, trials and tuned winners.
 
 The store is any SQLAlchemy database; the default is one SQLite file in the user's cache dir, shared by
 every process on the machine (sweeps on several GPUs write to it at once). SQLite is opened in WAL mode
 with a busy timeout, and every write runs in its own `BEGIN IMMEDIATE` transaction: writers queue for
 the lock instead of failing halfway, and each trial is committed on its own, so a killed sweep loses
-nothing it already recorded.
+nothing it already recorded. A database written before kernel roles existed is migrated in place
+the first time it is opened (its rows kept).
 
-Tables are JSON files, one per (device, op): what `tuning.export` writes, `tuning.load` imports and
-`tuning_db/tables/` ships. `TableFile` is their pydantic model.
+Which entry answers a lookup is `tuning_db.matching`'s job; table files are `tuning_db.table_files`'.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
-import json
-import math
 import os
 import sqlite3
-import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Literal, Protocol, TypeVar
+from typing import TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
-from sqlalchemy import and_, create_engine, event, inspect, or_, select, update
+from sqlalchemy import and_, create_engine, event, inspect, or_, select, text, update
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import Session
 
+from tuning_db.matching import DeviceIdentity, canonical_key, check_device, pick_best, pick_nearest
 from tuning_db.models import RUN_STATUSES, Base, DeviceRow, SweepRun, TrialRow, TunedRow, utcnow
-from tuning_db.records import TRIAL_STATUSES, LaunchConfig, TrialResult, TunedConfig, canonical_json
+from tuning_db.records import TRIAL_STATUSES, CallConfig, TrialResult, TunedConfig, canonical_json
 
 T = TypeVar("T")
 
 BUSY_TIMEOUT_S = 30.0
 # After SQLite's own busy wait, a write that still finds the database locked is tried again this often.
 _LOCK_RETRIES = 5
-# Sequence-length dims that `nearest` may bridge; every other dim must match exactly.
-LENGTH_FIELDS = ("n", "t")
-LENGTH_PREFIX = "s_"
-SHIPPED_TABLES = Path(__file__).parent / "tables"
 
 
 class TuningDatabaseError(RuntimeError):
     """The tuning database cannot be opened or read (a damaged file, a file that is not a database)."""
-
-
-class TableError(ValueError):
-    """A tuned table file is not valid; the message names the file, the row and the field."""
-
-
-class DeviceIdentity(Protocol):
-    """What the store keeps of a device: `registry.device.DeviceInfo`, `StoredDevice` and
-    `DeviceDescriptor` all have these attributes."""
-
-    key: str
-    vendor: str
-    arch: str
-    name: str
-    pci_device_id: int | None
-    num_sms: int
 
 
 @dataclass(frozen=True)
@@ -109,92 +86,6 @@ def installed_torch_version() -> str:
     return installed_version("torch")
 
 
-# ----------------------------------------------------------------------------- matching
-def match_level(want: DeviceIdentity, have: DeviceIdentity) -> int | None:
-    """How closely a stored device matches the asked one: 0 same key, PCI id and SM count; 1 same key;
-    2 same vendor and arch (another card of that arch); None no match."""
-    if have.key == want.key:
-        same_card = have.pci_device_id == want.pci_device_id and have.num_sms == want.num_sms
-        return 0 if same_card else 1
-    if have.vendor == want.vendor and have.arch == want.arch:
-        return 2
-    return None
-
-
-def is_length_field(name: str, value: object) -> bool:
-    """Sequence-length dims ('s_q', 's_kv', 'n', 't'): numeric, named 's_*', 'n' or 't'."""
-    numeric = isinstance(value, (int, float)) and not isinstance(value, bool)
-    return numeric and (name.startswith(LENGTH_PREFIX) or name in LENGTH_FIELDS)
-
-
-def key_distance(want: Mapping[str, object], have: Mapping[str, object]) -> float | None:
-    """Sum of |log2(a/b)| over the length dims; None when any other dim differs."""
-    if want.keys() != have.keys():
-        return None
-    total = 0.0
-    for name, a in want.items():
-        b = have[name]
-        if is_length_field(name, a) and is_length_field(name, b):
-            # Lengths are bucketed to >= 16; clamping at 1 only guards log2 against 0.
-            total += abs(math.log2(max(a, 1)) - math.log2(max(b, 1)))  # type: ignore[arg-type]
-        elif a != b or isinstance(a, bool) != isinstance(b, bool):
-            return None
-    return total
-
-
-def _recency(tuned: TunedConfig) -> float:
-    return tuned.updated_at.timestamp() if tuned.updated_at is not None else 0.0
-
-
-def pick_best(
-    want: DeviceIdentity, candidates: Iterable[tuple[DeviceIdentity, TunedConfig]]
-) -> TunedConfig | None:
-    """The candidate of the most specific device match; among equals, the most recently updated."""
-    ranked = []
-    for have, tuned in candidates:
-        level = match_level(want, have)
-        if level is not None:
-            ranked.append(((level, -_recency(tuned)), tuned))
-    return min(ranked, key=lambda item: item[0])[1] if ranked else None
-
-
-def pick_nearest(
-    want: DeviceIdentity, dims: Mapping[str, object], candidates: Iterable[tuple[DeviceIdentity, TunedConfig]]
-) -> TunedConfig | None:
-    """At the most specific device level that has a comparable key, the key nearest to `dims` in
-    sequence length (see `key_distance`)."""
-    scored = []
-    for have, tuned in candidates:
-        level = match_level(want, have)
-        if level is None:
-            continue
-        distance = key_distance(dims, json.loads(tuned.tuning_key))
-        if distance is not None:
-            scored.append(((level, distance, -_recency(tuned), tuned.tuning_key), tuned))
-    return min(scored, key=lambda item: item[0])[1] if scored else None
-
-
-def _canonical_key(tuning_key: str | Mapping[str, object], name: str = "tuning_key") -> str:
-    if isinstance(tuning_key, Mapping):
-        return canonical_json(dict(tuning_key))
-    if not isinstance(tuning_key, str):
-        raise TypeError(f"{name}: expected a JSON object string or a dict, got {type(tuning_key).__name__}")
-    try:
-        value = json.loads(tuning_key)
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{name}: expected a JSON object, got {tuning_key!r} ({err})") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"{name}: expected a JSON object, got {tuning_key!r}")
-    return canonical_json(value)
-
-
-def _check_device(device: object, name: str = "device") -> None:
-    for attr in ("key", "vendor", "arch", "name", "num_sms"):
-        if not hasattr(device, attr):
-            raise TypeError(f"{name}: expected a DeviceInfo (key, vendor, arch, name, pci_device_id, "
-                            f"num_sms), got {type(device).__name__}")
-
-
 def _aware(moment: datetime | None) -> datetime | None:
     # SQLite drops the time zone; every stored timestamp is UTC.
     if moment is not None and moment.tzinfo is None:
@@ -208,19 +99,63 @@ def _stored_device(row: DeviceRow) -> StoredDevice:
 
 def _tuned_record(row: TunedRow, device: DeviceRow) -> TunedConfig:
     return TunedConfig(
-        op=row.op, device_key=device.key, tuning_key=row.tuning_key, variant=row.variant,
-        source_hash=row.source_hash, config=LaunchConfig.from_json(row.config_json), time_ms=row.time_ms,
-        triton_version=row.triton_version, torch_version=row.torch_version, updated_at=_aware(row.updated_at),
+        op=row.op, device_key=device.key, tuning_key=row.tuning_key, variant=row.variant, vendor=row.vendor,
+        source_hash=row.source_hash, config=CallConfig.from_json(row.config_json), time_ms=row.time_ms,
+        backward_ms=row.backward_ms, triton_version=row.triton_version, torch_version=row.torch_version,
+        updated_at=_aware(row.updated_at),
     )
 
 
 def _trial_record(row: TrialRow, device: DeviceRow) -> TrialResult:
     return TrialResult(
-        op=row.op, variant=row.variant, source_hash=row.source_hash, device_key=device.key,
-        tuning_key=row.tuning_key, config=LaunchConfig.from_json(row.config_json), status=row.status,
-        time_ms=row.time_ms, error=row.error, registers=row.registers, spills=row.spills,
+        op=row.op, variant=row.variant, vendor=row.vendor, source_hash=row.source_hash, device_key=device.key,
+        tuning_key=row.tuning_key, config=CallConfig.from_json(row.config_json), role=row.role,
+        status=row.status, time_ms=row.time_ms, error=row.error, registers=row.registers, spills=row.spills,
         shared_bytes=row.shared_bytes, triton_version=row.triton_version, torch_version=row.torch_version,
     )
+
+
+# ----------------------------------------------------------------------------- schema migration
+# Columns added since the first schema: (table, column, SQL type). Trials also changed their unique key
+# (the role joined it), which SQL cannot alter in place: that table is rebuilt.
+_ADDED_COLUMNS = (("tuned_configs", "vendor", "VARCHAR(16)"), ("tuned_configs", "backward_ms", "FLOAT"))
+_TRIALS_BEFORE_ROLES = "trials_before_roles"
+
+
+def _schema_changes(conn) -> list[str]:
+    """What the database lacks of the current schema: missing tables, missing columns, old trials."""
+    found = inspect(conn)
+    tables = set(found.get_table_names())
+    changes = [f"table {name}" for name in Base.metadata.tables if name not in tables]
+    for table, column, _ in _ADDED_COLUMNS:
+        if table in tables and column not in {c["name"] for c in found.get_columns(table)}:
+            changes.append(f"column {table}.{column}")
+    if "trials" in tables and "role" not in {c["name"] for c in found.get_columns("trials")}:
+        changes.append("trials without roles")
+    return changes
+
+
+def _migrate(conn) -> None:
+    """Bring the database to the current schema in one write transaction, keeping every row. Checked
+    again here: another process may have migrated it since `_schema_changes` looked."""
+    changes = _schema_changes(conn)
+    for table, column, sql_type in _ADDED_COLUMNS:
+        if f"column {table}.{column}" in changes:
+            conn.execute(text(f"ALTER TABLE {table} ADD COLUMN {column} {sql_type}"))
+    rebuild = "trials without roles" in changes
+    if rebuild:
+        conn.execute(text(f"ALTER TABLE trials RENAME TO {_TRIALS_BEFORE_ROLES}"))
+        # Index names are global: the renamed table's plain indexes would clash with the new table's.
+        for index in inspect(conn).get_indexes(_TRIALS_BEFORE_ROLES):
+            if index["name"] and index["name"].startswith("ix_"):
+                conn.execute(text(f"DROP INDEX {index['name']}"))
+    Base.metadata.create_all(conn)
+    if rebuild:
+        # Ids are left to the new table (in order), so its id sequence stays right on every database.
+        kept = ("run_id, op, variant, source_hash, device_id, tuning_key, config_json, status, time_ms, error, "
+                "registers, spills, shared_bytes, triton_version, torch_version, created_at")
+        conn.execute(text(f"INSERT INTO trials ({kept}) SELECT {kept} FROM {_TRIALS_BEFORE_ROLES} ORDER BY id"))
+        conn.execute(text(f"DROP TABLE {_TRIALS_BEFORE_ROLES}"))
 
 
 def _is_locked(err: BaseException) -> bool:
@@ -323,11 +258,8 @@ class TuningStore:
                 attempt += 1
 
     def _ensure_schema(self) -> None:
-        def missing(session: Session) -> set[str]:
-            return set(Base.metadata.tables) - set(inspect(session.connection()).get_table_names())
-
-        if self._run(missing):
-            self._run(lambda session: Base.metadata.create_all(session.connection()), write=True)
+        if self._run(lambda session: _schema_changes(session.connection())):
+            self._run(lambda session: _migrate(session.connection()), write=True)
 
     @staticmethod
     def _find_device(session: Session, device: DeviceIdentity) -> DeviceRow | None:
@@ -356,7 +288,7 @@ class TuningStore:
     # -- devices and runs
     def ensure_device(self, info: DeviceIdentity) -> int:
         """The id of `info`'s device row, created if missing (safe with concurrent writers)."""
-        _check_device(info, "info")
+        check_device(info, "info")
         return self._run(lambda s: self._get_or_create_device(s, info).id, write=True)
 
     def devices(self) -> list[StoredDevice]:
@@ -368,7 +300,7 @@ class TuningStore:
                   torch_version: str | None = None) -> int:
         """Open a sweep run of `op` on `device` (status 'running'); `args` is the sweep's arguments, kept
         as JSON. The versions default to the installed ones."""
-        _check_device(device)
+        check_device(device)
         if not isinstance(op, str) or not op:
             raise ValueError(f"op: expected a non-empty op name, got {op!r}")
         try:
@@ -402,7 +334,7 @@ class TuningStore:
     def resumable_run(self, op: str, device: DeviceIdentity) -> int | None:
         """The latest run of `op` on exactly this device that did not finish ('running' after a kill,
         or 'stopped' after a time slice), else None."""
-        _check_device(device)
+        check_device(device)
 
         def fn(session: Session) -> int | None:
             row = self._find_device(session, device)
@@ -419,10 +351,10 @@ class TuningStore:
     # -- trials
     def record(self, run_id: int, trial: TrialResult) -> bool:
         """Store one trial of a run in its own committed transaction. False (nothing changed) when the
-        run already has this (variant, source hash, tuning key, config)."""
+        run already has this (variant, source hash, tuning key, call config, role)."""
         if not isinstance(trial, TrialResult):
             raise TypeError(f"trial: expected a TrialResult, got {type(trial).__name__}")
-        tuning_key = _canonical_key(trial.tuning_key, "trial.tuning_key")
+        tuning_key = canonical_key(trial.tuning_key, "trial.tuning_key")
         config_json = trial.config.to_json()
 
         def fn(session: Session) -> bool:
@@ -436,11 +368,13 @@ class TuningStore:
             exists = session.scalar(select(TrialRow.id).where(
                 TrialRow.run_id == run_id, TrialRow.variant == trial.variant,
                 TrialRow.source_hash == trial.source_hash, TrialRow.tuning_key == tuning_key,
-                TrialRow.config_json == config_json))
+                TrialRow.config_json == config_json,
+                TrialRow.role.is_(None) if trial.role is None else TrialRow.role == trial.role))
             if exists is not None:
                 return False
             session.add(TrialRow(
-                run_id=run_id, op=trial.op, variant=trial.variant, source_hash=trial.source_hash,
+                run_id=run_id, op=trial.op, variant=trial.variant, vendor=trial.vendor, role=trial.role,
+                source_hash=trial.source_hash,
                 device_id=device.id, tuning_key=tuning_key, config_json=config_json, status=trial.status,
                 time_ms=trial.time_ms, error=trial.error, registers=trial.registers, spills=trial.spills,
                 shared_bytes=trial.shared_bytes, triton_version=trial.triton_version,
@@ -449,11 +383,11 @@ class TuningStore:
 
         return self._run(fn, write=True)
 
-    def done_configs(self, run_id: int) -> set[tuple[str, str, str, str]]:
-        """(variant, source_hash, tuning_key, config_json) of every trial a run recorded: what a resumed
-        sweep skips. Keys and configs are canonical JSON (`LaunchConfig.to_json`)."""
+    def done_configs(self, run_id: int) -> set[tuple[str, str, str, str, str | None]]:
+        """(variant, source_hash, tuning_key, config_json, role) of every trial a run recorded: what a
+        resumed sweep skips. Keys and configs are canonical JSON (`CallConfig.to_json`)."""
         stmt = select(TrialRow.variant, TrialRow.source_hash, TrialRow.tuning_key,
-                      TrialRow.config_json).where(TrialRow.run_id == run_id)
+                      TrialRow.config_json, TrialRow.role).where(TrialRow.run_id == run_id)
         return self._run(lambda s: {tuple(r) for r in s.execute(stmt)})
 
     def trials(self, *, op: str | None = None, device_key: str | None = None, run_id: int | None = None,
@@ -479,8 +413,8 @@ class TuningStore:
                              f"got {tuned.device_key!r}")
 
     def _upsert(self, session: Session, device_id: int, tuned: TunedConfig) -> None:
-        values = dict(variant=tuned.variant, source_hash=tuned.source_hash,
-                      config_json=tuned.config.to_json(), time_ms=tuned.time_ms,
+        values = dict(variant=tuned.variant, vendor=tuned.vendor, source_hash=tuned.source_hash,
+                      config_json=tuned.config.to_json(), time_ms=tuned.time_ms, backward_ms=tuned.backward_ms,
                       triton_version=tuned.triton_version, torch_version=tuned.torch_version,
                       updated_at=tuned.updated_at or utcnow())
         row = session.scalars(select(TunedRow).where(
@@ -495,13 +429,13 @@ class TuningStore:
 
     def upsert_tuned(self, tuned: TunedConfig, device: DeviceIdentity) -> None:
         """Insert or replace the winner for (tuned.op, device, tuned.tuning_key)."""
-        _check_device(device)
+        check_device(device)
         self._check_tuned(tuned, device)
         self._run(lambda s: self._upsert(s, self._get_or_create_device(s, device).id, tuned), write=True)
 
     def import_tuned(self, rows: list[TunedConfig], device: DeviceIdentity) -> int:
         """Upsert every row for `device` in one transaction (all or nothing); returns how many."""
-        _check_device(device)
+        check_device(device)
         rows = list(rows)
         for i, tuned in enumerate(rows):
             self._check_tuned(tuned, device, f"rows[{i}]")
@@ -524,16 +458,18 @@ class TuningStore:
     def best(self, op: str, device: DeviceIdentity, tuning_key: str) -> TunedConfig | None:
         """The tuned winner for exactly this key, from the most specific device match: same key, PCI id
         and SM count; then same key; then same vendor and arch. Its device_key says where it was tuned."""
-        _check_device(device)
-        return pick_best(device, self._candidates(op, device, _canonical_key(tuning_key)))
+        check_device(device)
+        return pick_best(device, self._candidates(op, device, canonical_key(tuning_key)))
 
-    def nearest(self, op: str, device: DeviceIdentity, dims: Mapping[str, object]) -> TunedConfig | None:
+    def nearest(self, op: str, device: DeviceIdentity, dims: Mapping[str, object],
+                length_dims: Collection[str]) -> TunedConfig | None:
         """The tuned key of `op` on this device (same matching order as `best`) whose dims equal `dims`
-        except the sequence lengths, nearest in sum of |log2| length ratios; None if there is none."""
-        _check_device(device)
+        except the length dims (the op's `length_dims`), nearest in sum of |log2| length ratios; None
+        if there is none."""
+        check_device(device)
         if not isinstance(dims, Mapping):
             raise TypeError(f"dims: expected a dict of tuning-key dims, got {type(dims).__name__}")
-        return pick_nearest(device, dims, self._candidates(op, device))
+        return pick_nearest(device, dims, self._candidates(op, device), length_dims)
 
     def tuned_rows(self, *, op: str | None = None, device_key: str | None = None
                    ) -> list[tuple[StoredDevice, TunedConfig]]:
@@ -553,184 +489,13 @@ class TuningStore:
     def stale(self, variant_hashes: Mapping[tuple[str, str], str]) -> list[TunedConfig]:
         """Tuned entries whose source hash differs from their variant's current hash.
 
-        `variant_hashes` maps (vendor, variant name) to the hash; the vendor is the entry's device's
-        (interpreter entries, device "cpu", are judged against the NVIDIA variant, which CPU sweeps time).
+        `variant_hashes` maps (vendor, variant name) to the hash; the vendor is the one the entry records
+        (entries from before vendors were recorded: the device's, NVIDIA for the interpreter's "cpu").
         Variants missing from the mapping are not judged."""
         out = []
         for device, tuned in self.tuned_rows():
-            vendor = "nvidia" if device.vendor == "cpu" else device.vendor
+            vendor = tuned.vendor or ("nvidia" if device.vendor == "cpu" else device.vendor)
             current = variant_hashes.get((vendor, tuned.variant))
             if current is not None and current != tuned.source_hash:
                 out.append(tuned)
         return out
-
-
-# ----------------------------------------------------------------------------- table files
-KeyValue = int | float | bool | str | None
-
-
-class DeviceDescriptor(BaseModel):
-    """The device a table was tuned on, as the database's devices table holds it."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    key: str = Field(min_length=1)
-    vendor: str = Field(min_length=1)
-    arch: str = Field(min_length=1)
-    name: str
-    pci_device_id: int | None = None
-    num_sms: int = Field(ge=1)
-
-    @classmethod
-    def of(cls, device: DeviceIdentity) -> DeviceDescriptor:
-        """The descriptor of a DeviceInfo or stored device."""
-        return cls(key=device.key, vendor=device.vendor, arch=device.arch, name=device.name,
-                   pci_device_id=device.pci_device_id, num_sms=device.num_sms)
-
-
-class TableEntry(BaseModel):
-    """One tuned winner in a table file; the tuning key is a JSON object, not its text."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    tuning_key: dict[str, KeyValue]
-    variant: str = Field(min_length=1)
-    source_hash: str = Field(min_length=1)
-    config: LaunchConfig
-    time_ms: float | None = Field(default=None, ge=0)
-    triton_version: str
-    torch_version: str
-
-
-class TableFile(BaseModel):
-    """A tuned table: every winner of one op on one device (`<device_key>__<op>.json`). The top-level
-    versions are the entries' versions when they all agree, else null."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    format: Literal[1]
-    op: str = Field(min_length=1)
-    device: DeviceDescriptor
-    triton_version: str | None = None
-    torch_version: str | None = None
-    configs: list[TableEntry]
-
-    @model_validator(mode="after")
-    def _keys_unique(self) -> TableFile:
-        seen: dict[str, int] = {}
-        for i, entry in enumerate(self.configs):
-            key = canonical_json(entry.tuning_key)
-            if key in seen:
-                raise ValueError(f"row {i} (configs[{i}]), field 'tuning_key': {key} repeats row {seen[key]}")
-            seen[key] = i
-        return self
-
-    @classmethod
-    def build(cls, op: str, device: DeviceIdentity, tuned: Iterable[TunedConfig]) -> TableFile:
-        """The table of `tuned` (entries of `op`), sorted by tuning key."""
-        entries = sorted(tuned, key=lambda t: t.tuning_key)
-        tritons = {t.triton_version for t in entries}
-        torches = {t.torch_version for t in entries}
-        return cls(
-            format=1, op=op, device=DeviceDescriptor.of(device),
-            triton_version=tritons.pop() if len(tritons) == 1 else None,
-            torch_version=torches.pop() if len(torches) == 1 else None,
-            configs=[TableEntry(tuning_key=json.loads(t.tuning_key), variant=t.variant,
-                                source_hash=t.source_hash, config=t.config, time_ms=t.time_ms,
-                                triton_version=t.triton_version, torch_version=t.torch_version)
-                     for t in entries],
-        )
-
-    def tuned(self) -> list[TunedConfig]:
-        """The entries as TunedConfig records of this table's op and device."""
-        return [TunedConfig(op=self.op, device_key=self.device.key, tuning_key=canonical_json(e.tuning_key),
-                            variant=e.variant, source_hash=e.source_hash, config=e.config, time_ms=e.time_ms,
-                            triton_version=e.triton_version, torch_version=e.torch_version)
-                for e in self.configs]
-
-    def to_json(self) -> str:
-        """The file's text: configs as objects, AMD knobs left out where unset, a trailing newline."""
-        data = self.model_dump(mode="json")
-        data["configs"] = [{**row, "config": entry.config.model_dump(exclude_none=True)}
-                           for row, entry in zip(data["configs"], self.configs, strict=True)]
-        return json.dumps(data, indent=2) + "\n"
-
-
-def _describe_errors(err: ValidationError) -> str:
-    lines = []
-    for problem in err.errors():
-        loc = list(problem["loc"])
-        where = ""
-        if len(loc) >= 2 and loc[0] == "configs" and isinstance(loc[1], int):
-            where = f"row {loc[1]} (configs[{loc[1]}]), "
-            loc = loc[2:]
-        field = ".".join(str(part) for part in loc)
-        message = problem["msg"].removeprefix("Value error, ")
-        # Our validators already say what they got; pydantic's own messages do not.
-        shown = repr(problem.get("input"))
-        got = f" (got {shown[:60]})" if field and problem["type"] not in ("missing", "value_error") else ""
-        lines.append(f"{where}field '{field}': {message}{got}" if field else where + message)
-    return "; ".join(lines)
-
-
-def read_table(path: str | Path) -> TableFile:
-    """Read and validate a whole table file; any problem raises TableError naming the file, the row and
-    the field."""
-    path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as err:
-        raise TableError(f"{path}: cannot read tuned table: {err}") from None
-    try:
-        json.loads(text)
-    except json.JSONDecodeError as err:
-        raise TableError(f"{path}: not a JSON tuned table: {err}") from None
-    try:
-        # Strict: a table is written by a program, so "4" where 4 belongs is a broken file, not a guess.
-        return TableFile.model_validate_json(text, strict=True)
-    except ValidationError as err:
-        raise TableError(f"{path}: invalid tuned table: {_describe_errors(err)}") from None
-
-
-class ShippedTables:
-    """The tuned tables shipped in a folder (default `tuning_db/tables/`), read on the first lookup.
-
-    Lookups match devices like `TuningStore.best`, through the device descriptor each table carries.
-    """
-
-    def __init__(self, folder: str | Path | None = None) -> None:
-        self.folder = Path(folder) if folder is not None else SHIPPED_TABLES
-        self._by_op: dict[str, list[tuple[DeviceDescriptor, TunedConfig]]] | None = None
-        self._lock = threading.Lock()
-
-    def _entries(self, op: str) -> list[tuple[DeviceDescriptor, TunedConfig]]:
-        if self._by_op is None:
-            with self._lock:
-                if self._by_op is None:
-                    by_op: dict[str, list[tuple[DeviceDescriptor, TunedConfig]]] = {}
-                    paths = sorted(self.folder.glob("*.json")) if self.folder.is_dir() else []
-                    for path in paths:
-                        table = read_table(path)
-                        by_op.setdefault(table.op, []).extend((table.device, t) for t in table.tuned())
-                    self._by_op = by_op
-        return self._by_op.get(op, [])
-
-    def best(self, op: str, device: DeviceIdentity, tuning_key: str) -> TunedConfig | None:
-        """The shipped winner for exactly this key (device matching as `TuningStore.best`)."""
-        _check_device(device)
-        key = _canonical_key(tuning_key)
-        return pick_best(device, ((d, t) for d, t in self._entries(op) if t.tuning_key == key))
-
-    def nearest(self, op: str, device: DeviceIdentity, dims: Mapping[str, object]) -> TunedConfig | None:
-        """The shipped key nearest to `dims` in sequence length (as `TuningStore.nearest`)."""
-        _check_device(device)
-        if not isinstance(dims, Mapping):
-            raise TypeError(f"dims: expected a dict of tuning-key dims, got {type(dims).__name__}")
-        return pick_nearest(device, dims, self._entries(op))
-
-    def tuned(self, op: str | None = None) -> list[TunedConfig]:
-        """Every shipped entry (of `op` when given)."""
-        if op is not None:
-            return [t for _, t in self._entries(op)]
-        self._entries("")
-        return [t for entries in (self._by_op or {}).values() for _, t in entries]

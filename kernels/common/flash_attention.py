@@ -4,7 +4,7 @@ Reads top-down: the inner loop over key blocks, the kernel, the launcher, the au
 public entry point (`flash_attention_forward`), the offline compile specs and the variant logic. The
 vendor files (`kernels/nvidia/flash_attention.py`, `kernels/amd/flash_attention.py`) subclass that
 logic with their config spaces and heuristics only; the semantics are
-`registry.ops.flash_attention.reference` (SPEC.md "flash_attention").
+`registry.ops.flash_attention.reference` (docs/op-contracts.md).
 
 Masking in stages: for one query block, the key range [lo, hi) that can hold an allowed key is split
 into an unmasked middle [mid_lo, mid_hi), whose key blocks are fully allowed for every query row of the
@@ -14,7 +14,6 @@ mask arithmetic only runs where a block needs it. Key blocks outside [lo, hi) ar
 
 from __future__ import annotations
 
-import itertools
 import math
 
 import torch
@@ -22,7 +21,7 @@ import triton
 import triton.language as tl
 
 from kernels.base import CompileSpec
-from tuning_db.records import LaunchConfig
+from tuning_db.records import CallConfig, LaunchConfig
 
 
 def head_block(d: int) -> int:
@@ -271,7 +270,8 @@ class _FlashAttentionFunction(torch.autograd.Function):
 
 
 def flash_attention_forward(args: dict, config: LaunchConfig):
-    """Dense attention on the op contract's validated args with one config: `out`, or `(out, lse)`.
+    """Dense attention on the op contract's validated args with the forward's config: `out`, or
+    `(out, lse)`.
 
     `config.blocks` holds BLOCK_M and BLOCK_N; its knobs go to the launch. Differentiable through
     `_FlashAttentionFunction` when grad is enabled and an input requires grad.
@@ -285,59 +285,59 @@ def flash_attention_forward(args: dict, config: LaunchConfig):
 
 # ----------------------------------------------------------------------------- offline compiles
 def flash_attention_compile_specs(key: dict, config: LaunchConfig, dtype: str = "fp16") -> list[CompileSpec]:
-    """The kernel a call with this tuning key and config launches, typed as the JIT would type it.
+    """The kernels a call with this tuning key and forward config may launch, typed as the JIT would
+    type them: padded and packed (varlen) inputs share a key, so both specializations are checked.
 
-    `key["dtype"]` picks the element type when present (`dtype` otherwise). The spec compiles with
+    `key["dtype"]` picks the element type when present (`dtype` otherwise). The specs compile with
     RETURN_LSE on (the heavier of the two); the GQA group's value lets the check specialize it.
     """
     elem = key.get("dtype", dtype)
     if elem not in ("fp16", "bf16", "fp32"):
         raise ValueError(f"dtype: expected fp16, bf16 or fp32, got {elem!r}")
-    varlen = bool(key["varlen"])
     ptr = f"*{elem}"
     group = int(key["h_q"]) // int(key["h_kv"])
-    signature = {
-        "Q": ptr, "K": ptr, "V": ptr, "Out": ptr, "Lse": "*fp32",
-        "cu_seqlens_q": "*i32" if varlen else ptr, "cu_seqlens_k": "*i32" if varlen else ptr,
-        "qk_scale": "fp32", "seqlen_q_arg": "i32", "seqlen_k_arg": "i32", "window": "i32", "group": "i32",
-    }
-    signature.update({name: "i32" for name in (
-        "stride_qb", "stride_qm", "stride_qh", "stride_kb", "stride_kn", "stride_kh",
-        "stride_vb", "stride_vn", "stride_vh", "stride_ob", "stride_om", "stride_oh",
-        "stride_lb", "stride_lh")})
-    constexprs = {
-        "IS_VARLEN": varlen, "IS_CAUSAL": bool(key["causal"]), "HAS_WINDOW": key["window"] is not None,
-        "RETURN_LSE": True, "HEAD_DIM": int(key["d"]), "BLOCK_D": head_block(key["d"]),
-        "BLOCK_M": config.blocks["BLOCK_M"], "BLOCK_N": config.blocks["BLOCK_N"],
-    }
-    return [CompileSpec(_flash_attention_fwd_kernel, signature, constexprs, values={"group": group})]
+    specs = []
+    for varlen in (False, True):
+        signature = {
+            "Q": ptr, "K": ptr, "V": ptr, "Out": ptr, "Lse": "*fp32",
+            "cu_seqlens_q": "*i32" if varlen else ptr, "cu_seqlens_k": "*i32" if varlen else ptr,
+            "qk_scale": "fp32", "seqlen_q_arg": "i32", "seqlen_k_arg": "i32", "window": "i32", "group": "i32",
+        }
+        signature.update({name: "i32" for name in (
+            "stride_qb", "stride_qm", "stride_qh", "stride_kb", "stride_kn", "stride_kh",
+            "stride_vb", "stride_vn", "stride_vh", "stride_ob", "stride_om", "stride_oh",
+            "stride_lb", "stride_lh")})
+        constexprs = {
+            "IS_VARLEN": varlen, "IS_CAUSAL": bool(key["causal"]), "HAS_WINDOW": key["window"] is not None,
+            "RETURN_LSE": True, "HEAD_DIM": int(key["d"]), "BLOCK_D": head_block(key["d"]),
+            "BLOCK_M": config.blocks["BLOCK_M"], "BLOCK_N": config.blocks["BLOCK_N"],
+        }
+        specs.append(CompileSpec("fwd", _flash_attention_fwd_kernel, signature, constexprs, values={"group": group}))
+    return specs
 
 
 # ----------------------------------------------------------------------------- the variant
+# The interpreter's tiles, its default first: a few distinct small tiles keep CPU tests and sweeps fast.
+INTERPRETER_TILES = tuple({"BLOCK_M": m, "BLOCK_N": n} for m, n in ((32, 32), (16, 16), (16, 32), (32, 16)))
+
+
 class FlashAttentionTiledBase:
     """The tiled variant's logic; each vendor file subclasses it with `Variant` and sets its data:
 
-    SPACE: values per block and knob (the sweep's product), `ARCH_SPACE` overriding some per arch;
-    keep(config): the vendor's filter of configs that never make sense on its hardware;
-    shared_bytes(config, block_d, elem): shared memory/LDS estimate, calibrated on real compiles;
-    DEFAULTS: (largest head dim, config fields) rows, the first row whose head dim fits is the default.
-    fp32 inputs are not supported (`supports` is False): dispatch sends them to the reference.
+    spaces: {"fwd": ConfigSpace} with blocks BLOCK_M and BLOCK_N, the vendor's knobs and keep rule,
+        and the default for d 128;
+    HEAD_DIM_DEFAULTS: (largest head dim, fields) rows: the first row whose head dim fits changes
+        those fields of the space's default;
+    shared_bytes(config, block_d, elem): shared memory/LDS estimate, calibrated on real compiles.
+    fp32 inputs are not supported (`supports` is False): dispatch sends them to the reference. The
+    backward recomputes through the reference (no backward kernel yet, so no backward role).
     """
 
     op = "flash_attention"
     name = "flash_attention_tiled"
     priority = 0
-    source_modules = ("kernels.common.flash_attention",)
-    SPACE: dict[str, tuple] = {}
-    ARCH_SPACE: dict[str, dict[str, tuple]] = {}
-    DEFAULTS: tuple[tuple[int, dict], ...] = ()
-    # The interpreter ignores knobs: a few distinct small tiles keep CPU tests and sweeps fast.
-    CPU_BLOCKS = ((16, 16), (16, 32), (32, 16), (32, 32))
-    CPU_DEFAULT = (32, 32)
-
-    @staticmethod
-    def keep(config: LaunchConfig) -> bool:
-        return True
+    kernels = {"fwd": _flash_attention_fwd_kernel}
+    HEAD_DIM_DEFAULTS: tuple[tuple[int, dict], ...] = ()
 
     @staticmethod
     def shared_bytes(config: LaunchConfig, block_d: int, elem: int) -> int:
@@ -346,21 +346,7 @@ class FlashAttentionTiledBase:
     def supports(self, key: dict, device) -> bool:
         return key["dtype"] in ("fp16", "bf16") and key["d"] <= 256
 
-    def space(self, key: dict, device) -> list[LaunchConfig]:
-        if device.key == "cpu":
-            return [LaunchConfig(blocks={"BLOCK_M": m, "BLOCK_N": n}) for m, n in self.CPU_BLOCKS]
-        values = {**self.SPACE, **self.ARCH_SPACE.get(device.arch, {})}
-        names = list(values)
-        configs = []
-        for combo in itertools.product(*(values[n] for n in names)):
-            fields = dict(zip(names, combo, strict=True))
-            blocks = {"BLOCK_M": fields.pop("BLOCK_M"), "BLOCK_N": fields.pop("BLOCK_N")}
-            config = LaunchConfig(blocks=blocks, **fields)
-            if self.keep(config):
-                configs.append(config)
-        return configs
-
-    def prune_reason(self, config: LaunchConfig, key: dict, device) -> str | None:
+    def prune_reason(self, role: str, config: LaunchConfig, key: dict, device) -> str | None:
         blocks = config.blocks
         if set(blocks) != {"BLOCK_M", "BLOCK_N"}:
             return f"blocks must be BLOCK_M and BLOCK_N, got {sorted(blocks)}"
@@ -381,23 +367,24 @@ class FlashAttentionTiledBase:
         return None
 
     def _smallest_blocks(self, device) -> dict[str, int]:
-        pairs = self.CPU_BLOCKS if device.key == "cpu" else [(m, n) for m in self.SPACE["BLOCK_M"]
-                                                              for n in self.SPACE["BLOCK_N"]]
-        return {"BLOCK_M": min(m for m, _ in pairs), "BLOCK_N": min(n for _, n in pairs)}
+        return {name: min(values) for name, values in self.spaces["fwd"].block_values(device).items()}
 
-    def default_config(self, key: dict, device) -> LaunchConfig:
+    def role_default(self, role: str, key: dict, device) -> LaunchConfig:
+        space = self.spaces["fwd"]
         if device.key == "cpu":
-            return LaunchConfig(blocks=dict(zip(("BLOCK_M", "BLOCK_N"), self.CPU_DEFAULT, strict=True)))
-        fields = dict(next(row for d_max, row in self.DEFAULTS if key["d"] <= d_max))
+            return space.default(device)
+        base = space.default(device)
+        fields = {**base.blocks, **base.knobs()}
+        fields.update(next((row for d_max, row in self.HEAD_DIM_DEFAULTS if key["d"] <= d_max), {}))
         smallest = self._smallest_blocks(device)
         # Short sequences: no tile longer than its bucket (down to the space's smallest tile).
         block_m = max(smallest["BLOCK_M"], min(fields.pop("BLOCK_M"), key["s_q"]))
         block_n = max(smallest["BLOCK_N"], min(fields.pop("BLOCK_N"), key["s_k"]))
         config = LaunchConfig(blocks={"BLOCK_M": block_m, "BLOCK_N": block_n}, **fields)
-        if not self.keep(config):
+        if space.keep is not None and not space.keep(config, key):
             config = config.model_copy(update={"num_warps": 4})
         # A device with less shared memory than the table assumes: fewer stages, then narrower key tiles.
-        while self.prune_reason(config, key, device) is not None:
+        while self.prune_reason(role, config, key, device) is not None:
             if config.num_stages > 1:
                 config = config.model_copy(update={"num_stages": config.num_stages - 1})
             elif block_n > 16:
@@ -407,8 +394,12 @@ class FlashAttentionTiledBase:
                 break
         return config
 
-    def launch(self, args: dict, config: LaunchConfig):
-        return flash_attention_forward(args, config)
+    def launch(self, args: dict, config: CallConfig):
+        return flash_attention_forward(args, config["fwd"])
 
-    def compile_specs(self, key: dict, config: LaunchConfig, dtype: str = "fp16") -> list[CompileSpec]:
-        return flash_attention_compile_specs(key, config, dtype)
+    def bind(self, config: CallConfig):
+        forward = config["fwd"]
+        return lambda args: flash_attention_forward(args, forward)
+
+    def compile_specs(self, key: dict, config: CallConfig, dtype: str = "fp16") -> list[CompileSpec]:
+        return flash_attention_compile_specs(key, config["fwd"], dtype)

@@ -12,7 +12,7 @@ workspace; the dkv pass owns one top-k tile of one query and sums dS^T Q + P^T d
 before one fp32 atomic add per selected row.
 
 Reads top-down: forward kernel, backward kernels, launchers, the autograd Function, compile specs.
-Semantics: `registry.ops.sparse_mla.reference` (SPEC.md "sparse_mla").
+Semantics: `registry.ops.sparse_mla.reference` (docs/op-contracts.md).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import triton.language as tl
 
 from kernels.base import CompileSpec
 from registry.ops.sparse_mla import SparseMLAOutput
-from tuning_db.records import LaunchConfig
+from tuning_db.records import CallConfig, LaunchConfig
 
 # Kernels can only read globals that are constexprs.
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -34,10 +34,6 @@ def dim_blocks(d_qk: int, d_v: int) -> tuple[int, int]:
     """(BLOCK_DV, BLOCK_DT): power-of-two tiles for the value part and the tail d_qk - d_v (0: none)."""
     tail = d_qk - d_v
     return max(16, triton.next_power_of_2(d_v)), (max(16, triton.next_power_of_2(tail)) if tail else 0)
-
-
-# The head-block variant's block dimensions (its other SPACE entries are launch knobs).
-BLOCK_NAMES = ("BLOCK_H", "BLOCK_TOPK", "D_SPLIT")
 
 
 def group_head_cap(heads_per_group: int) -> int:
@@ -399,7 +395,7 @@ def _forward(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, config: Laun
                                                      blocks["BLOCK_H"])
     _sparse_mla_fwd_kernel[grid](
         *args, **constexprs, BLOCK_DV=block_dv, BLOCK_DT=block_dt, BLOCK_H=blocks["BLOCK_H"],
-        BLOCK_TOPK=blocks["BLOCK_TOPK"], ROWS_I32=_rows_fit_int32(kv), D_SPLIT=d_split(config),
+        BLOCK_TOPK=blocks["BLOCK_TOPK"], ROWS_I32=_rows_fit_int32(kv), D_SPLIT=blocks["D_SPLIT"],
         **config.knobs(),
     )
     return outputs
@@ -411,13 +407,12 @@ WORKSPACE_BYTES = 512 * 2**20
 
 
 def _backward(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, out, lse, dout,
-              configs: tuple[LaunchConfig, LaunchConfig]):
+              dq_config: LaunchConfig, dkv_config: LaunchConfig):
     """Run the two backward passes (dq, then dkv) on batched-layout tensors, a chunk of queries at a
     time; returns (dq, dkv, dsink)."""
     b, s_q, h_q, d_qk = q.shape
     s_kv, h_kv, topk = kv.shape[1], kv.shape[2], indices.shape[-1]
     heads_per_group = h_q // h_kv
-    dq_config, dkv_config = configs
     block_dv, block_dt = dim_blocks(d_qk, d_v)
     # The dkv pass loads q and dout rows through one pointer tensor: same dtype, unit last stride.
     dout = dout.to(q.dtype)
@@ -430,20 +425,22 @@ def _backward(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, out, lse, d
     per_query = b * h_kv * topk * 2 * heads_per_group * q.element_size()
     chunk = max(1, min(s_q, WORKSPACE_BYTES // per_query))
     pds = torch.empty((b, chunk, h_kv, topk, 2 * heads_per_group), device=q.device, dtype=q.dtype)
-    topk_tiles = triton.cdiv(topk, dkv_config.blocks["BLOCK_TOPK"])
-    dkv_blocks = {**dkv_config.blocks, "BLOCK_H": min(dkv_config.blocks["BLOCK_H"], group_head_cap(heads_per_group))}
+    cap = group_head_cap(heads_per_group)
+    dq_blocks = {**dq_config.blocks, "BLOCK_H": min(dq_config.blocks["BLOCK_H"], cap)}
+    dkv_blocks = {**dkv_config.blocks, "BLOCK_H": min(dkv_config.blocks["BLOCK_H"], cap)}
+    topk_tiles = triton.cdiv(topk, dkv_blocks["BLOCK_TOPK"])
     for c0 in range(0, s_q, chunk):
         rows = slice(c0, min(s_q, c0 + chunk))
         q_c, dout_c, idx_c = q[:, rows], dout[:, rows], indices[:, rows]
         len_c = topk_length[:, rows] if topk_length is not None else None
         n = q_c.shape[1]
-        grid, head_blocks = _grid(n, h_q, h_kv, b, dq_config.blocks["BLOCK_H"])
+        grid, head_blocks = _grid(n, h_q, h_kv, b, dq_blocks["BLOCK_H"])
         _sparse_mla_bwd_dq_kernel[grid](
             q_c, kv, idx_c, attn_sink, len_c, out[:, rows], dout_c, lse[:, rows], dq[:, rows], dsink, pds,
             s_kv, topk, heads_per_group, head_blocks, sm_scale,
             *_strides(q_c, 3), *_strides(kv, 3), *_strides(idx_c, 3), *_strides(len_c, 2),
             *_strides(out, 3), *_strides(dout, 3), *_strides(lse, 2), *_strides(dq, 3), *_strides(pds, 4),
-            **dims, **dq_config.blocks, HAS_SINK=attn_sink is not None, **dq_config.knobs(),
+            **dims, **dq_blocks, HAS_SINK=attn_sink is not None, **dq_config.knobs(),
         )
         _sparse_mla_bwd_dkv_kernel[(n, h_kv * topk_tiles, b)](
             q_c, idx_c, len_c, dout_c, pds, dkv,
@@ -461,10 +458,10 @@ class _SparseMLAFunction(torch.autograd.Function):
     runs."""
 
     @staticmethod
-    def forward(ctx, run_forward, q, kv, indices, sm_scale, d_v, attn_sink, topk_length, config, bwd_configs):
-        out, max_logits, lse = run_forward(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, config)
+    def forward(ctx, run_forward, q, kv, indices, sm_scale, d_v, attn_sink, topk_length, config: CallConfig):
+        out, max_logits, lse = run_forward(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, config["fwd"])
         ctx.save_for_backward(q, kv, indices, attn_sink, topk_length, out, lse)
-        ctx.sm_scale, ctx.d_v, ctx.bwd_configs = sm_scale, d_v, bwd_configs
+        ctx.sm_scale, ctx.d_v, ctx.config = sm_scale, d_v, config
         ctx.mark_non_differentiable(max_logits, lse)
         return out, max_logits, lse
 
@@ -472,16 +469,16 @@ class _SparseMLAFunction(torch.autograd.Function):
     def backward(ctx, dout, _dmax, _dlse):
         q, kv, indices, attn_sink, topk_length, out, lse = ctx.saved_tensors
         dq, dkv, dsink = _backward(q, kv, indices, ctx.sm_scale, ctx.d_v, attn_sink, topk_length, out, lse,
-                                   dout, ctx.bwd_configs)
-        return None, dq, dkv, None, None, None, dsink, None, None, None
+                                   dout, ctx.config["bwd_dq"], ctx.config["bwd_dkv"])
+        return None, dq, dkv, None, None, None, dsink, None, None
 
 
-def sparse_mla_forward(args: dict, config: LaunchConfig, bwd_configs: tuple[LaunchConfig, LaunchConfig],
-                       run_forward=_forward) -> SparseMLAOutput:
-    """Launch sparse MLA on validated arguments (registry.ops.sparse_mla's dict) with `config`; a
-    backward, when autograd asks for one, runs its dq and dkv passes with `bwd_configs`. `run_forward`
-    is the forward launcher (batched-layout tensors in, (out, max_logits, lse) out): this module's
-    head-block kernel, or another variant's kernel that shares this backward."""
+def sparse_mla_forward(args: dict, config: CallConfig, run_forward=_forward) -> SparseMLAOutput:
+    """Launch sparse MLA on validated arguments (registry.ops.sparse_mla's dict) with the "fwd" role's
+    config; a backward, when autograd asks for one, runs its dq and dkv passes with the "bwd_dq" and
+    "bwd_dkv" roles' configs. `run_forward` is the forward launcher (batched-layout tensors in,
+    (out, max_logits, lse) out): this module's head-block kernel, or another variant's kernel that
+    shares this backward."""
     q, kv, indices = args["q"], args["kv"], args["indices"]
     batched = q.dim() == 4
     qb, kvb, ib = _batched(q, batched), _batched(kv, batched), _batched(indices, batched)
@@ -491,9 +488,9 @@ def sparse_mla_forward(args: dict, config: LaunchConfig, bwd_configs: tuple[Laun
                                               or (sink is not None and sink.requires_grad))
     if wants_grad:
         out, max_logits, lse = _SparseMLAFunction.apply(run_forward, qb, kvb, ib, args["sm_scale"], args["d_v"],
-                                                        sink, lengths, config, bwd_configs)
+                                                        sink, lengths, config)
     else:
-        out, max_logits, lse = run_forward(qb, kvb, ib, args["sm_scale"], args["d_v"], sink, lengths, config)
+        out, max_logits, lse = run_forward(qb, kvb, ib, args["sm_scale"], args["d_v"], sink, lengths, config["fwd"])
     if not batched:
         out, max_logits, lse = out[0], max_logits[0], lse[0]
     return SparseMLAOutput(out, max_logits, lse)
@@ -505,165 +502,127 @@ def _compile_signature(names: list[str], pointers: dict[str, str], floats: tuple
     return {n: pointers.get(n, "fp32" if n in floats else "i32") for n in names}
 
 
-def sparse_mla_compile_specs(key: dict, config: LaunchConfig, bwd_configs: tuple[LaunchConfig, LaunchConfig],
-                             dtype: str = "bf16") -> list[CompileSpec]:
-    """The forward and both backward kernels as a call with this key and configs launches them (with
-    sink and topk_length, the heaviest variants, and int32 row offsets), for offline compile checks."""
+_ROLE_KERNELS = {"fwd": (_sparse_mla_fwd_kernel, ("qk_scale",)),
+                 "bwd_dq": (_sparse_mla_bwd_dq_kernel, ("sm_scale",)),
+                 "bwd_dkv": (_sparse_mla_bwd_dkv_kernel, ("sm_scale",))}
+
+
+def sparse_mla_compile_specs(key: dict, config: CallConfig, roles: tuple[str, ...], dtype: str = "bf16"
+                             ) -> list[CompileSpec]:
+    """The head-block kernels of `roles` as a call with this key and config launches them (with sink
+    and topk_length, the heaviest variants, and int32 row offsets), for offline compile checks."""
     block_dv, block_dt = dim_blocks(key["d_qk"], key["d_v"])
     elem = f"*{key.get('dtype', dtype)}"
     pointers = {n: elem for n in ("Q", "KV", "OUT", "DOUT", "DQ", "PDS")}
     pointers.update({n: "*fp32" for n in ("SINK", "MAX_LOGITS", "LSE", "DKV", "DSINK")})
     pointers.update({n: "*i32" for n in ("IDX", "TOPK_LEN")})
-    dq_config, dkv_config = bwd_configs
+    heads_per_group = key["h_q"] // key["h_kv"]
     specs = []
-    for fn, cfg, floats in ((_sparse_mla_fwd_kernel, config, ("qk_scale",)),
-                            (_sparse_mla_bwd_dq_kernel, dq_config, ("sm_scale",)),
-                            (_sparse_mla_bwd_dkv_kernel, dkv_config, ("sm_scale",))):
-        heads_per_group = key["h_q"] // key["h_kv"]
-        block_h = min(cfg.blocks["BLOCK_H"], group_head_cap(heads_per_group))
+    for role in roles:
+        fn, floats = _ROLE_KERNELS[role]
+        blocks = config[role].blocks
+        block_h = min(blocks["BLOCK_H"], group_head_cap(heads_per_group))
         constexprs = {"D_V": key["d_v"], "D_TAIL": key["d_qk"] - key["d_v"], "BLOCK_DV": block_dv,
-                      "BLOCK_DT": block_dt, "BLOCK_H": block_h, "BLOCK_TOPK": cfg.blocks["BLOCK_TOPK"],
-                      "HAS_SINK": True, "HAS_TOPK_LEN": True, "ROWS_I32": True, "D_SPLIT": d_split(cfg)}
+                      "BLOCK_DT": block_dt, "BLOCK_H": block_h, "BLOCK_TOPK": blocks["BLOCK_TOPK"],
+                      "HAS_SINK": True, "HAS_TOPK_LEN": True, "ROWS_I32": True, "D_SPLIT": blocks.get("D_SPLIT")}
         constexprs = {n: v for n, v in constexprs.items() if n in fn.arg_names}
         names = [n for n in fn.arg_names if n not in constexprs]
         signature = _compile_signature(names, {n: t for n, t in pointers.items() if n in names}, floats)
-        options = {} if cfg is config else {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
         sizes = {"topk": key["topk"], "heads_per_group": heads_per_group,
                  "head_blocks": triton.cdiv(heads_per_group, block_h),
-                 "topk_tiles": triton.cdiv(key["topk"], cfg.blocks["BLOCK_TOPK"])}
-        specs.append(CompileSpec(fn, signature, constexprs, options, {n: v for n, v in sizes.items() if n in names}))
+                 "topk_tiles": triton.cdiv(key["topk"], blocks["BLOCK_TOPK"])}
+        specs.append(CompileSpec(role, fn, signature, constexprs,
+                                 values={n: v for n, v in sizes.items() if n in names}))
     return specs
 
 
 # ----------------------------------------------------------------------------- the variants
+def heads_fit_group(config: LaunchConfig, key: dict) -> bool:
+    """Keep: a head block (dkv's head chunk too) no wider than the group's heads rounded up to a power
+    of two; a wider one would only compute masked rows."""
+    return config.blocks["BLOCK_H"] <= group_head_cap(key["h_q"] // key["h_kv"])
+
+
 class SparseMLALaunch:
     """`launch` and `bind` of every sparse_mla variant: its forward launcher (`run_forward`, see
-    sparse_mla_forward) and this module's backward with the variant's `backward_configs(config)`."""
+    sparse_mla_forward) and this module's backward."""
 
     run_forward = staticmethod(_forward)
 
-    def launch(self, args: dict, config: LaunchConfig) -> SparseMLAOutput:
-        return sparse_mla_forward(args, config, self.backward_configs(config), self.run_forward)
+    def launch(self, args: dict, config: CallConfig) -> SparseMLAOutput:
+        return sparse_mla_forward(args, config, self.run_forward)
 
-    def bind(self, config: LaunchConfig):
-        bwd = self.backward_configs(config)
-        return lambda args: sparse_mla_forward(args, config, bwd, self.run_forward)
+    def bind(self, config: CallConfig):
+        run_forward = self.run_forward
+        return lambda args: sparse_mla_forward(args, config, run_forward)
 
 
 class SparseMLAHeadBlockBase(SparseMLALaunch):
     """The head-block variant's logic; each vendor file subclasses it with `Variant` and sets its data:
 
-    SPACE: lists of values per block and knob (the sweep's product), each list filtered per key; the
-        blocks are BLOCK_H, BLOCK_TOPK and D_SPLIT (the value part of d_qk in 1 or 2 D tiles; a
-        config records D_SPLIT only when it is 2, so configs from before it existed stay the same);
-    ACC_REGS_LIMIT: the fp32 accumulator registers per thread (BLOCK_H * BLOCK_DV / threads) above
-        which a config cannot avoid spilling on that vendor (AMD's unified VGPR/AGPR file is larger),
-        further capped at half of each thread's share of the register file;
+    spaces: a ConfigSpace per role: "fwd" (blocks BLOCK_H, BLOCK_TOPK and D_SPLIT, the value part of
+        d_qk in 1 or 2 D tiles), "bwd_dq" (BLOCK_H, BLOCK_TOPK) and "bwd_dkv" (BLOCK_H, its head chunk,
+        and BLOCK_TOPK); each keeps `heads_fit_group`;
+    ACC_REGS_LIMIT: the fp32 accumulator registers per thread (out's BLOCK_H * BLOCK_DV, dq's the same,
+        dkv's BLOCK_TOPK * BLOCK_DV, over the threads) above which a config cannot avoid spilling on
+        that vendor (AMD's unified VGPR/AGPR file is larger), further capped at half of each thread's
+        share of the register file;
     Q_IN_SHARED: whether Q stays in shared memory for the whole loop (Hopper's wgmma reads its A
-        operand from there) or only passes through it once on its way to registers (AMD);
-    BACKWARD: the backward passes' tiles and warps, {"dq": {...}, "dkv": {...}} (dq's BLOCK_H is also
-        capped by the forward's; dkv's BLOCK_H is its head chunk);
-    DEFAULTS: the heuristic config per arch ("*" for any other), as found free of spills by the
-        offline compile check (`python -m tuning.sweep --compile-only`; benchmarks/NOTES.md).
+        operand from there) or only passes through it once on its way to registers (AMD).
     """
 
     op = "sparse_mla"
     name = "sparse_mla_headblock"
-    source_modules = ("kernels.common.sparse_mla",)
-    SPACE: dict[str, tuple] = {}
+    kernels = {"fwd": _sparse_mla_fwd_kernel, "bwd_dq": _sparse_mla_bwd_dq_kernel,
+               "bwd_dkv": _sparse_mla_bwd_dkv_kernel}
     ACC_REGS_LIMIT = 128
     Q_IN_SHARED = True
-    BACKWARD: dict[str, dict] = {}
-    DEFAULTS: dict[str, dict] = {}
 
     def supports(self, key: dict, device) -> bool:
         return key["dtype"] in ("fp16", "bf16") and key["d_qk"] <= 1024
 
-    @staticmethod
-    def _head_cap(key: dict) -> int:
-        return group_head_cap(key["h_q"] // key["h_kv"])
+    def role_default(self, role: str, key: dict, device) -> LaunchConfig:
+        """The space's default with its head block capped by the group's heads."""
+        config = super().role_default(role, key, device)
+        cap = group_head_cap(key["h_q"] // key["h_kv"])
+        if config.blocks["BLOCK_H"] <= cap:
+            return config
+        return config.model_copy(update={"blocks": {**config.blocks, "BLOCK_H": cap}})
 
-    def space(self, key: dict, device) -> list[LaunchConfig]:
-        if device.key == "cpu":
-            return [LaunchConfig(blocks=_blocks(16, 16, 1)), LaunchConfig(blocks=_blocks(16, 32, 2))]
-        cap = self._head_cap(key)
-        knob_names = [n for n in self.SPACE if n not in BLOCK_NAMES]
-        configs = []
-        for block_h in (h for h in self.SPACE["BLOCK_H"] if h <= cap):
-            for block_topk, tiles in _product([self.SPACE["BLOCK_TOPK"], self.SPACE["D_SPLIT"]]):
-                blocks = _blocks(block_h, block_topk, tiles)
-                for values in _product([self._knob_values(n, device) for n in knob_names]):
-                    configs.append(LaunchConfig(blocks=blocks, **dict(zip(knob_names, values, strict=True))))
-        return configs
-
-    def _knob_values(self, name: str, device) -> tuple:
-        return self.SPACE[name]
-
-    def prune_reason(self, config: LaunchConfig, key: dict, device) -> str | None:
+    def prune_reason(self, role: str, config: LaunchConfig, key: dict, device) -> str | None:
         """Static pruning of what cannot fit; loose on purpose (the compile check is authoritative)."""
         if device.key == "cpu":
             return None
         block_dv, _ = dim_blocks(key["d_qk"], key["d_v"])
-        tiles = d_split(config)
-        if block_dv // tiles < 16:
-            return f"D tiles of {block_dv // tiles} columns (< 16, tl.dot's K)"
+        blocks = config.blocks
         threads = config.num_warps * device.warp_size
-        acc_regs = config.blocks["BLOCK_H"] * block_dv // threads
         # The accumulator may take at most half of a thread's share of the register file.
         limit = min(self.ACC_REGS_LIMIT, device.registers_per_sm // threads // 2)
+        rows = blocks["BLOCK_TOPK"] if role == "bwd_dkv" else blocks["BLOCK_H"]
+        acc_regs = rows * block_dv // threads
         if acc_regs > limit:
             return f"accumulator needs {acc_regs} registers per thread (> {limit})"
+        if role != "fwd":
+            return None
+        tiles = blocks["D_SPLIT"]
+        if block_dv // tiles < 16:
+            return f"D tiles of {block_dv // tiles} columns (< 16, tl.dot's K)"
         # The value part dominates the tiles: the gathered kv tile stays resident for the pipeline's
         # stages in flight; Q stays resident on NVIDIA and passes through once on AMD, where the
         # operands go through LDS one dot (one D tile) at a time.
-        kv_tile = config.blocks["BLOCK_TOPK"] * block_dv * 2
-        q_tile = config.blocks["BLOCK_H"] * block_dv * 2
+        kv_tile = blocks["BLOCK_TOPK"] * block_dv * 2
+        q_tile = blocks["BLOCK_H"] * block_dv * 2
         resident = kv_tile * max(1, config.num_stages - 1)
-        if self.Q_IN_SHARED:
-            smem = resident + q_tile
-        else:
-            smem = max(resident, q_tile) // tiles
+        smem = resident + q_tile if self.Q_IN_SHARED else max(resident, q_tile) // tiles
         if smem > device.shared_mem_bytes:
             return f"needs ~{smem} B of shared memory/LDS (> {device.shared_mem_bytes})"
         return None
 
-    def default_config(self, key: dict, device) -> LaunchConfig:
-        if device.key == "cpu":
-            return LaunchConfig(blocks=_blocks(16, 16, 1))
-        chosen = dict(self.DEFAULTS.get(device.arch, self.DEFAULTS["*"]))
-        blocks = _blocks(min(chosen.pop("BLOCK_H"), self._head_cap(key)), chosen.pop("BLOCK_TOPK"),
-                         chosen.pop("D_SPLIT", 1))
-        return LaunchConfig(blocks=blocks, **chosen)
-
-    def backward_configs(self, config: LaunchConfig) -> tuple[LaunchConfig, LaunchConfig]:
-        """The dq and dkv passes' configs: the forward's knobs with BACKWARD's tiles and warps. dq's
-        BLOCK_H is also capped by the forward's (already capped by the group's heads); dkv's BLOCK_H,
-        its head chunk, is capped by the group at launch."""
-        configs = []
-        for name, cap in (("dq", config.blocks["BLOCK_H"]), ("dkv", None)):
-            chosen = dict(self.BACKWARD[name])
-            blocks = {"BLOCK_H": chosen.pop("BLOCK_H"), "BLOCK_TOPK": chosen.pop("BLOCK_TOPK")}
-            if cap is not None:
-                blocks["BLOCK_H"] = min(cap, blocks["BLOCK_H"])
-            configs.append(config.model_copy(update={"blocks": blocks, **chosen}))
-        return tuple(configs)
-
-    def compile_specs(self, key: dict, config: LaunchConfig, dtype: str = "bf16") -> list[CompileSpec]:
-        return sparse_mla_compile_specs(key, config, self.backward_configs(config), dtype)
+    def compile_specs(self, key: dict, config: CallConfig, dtype: str = "bf16") -> list[CompileSpec]:
+        return sparse_mla_compile_specs(key, config, self.roles, dtype)
 
 
-def _blocks(block_h: int, block_topk: int, tiles: int) -> dict[str, int]:
-    """A head-block config's blocks; D_SPLIT only when it is 2 (configs from before it stay the same)."""
-    return {"BLOCK_H": block_h, "BLOCK_TOPK": block_topk, **({"D_SPLIT": tiles} if tiles != 1 else {})}
-
-
-def d_split(config: LaunchConfig) -> int:
-    """The D tiles of a head-block config's value part (1 where the config does not say)."""
-    return config.blocks.get("D_SPLIT", 1)
-
-
-def _product(lists: list[tuple]) -> list[tuple]:
-    out: list[tuple] = [()]
-    for values in lists:
-        out = [prefix + (v,) for prefix in out for v in values]
-    return out
+# The interpreter's block shapes, shared by both vendors (their defaults first).
+INTERPRETER_FWD = ({"BLOCK_H": 16, "BLOCK_TOPK": 16, "D_SPLIT": 1}, {"BLOCK_H": 16, "BLOCK_TOPK": 32, "D_SPLIT": 2})
+INTERPRETER_DQ = ({"BLOCK_H": 32, "BLOCK_TOPK": 64}, {"BLOCK_H": 16, "BLOCK_TOPK": 32})
+INTERPRETER_DKV = ({"BLOCK_H": 16, "BLOCK_TOPK": 64}, {"BLOCK_H": 16, "BLOCK_TOPK": 32})

@@ -27,13 +27,15 @@ Four stages of 32 slots: a pair uses two while the producer fills the other two.
 One program owns 64 heads (wgmma's M per warpgroup) of one kv group of one query, as in the head-block
 kernel with BLOCK_H 64. Semantics: `registry.ops.sparse_mla.reference`.
 
+It copies 16-byte chunks, so it needs kv rows aligned to 16 elements: the tuning key says whether
+they are (`kv_aligned`), and `supports` leaves unaligned calls to the head-block kernel.
+
 Gluon kernels do not run in the Triton interpreter: CI compiles this one for sm_90
 (tests/test_shipped_and_default_configs.py) and the GPU tests compare it with the reference in bf16.
 """
 
 from __future__ import annotations
 
-import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -45,42 +47,55 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from kernels.base import CompileSpec, Variant, register
+from kernels.base import CompileSpec, Variant
 from kernels.common.sparse_mla import (
+    INTERPRETER_DKV,
+    INTERPRETER_DQ,
+    INTERPRETER_FWD,
     SparseMLAHeadBlockBase,
-    SparseMLALaunch,
     _compile_signature,
-    _forward,
     forward_launch,
-    group_head_cap,
+    heads_fit_group,
     sparse_mla_compile_specs,
 )
-from registry.device import detect
-from tuning_db.records import LaunchConfig
+from registry.catalog import register
+from tuning.space import ConfigSpace
+from tuning_db.records import CallConfig, LaunchConfig
 
 
 @register
 class SparseMLAHeadBlockNvidia(SparseMLAHeadBlockBase, Variant):
     vendor = "nvidia"
-    SPACE = {
-        "BLOCK_H": (16, 32, 64, 128),
-        "BLOCK_TOPK": (16, 32, 64, 128),
-        "D_SPLIT": (1, 2),
-        "num_warps": (4, 8, 16),
-        "num_stages": (1, 2, 3, 4),
+    spaces = {
+        # The default: the fastest spill-free config measured on the H200 at the V3.2 shape
+        # (benchmarks/NOTES.md): 64 heads per program, 64-slot tiles, 3 stages (255 registers with int32
+        # row offsets).
+        "fwd": ConfigSpace(
+            blocks={"BLOCK_H": (16, 32, 64, 128), "BLOCK_TOPK": (16, 32, 64, 128), "D_SPLIT": (1, 2)},
+            knobs={"num_warps": (4, 8, 16), "num_stages": (1, 2, 3, 4)},
+            keep=heads_fit_group,
+            defaults={"*": {"BLOCK_H": 64, "BLOCK_TOPK": 64, "D_SPLIT": 1, "num_warps": 8, "num_stages": 3}},
+            interpreter=INTERPRETER_FWD,
+        ),
+        # The backward's defaults: the fastest spill-free pair measured on the H200 at the V3.2 shape
+        # (benchmarks/NOTES.md): dq with 32 heads per program (64 spill), dkv with 64-row tiles and
+        # 16-head chunks (32-head chunks at 3 stages need 240 KB of shared memory at run time).
+        "bwd_dq": ConfigSpace(
+            blocks={"BLOCK_H": (16, 32, 64), "BLOCK_TOPK": (32, 64)},
+            knobs={"num_warps": (4, 8), "num_stages": (2, 3)},
+            keep=heads_fit_group,
+            defaults={"*": {"BLOCK_H": 32, "BLOCK_TOPK": 64, "num_warps": 8, "num_stages": 2}},
+            interpreter=INTERPRETER_DQ,
+        ),
+        "bwd_dkv": ConfigSpace(
+            blocks={"BLOCK_H": (16, 32), "BLOCK_TOPK": (32, 64, 128)},
+            knobs={"num_warps": (4, 8), "num_stages": (2, 3)},
+            keep=heads_fit_group,
+            defaults={"*": {"BLOCK_H": 16, "BLOCK_TOPK": 64, "num_warps": 8, "num_stages": 3}},
+            interpreter=INTERPRETER_DKV,
+        ),
     }
     ACC_REGS_LIMIT = 128
-    # The backward's two passes, the fastest spill-free pair measured on the H200 at the V3.2 shape
-    # (benchmarks/NOTES.md): dq with 32 heads per program (64 spill), dkv with 64-row tiles and
-    # 16-head chunks (32-head chunks at 3 stages need 240 KB of shared memory at run time).
-    BACKWARD = {"dq": {"BLOCK_H": 32, "BLOCK_TOPK": 64, "num_warps": 8, "num_stages": 2},
-                "dkv": {"BLOCK_H": 16, "BLOCK_TOPK": 64, "num_warps": 8, "num_stages": 3}}
-    # The fastest spill-free config measured on the H200 at the V3.2 shape (benchmarks/NOTES.md): 64
-    # heads per program, 64-slot tiles, 3 stages (255 registers with int32 row offsets).
-    DEFAULTS = {"*": {"BLOCK_H": 64, "BLOCK_TOPK": 64, "num_warps": 8, "num_stages": 3}}
-
-
-_HEAD_BLOCK = SparseMLAHeadBlockNvidia()  # the warp-specialized variant's backward and fallback
 
 
 # ----------------------------------------------------------------------------- warp-specialized forward
@@ -364,32 +379,11 @@ def _sparse_mla_fwd_ws_kernel(
 
 
 # ----------------------------------------------------------------------------- launcher
-# The fastest of the variant's space on the H200 at the V3.2 shape (benchmarks/NOTES.md).
-DEFAULT_KNOBS = {"PRODUCER_WARPS": 4, "FOLLOWER_REGS": 208}
-
-
-def launch_knobs(config: LaunchConfig) -> dict[str, int]:
-    """PRODUCER_WARPS and FOLLOWER_REGS of a config, the defaults where it has none: a config tuned for
-    an earlier version of this kernel (stale, still used: ARCHITECTURE.md) may lack them, and its tile
-    fields (BLOCK_TOPK, num_stages) no longer choose anything."""
-    return {name: config.blocks.get(name, default) for name, default in DEFAULT_KNOBS.items()}
-
-
-def _copies_aligned(kv: torch.Tensor) -> bool:
-    """Whether kv's base and row strides are multiples of 16 elements (of 16 bytes for the base), which
-    the JIT then assumes, so the gathers compile to 16-byte copies (cp.async cannot do 2-byte ones)."""
-    return kv.data_ptr() % 16 == 0 and all(s % 16 == 0 for s in kv.stride()[:3])
-
-
 def _forward_ws(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, config: LaunchConfig):
-    """Run the warp-specialized forward on batched-layout tensors; returns (out, max_logits, lse).
-    A kv whose rows are not 16-element aligned runs the head-block kernel instead."""
-    if not _copies_aligned(kv):  # the head-block kernel with its default for this group
-        fallback = _HEAD_BLOCK.default_config({"h_q": q.shape[2], "h_kv": kv.shape[2]}, detect(q.device))
-        return _forward(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, fallback)
+    """Run the warp-specialized forward on batched-layout tensors; returns (out, max_logits, lse)."""
     outputs, grid, args, constexprs = forward_launch(q, kv, indices, sm_scale, d_v, attn_sink, topk_length,
                                                      BLOCK_H.value)
-    _sparse_mla_fwd_ws_kernel[grid](*args, **constexprs, **launch_knobs(config), num_warps=4)
+    _sparse_mla_fwd_ws_kernel[grid](*args, **constexprs, **config.blocks, num_warps=4)
     return outputs
 
 
@@ -403,59 +397,55 @@ def shared_bytes(d_v: int, d_tail: int) -> int:
 
 
 @register
-class SparseMLAWarpSpecializedHopper(SparseMLALaunch, Variant):
+class SparseMLAWarpSpecializedHopper(SparseMLAHeadBlockNvidia):
     """Hopper only (wgmma, setmaxnreg); d_v a power of two in [64, 512] (each warpgroup's half of the
-    accumulator is one wgmma of N = d_v / 2 <= 256) and a rope tail of at most 64 dims in 8-dim steps
-    (whole 16-byte copies). Higher priority than the head-block kernel: it is the default where it runs.
+    accumulator is one wgmma of N = d_v / 2 <= 256), a rope tail of at most 64 dims in 8-dim steps
+    (whole 16-byte copies), kv rows aligned to 16 elements. Higher priority than the head-block kernel:
+    it is the default where it runs. Its backward roles are the head-block variant's (same kernels,
+    same spaces).
 
-    The tiles are fixed (BLOCK_TOPK 32, NUM_STAGES 4: what fits beside Q); the space is the producer's
-    warps and the follower's registers (the leader gets the rest), the splits that compile without
-    spills on sm_90 (fewer follower registers spill in the follower, more in the leader)."""
+    The tiles are fixed (BLOCK_TOPK 32, NUM_STAGES 4: what fits beside Q); the forward's space is the
+    producer's warps and the follower's registers (the leader gets the rest), the splits that compile
+    without spills on sm_90 (fewer follower registers spill in the follower, more in the leader)."""
 
-    op = "sparse_mla"
-    vendor = "nvidia"
     name = "sparse_mla_warpspec"
     priority = 10
-    source_modules = ("kernels.nvidia.sparse_mla", "kernels.common.sparse_mla")
+    runs_in_interpreter = False
     run_forward = staticmethod(_forward_ws)
-    SPACE = {"PRODUCER_WARPS": (2, 4), "FOLLOWER_REGS": (200, 208)}
-
-    @staticmethod
-    def _config(key: dict, producer_warps: int, follower_regs: int) -> LaunchConfig:
-        """BLOCK_H records the heads a program serves (64 rows of wgmma, of which the group fills
-        min(64, its heads)); the backward's dq pass takes it as the cap of its own head block.
-        num_warps is the leader's (the default partition's); the program has 8 + PRODUCER_WARPS."""
-        block_h = min(BLOCK_H.value, group_head_cap(key["h_q"] // key["h_kv"]))
-        blocks = {"BLOCK_H": block_h, "BLOCK_TOPK": BLOCK_TOPK.value, "PRODUCER_WARPS": producer_warps,
-                  "FOLLOWER_REGS": follower_regs}
-        return LaunchConfig(blocks=blocks, num_warps=4, num_stages=NUM_STAGES.value)
+    kernels = {**SparseMLAHeadBlockNvidia.kernels, "fwd": _sparse_mla_fwd_ws_kernel}
+    spaces = {
+        **SparseMLAHeadBlockNvidia.spaces,
+        # The default: the fastest of the space on the H200 at the V3.2 shape (benchmarks/NOTES.md).
+        "fwd": ConfigSpace(
+            blocks={"PRODUCER_WARPS": (2, 4), "FOLLOWER_REGS": (200, 208)},
+            knobs={"num_warps": (4,)},
+            defaults={"*": {"PRODUCER_WARPS": 4, "FOLLOWER_REGS": 208, "num_warps": 4}},
+        ),
+    }
 
     def supports(self, key: dict, device) -> bool:
         d_v, tail = key["d_v"], key["d_qk"] - key["d_v"]
-        return (device.arch == "sm_90" and key["dtype"] in ("fp16", "bf16")
+        return (device.arch == "sm_90" and key["dtype"] in ("fp16", "bf16") and key["kv_aligned"]
                 and 64 <= d_v <= 512 and d_v & (d_v - 1) == 0 and 0 <= tail <= COLS.value and tail % 8 == 0)
 
-    def space(self, key: dict, device) -> list[LaunchConfig]:
-        return [self._config(key, w, r) for w in self.SPACE["PRODUCER_WARPS"] for r in self.SPACE["FOLLOWER_REGS"]]
+    def role_default(self, role: str, key: dict, device) -> LaunchConfig:
+        if role == "fwd":  # no head block to cap: the tile is fixed
+            return self.spaces["fwd"].default(device)
+        return super().role_default(role, key, device)
 
-    def prune_reason(self, config: LaunchConfig, key: dict, device) -> str | None:
+    def prune_reason(self, role: str, config: LaunchConfig, key: dict, device) -> str | None:
+        if role != "fwd":
+            return super().prune_reason(role, config, key, device)
         need = shared_bytes(key["d_v"], key["d_qk"] - key["d_v"])
         if need > device.shared_mem_bytes:
             return f"needs {need} B of shared memory (> {device.shared_mem_bytes})"
         return None
 
-    def default_config(self, key: dict, device) -> LaunchConfig:
-        return self._config(key, DEFAULT_KNOBS["PRODUCER_WARPS"], DEFAULT_KNOBS["FOLLOWER_REGS"])
-
-    def backward_configs(self, config: LaunchConfig) -> tuple[LaunchConfig, LaunchConfig]:
-        """The head-block variant's backward passes."""
-        return _HEAD_BLOCK.backward_configs(config)
-
-    def compile_specs(self, key: dict, config: LaunchConfig, dtype: str = "bf16") -> list[CompileSpec]:
+    def compile_specs(self, key: dict, config: CallConfig, dtype: str = "bf16") -> list[CompileSpec]:
         """This forward (with sink and topk_length) and the head-block backward's two passes."""
         fn = _sparse_mla_fwd_ws_kernel
         constexprs = {"D_V": key["d_v"], "D_TAIL": key["d_qk"] - key["d_v"], "HAS_SINK": True, "HAS_TOPK_LEN": True,
-                      **launch_knobs(config)}
+                      **config["fwd"].blocks}
         names = [n for n in fn.arg_names if n not in constexprs]
         elem = f"*{key.get('dtype', dtype)}"
         pointers = {"Q": elem, "KV": elem, "OUT": elem, "IDX": "*i32", "TOPK_LEN": "*i32", "SINK": "*fp32",
@@ -463,6 +453,6 @@ class SparseMLAWarpSpecializedHopper(SparseMLALaunch, Variant):
         heads_per_group = key["h_q"] // key["h_kv"]
         values = {"topk": key["topk"], "heads_per_group": heads_per_group,
                   "head_blocks": triton.cdiv(heads_per_group, BLOCK_H.value)}
-        forward = CompileSpec(fn, _compile_signature(names, pointers, ("qk_scale",)), constexprs, {}, values)
-        backward = sparse_mla_compile_specs(key, config, self.backward_configs(config), dtype)[1:]
-        return [forward, *backward]
+        forward = CompileSpec("fwd", fn, _compile_signature(names, pointers, ("qk_scale",)), constexprs,
+                              {"num_warps": 4}, values)
+        return [forward, *sparse_mla_compile_specs(key, config, ("bwd_dq", "bwd_dkv"), dtype)]

@@ -42,10 +42,16 @@ class Op:
     flops(args), bytes_moved(args): the cost model benchmarks and sweeps report against.
     make_inputs(shape, device=, dtype=, seed=) -> dict: fresh random arguments by name for a preset
         shape dict (never zeros).
-    presets: named lists of shape dicts; "tiny" runs in the interpreter, "full" on a GPU (PERF.md).
+    presets: named lists of shape dicts; "tiny" runs in the interpreter, "full" on a GPU (docs/performance.md).
     reduce_shape(shape) -> shape: a shape with the same heads, head dims and top-k whose reference
         fits in memory, for the correctness gate of a sweep.
     outputs: names of the returned tensors, in order (a single tensor op has one name).
+    length_dims: the tuning-key dims that are bucketed lengths; a key never tuned may borrow the
+        config of the nearest tuned key that differs only in these (the store knows no dim names).
+    layouts(shape) -> [shape, ...]: the shape as each layout the contract accepts spells it (batched
+        and not, packed varlen, ...), all with one tuning key: a tuned config serves every layout.
+    grad_inputs: the arguments gradients flow to, for a differentiable op (empty: not differentiable);
+        a backward gets the gradient of its first output.
     """
 
     name: str
@@ -59,7 +65,13 @@ class Op:
     presets: Mapping[str, Sequence[dict]]
     reduce_shape: Callable[[dict], dict] = field(default=lambda shape: dict(shape))
     outputs: tuple[str, ...] = ("out",)
-    differentiable: bool = False
+    length_dims: tuple[str, ...] = ()
+    layouts: Callable[[dict], list[dict]] = field(default=lambda shape: [dict(shape)])
+    grad_inputs: tuple[str, ...] = ()
+
+    @property
+    def differentiable(self) -> bool:
+        return bool(self.grad_inputs)
 
 
 # Elements of temporaries a reference holds per query chunk (2^25 fp32: 128 MiB), which bounds its

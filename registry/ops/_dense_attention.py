@@ -1,6 +1,6 @@
 """Dense attention math shared by flash_attention, sink_attention and decode.
 
-One reference for all three ops, so they cannot drift apart (SPEC.md's shared conventions):
+One reference for all three ops, so they cannot drift apart (docs/op-contracts.md's shared rules):
 - logits `z_j = sm_scale * q . k_j`, softmax over the allowed keys, computed in fp32 (fp64 when the
   inputs are fp64, for gradcheck only);
 - GQA: query head h reads kv head `h // (h_q // h_kv)`;
@@ -326,7 +326,9 @@ def run_dense(
 
 
 def dense_tuning_key(args: dict, sinks: bool | None = None) -> tuple:
-    """flash_attention's key; with `sinks` given (a bool), sink_attention's (one more pair)."""
+    """flash_attention's key; with `sinks` given (a bool), sink_attention's (one more pair). Packed
+    varlen calls key by their max_seqlen and share the padded layout's key: a tuned config serves
+    both (the sweep's compile check compiles both)."""
     q, k = args["q"], args["k"]
     varlen = args["cu_seqlens_q"] is not None
     s_q = args["max_seqlen_q"] if varlen else q.shape[1]
@@ -340,8 +342,13 @@ def dense_tuning_key(args: dict, sinks: bool | None = None) -> tuple:
         ("s_k", bucket_pow2(s_k)),
         ("s_q", bucket_pow2(s_q)),
     )
-    tail = (("varlen", varlen), ("window", args["window"]))
+    tail = (("window", args["window"]),)
     return head + tail if sinks is None else head + (("sinks", sinks),) + tail
+
+
+def dense_layouts(shape: dict) -> list[dict]:
+    """A dense preset shape padded ([b, s, h, d]) and packed (varlen, max_seqlen = s)."""
+    return [{**shape, "varlen": False}, {**shape, "varlen": True}]
 
 
 def dense_flops(args: dict) -> float:

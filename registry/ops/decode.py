@@ -319,7 +319,7 @@ presets = {
         _shape(3, 8, 1, 64, 70, block_size=16, ragged=True),
         _shape(2, 4, 4, 128, 50, block_size=32, s_q=3, sinks=False, window=16, ragged=True),
     ],
-    # PERF.md: (b 8, h 64/8, d 64, n 32768), (b 1, same heads, n 131072), (b 32, h 32/8, d 128, n 8192),
+    # The targets' shapes: (b 8, h 64/8, d 64, n 32768), (b 1, same heads, n 131072), (b 32, h 32/8, d 128, n 8192),
     # each contiguous and paged with blocks of 16 and 64, sinks on; and the gpt-oss window-128 layers.
     "full": [
         _shape(b, h_q, h_kv, d, n, block_size=bs)
@@ -341,5 +341,5 @@ OP = Op(
     presets=presets,
     reduce_shape=reduce_shape,
     outputs=("out", "lse"),
-    differentiable=False,
+    length_dims=("n",),
 )

@@ -9,6 +9,7 @@ from registry.ops._dense_attention import (
     check_dense_args,
     dense_bytes,
     dense_flops,
+    dense_layouts,
     dense_tuning_key,
     make_dense_inputs,
     reduce_dense_shape,
@@ -131,7 +132,7 @@ presets = {
         _shape(1, 19, 2, 128, False),
         _shape(2, 13, 4, 64, True, s_k=29, h_kv=1),
     ],
-    # PERF.md: b 2, s 8192, h 16, d 128 causal; b 4, h 8 and 32, s 1024..8192, d 64, causal and not.
+    # The targets' shapes: b 2, s 8192, h 16, d 128 causal; b 4, h 8 and 32, s 1024..8192, d 64, causal and not.
     "full": [_shape(2, 8192, 16, 128, True)]
     + [
         _shape(4, s, h, 64, causal)
@@ -153,5 +154,7 @@ OP = Op(
     presets=presets,
     reduce_shape=reduce_dense_shape,
     outputs=("out", "lse"),
-    differentiable=True,
+    length_dims=("s_k", "s_q"),
+    layouts=dense_layouts,
+    grad_inputs=("q", "k", "v"),
 )

@@ -178,5 +178,5 @@ OP = Op(
     presets=presets,
     reduce_shape=reduce_shape,
     outputs=("scores",),
-    differentiable=False,
+    length_dims=("t",),
 )

@@ -170,7 +170,7 @@ def flops(args: dict) -> float:
 
 
 def bytes_moved(args: dict) -> float:
-    """PERF.md's measure for this op: the gathered K and V rows (one per query, slot and kv head; L2
+    """The measure for this op (docs/performance.md): the gathered K and V rows (one per query, slot and kv head; L2
     reuse across queries is what lets a kernel beat the copy ceiling), plus q, indices and topk_length
     read once and out written once."""
     q, k = args["q"], args["k"]
@@ -224,5 +224,6 @@ OP = Op(
     presets=presets,
     reduce_shape=reduce_shape,
     outputs=("out",),
-    differentiable=True,
+    length_dims=("t",),
+    grad_inputs=("q", "k", "v"),
 )

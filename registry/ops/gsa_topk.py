@@ -153,5 +153,5 @@ OP = Op(
     presets=presets,
     reduce_shape=reduce_shape,
     outputs=("indices",),
-    differentiable=False,
+    length_dims=("t",),
 )

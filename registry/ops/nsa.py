@@ -358,5 +358,5 @@ OP = Op(
     presets=presets,
     reduce_shape=reduce_shape,
     outputs=("out",),
-    differentiable=False,
+    length_dims=("t",),
 )

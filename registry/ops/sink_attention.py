@@ -10,6 +10,7 @@ from registry.ops._dense_attention import (
     check_sinks,
     dense_bytes,
     dense_flops,
+    dense_layouts,
     dense_tuning_key,
     make_dense_inputs,
     reduce_dense_shape,
@@ -139,7 +140,7 @@ presets = {
         _shape(1, 33, 8, 1, 64, window=8),
         _shape(2, 11, 2, 2, 128, s_k=27),
     ],
-    # PERF.md: gpt-oss full causal and window 128 (s 8192 and 32768); fwd+bwd at b 2, s 8192, h 16, d 128.
+    # The targets' shapes: gpt-oss full causal and window 128 (s 8192 and 32768); fwd+bwd at b 2, s 8192, h 16, d 128.
     "full": [
         _shape(1, 8192, 64, 8, 64),
         _shape(1, 8192, 64, 8, 64, window=128),
@@ -160,5 +161,7 @@ OP = Op(
     presets=presets,
     reduce_shape=reduce_dense_shape,
     outputs=("out", "lse"),
-    differentiable=True,
+    length_dims=("s_k", "s_q"),
+    layouts=dense_layouts,
+    grad_inputs=("q", "k", "v", "sinks"),
 )

@@ -173,7 +173,7 @@ def validate(
             require_last_contiguous("topk_length", topk_length)
     args = Args(q=q, kv=kv, indices=indices, sm_scale=sm_scale, d_v=d_v, attn_sink=attn_sink,
                 topk_length=topk_length)
-    args.key = (qs, ks, js, dtype, d_v)
+    args.key = (qs, ks, js, dtype, d_v, kv_rows_aligned(kv))
     return args
 
 
@@ -236,23 +236,30 @@ def _query_rows(q: torch.Tensor) -> int:
     return q.shape[0] * q.shape[1] if q.dim() == 4 else q.shape[0]
 
 
+def kv_rows_aligned(kv: torch.Tensor) -> bool:
+    """Whether kv starts on 16 bytes and every stride but the last is a multiple of 16 elements, so
+    its gathered rows can be copied in 16-byte chunks (what the warp-specialized Hopper kernel needs)."""
+    return kv.data_ptr() % 16 == 0 and all(s % 16 == 0 for s in kv.stride()[:-1])
+
+
 def tuning_key(args: dict) -> tuple:
-    """(name, value) pairs that pick a config; `s_q` is the bucketed number of query rows (b * s_q)."""
+    """(name, value) pairs that pick a config; `s_q` is the bucketed number of query rows (b * s_q),
+    so the batched and unbatched layouts of the same rows share a key."""
     q, kv, indices = args["q"], args["kv"], args["indices"]
     return (
-        ("batched", q.dim() == 4),
         ("d_qk", q.shape[-1]),
         ("d_v", args["d_v"]),
         ("dtype", DTYPE_NAMES[q.dtype]),
         ("h_kv", kv.shape[-2]),
         ("h_q", q.shape[-2]),
+        ("kv_aligned", kv_rows_aligned(kv)),
         ("s_q", bucket_pow2(_query_rows(q))),
         ("topk", indices.shape[-1]),
     )
 
 
 def flops(args: dict) -> float:
-    """PERF.md's forward count: 2 * rows * h_q * topk * (d_qk + d_v) (QK^T and PV over every slot)."""
+    """The forward count (docs/performance.md): 2 * rows * h_q * topk * (d_qk + d_v) (QK^T and PV over every slot)."""
     q = args["q"]
     return 2.0 * _query_rows(q) * q.shape[-2] * args["indices"].shape[-1] * (q.shape[-1] + args["d_v"])
 
@@ -293,6 +300,15 @@ def make_inputs(shape: dict, *, device, dtype, seed: int) -> dict:
         lengths = torch.randint(0, topk + 1, (*lead, s_q), generator=gen, dtype=torch.int32)
         args["topk_length"] = lengths.to(device)
     return args
+
+
+def layouts(shape: dict) -> list[dict]:
+    """The shape in both layouts the contract accepts: unbatched and batched with one batch row (a
+    shape with b > 1 has no unbatched spelling)."""
+    if shape.get("b", 1) != 1:
+        return [dict(shape)]
+    flat = {k: v for k, v in shape.items() if k != "b"}
+    return [flat, {**flat, "b": 1}]
 
 
 def reduce_shape(shape: dict) -> dict:
@@ -337,5 +353,7 @@ OP = Op(
     presets=presets,
     reduce_shape=reduce_shape,
     outputs=("out", "max_logits", "lse"),
-    differentiable=True,
+    length_dims=("s_q",),
+    layouts=layouts,
+    grad_inputs=("q", "kv", "attn_sink"),
 )

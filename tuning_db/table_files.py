@@ -1,0 +1,203 @@
+"""Tuned tables as files: one JSON file per (device, op), what `tuning.export` writes, `tuning.load`
+imports and `tuning_db/tables/` ships. `TableFile` is their pydantic model; `ShippedTables` answers
+lookups from the shipped folder like the database does.
+
+Format 2 entries hold a call config (one launch config per kernel role) and the variant's vendor;
+format 1 files, written before roles existed, still load: their one config is the forward's.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Collection, Iterable, Mapping
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from tuning_db.matching import DeviceIdentity, canonical_key, check_device, pick_best, pick_nearest
+from tuning_db.records import CallConfig, TunedConfig, canonical_json
+
+SHIPPED_TABLES = Path(__file__).parent / "tables"
+
+
+class TableError(ValueError):
+    """A tuned table file is not valid; the message names the file, the row and the field."""
+
+
+KeyValue = int | float | bool | str | None
+
+
+class DeviceDescriptor(BaseModel):
+    """The device a table was tuned on, as the database's devices table holds it."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    key: str = Field(min_length=1)
+    vendor: str = Field(min_length=1)
+    arch: str = Field(min_length=1)
+    name: str
+    pci_device_id: int | None = None
+    num_sms: int = Field(ge=1)
+
+    @classmethod
+    def of(cls, device: DeviceIdentity) -> DeviceDescriptor:
+        """The descriptor of a DeviceInfo or stored device."""
+        return cls(key=device.key, vendor=device.vendor, arch=device.arch, name=device.name,
+                   pci_device_id=device.pci_device_id, num_sms=device.num_sms)
+
+
+class TableEntry(BaseModel):
+    """One tuned winner in a table file; the tuning key is a JSON object, not its text. `config` is a
+    call config by role (a format 1 file's single launch config reads as the forward's)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    tuning_key: dict[str, KeyValue]
+    variant: str = Field(min_length=1)
+    vendor: str | None = None
+    source_hash: str = Field(min_length=1)
+    config: CallConfig
+    time_ms: float | None = Field(default=None, ge=0)
+    backward_ms: float | None = Field(default=None, ge=0)
+    triton_version: str
+    torch_version: str
+
+
+class TableFile(BaseModel):
+    """A tuned table: every winner of one op on one device (`<device_key>__<op>.json`). The top-level
+    versions are the entries' versions when they all agree, else null."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    format: Literal[1, 2]
+    op: str = Field(min_length=1)
+    device: DeviceDescriptor
+    triton_version: str | None = None
+    torch_version: str | None = None
+    configs: list[TableEntry]
+
+    @model_validator(mode="after")
+    def _keys_unique(self) -> TableFile:
+        seen: dict[str, int] = {}
+        for i, entry in enumerate(self.configs):
+            key = canonical_json(entry.tuning_key)
+            if key in seen:
+                raise ValueError(f"row {i} (configs[{i}]), field 'tuning_key': {key} repeats row {seen[key]}")
+            seen[key] = i
+        return self
+
+    @classmethod
+    def build(cls, op: str, device: DeviceIdentity, tuned: Iterable[TunedConfig]) -> TableFile:
+        """The table of `tuned` (entries of `op`), sorted by tuning key."""
+        entries = sorted(tuned, key=lambda t: t.tuning_key)
+        tritons = {t.triton_version for t in entries}
+        torches = {t.torch_version for t in entries}
+        return cls(
+            format=2, op=op, device=DeviceDescriptor.of(device),
+            triton_version=tritons.pop() if len(tritons) == 1 else None,
+            torch_version=torches.pop() if len(torches) == 1 else None,
+            configs=[TableEntry(tuning_key=json.loads(t.tuning_key), variant=t.variant, vendor=t.vendor,
+                                source_hash=t.source_hash, config=t.config, time_ms=t.time_ms,
+                                backward_ms=t.backward_ms, triton_version=t.triton_version,
+                                torch_version=t.torch_version)
+                     for t in entries],
+        )
+
+    def tuned(self) -> list[TunedConfig]:
+        """The entries as TunedConfig records of this table's op and device."""
+        return [TunedConfig(op=self.op, device_key=self.device.key, tuning_key=canonical_json(e.tuning_key),
+                            variant=e.variant, vendor=e.vendor, source_hash=e.source_hash, config=e.config,
+                            time_ms=e.time_ms, backward_ms=e.backward_ms, triton_version=e.triton_version,
+                            torch_version=e.torch_version)
+                for e in self.configs]
+
+    def to_json(self) -> str:
+        """The file's text: call configs as objects by role, AMD knobs left out where unset, a trailing
+        newline."""
+        data = self.model_dump(mode="json")
+        data["configs"] = [{**row, "config": entry.config.to_data()}
+                           for row, entry in zip(data["configs"], self.configs, strict=True)]
+        return json.dumps(data, indent=2) + "\n"
+
+
+def _describe_errors(err: ValidationError) -> str:
+    lines = []
+    for problem in err.errors():
+        loc = list(problem["loc"])
+        where = ""
+        if len(loc) >= 2 and loc[0] == "configs" and isinstance(loc[1], int):
+            where = f"row {loc[1]} (configs[{loc[1]}]), "
+            loc = loc[2:]
+        field = ".".join(str(part) for part in loc)
+        message = problem["msg"].removeprefix("Value error, ")
+        # Our validators already say what they got; pydantic's own messages do not.
+        shown = repr(problem.get("input"))
+        got = f" (got {shown[:60]})" if field and problem["type"] not in ("missing", "value_error") else ""
+        lines.append(f"{where}field '{field}': {message}{got}" if field else where + message)
+    return "; ".join(lines)
+
+
+def read_table(path: str | Path) -> TableFile:
+    """Read and validate a whole table file; any problem raises TableError naming the file, the row and
+    the field."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise TableError(f"{path}: cannot read tuned table: {err}") from None
+    try:
+        json.loads(text)
+    except json.JSONDecodeError as err:
+        raise TableError(f"{path}: not a JSON tuned table: {err}") from None
+    try:
+        # Strict: a table is written by a program, so "4" where 4 belongs is a broken file, not a guess.
+        return TableFile.model_validate_json(text, strict=True)
+    except ValidationError as err:
+        raise TableError(f"{path}: invalid tuned table: {_describe_errors(err)}") from None
+
+
+class ShippedTables:
+    """The tuned tables shipped in a folder (default `tuning_db/tables/`), read on the first lookup.
+
+    Lookups match devices like `TuningStore.best`, through the device descriptor each table carries.
+    """
+
+    def __init__(self, folder: str | Path | None = None) -> None:
+        self.folder = Path(folder) if folder is not None else SHIPPED_TABLES
+        self._by_op: dict[str, list[tuple[DeviceDescriptor, TunedConfig]]] | None = None
+        self._lock = threading.Lock()
+
+    def _entries(self, op: str) -> list[tuple[DeviceDescriptor, TunedConfig]]:
+        if self._by_op is None:
+            with self._lock:
+                if self._by_op is None:
+                    by_op: dict[str, list[tuple[DeviceDescriptor, TunedConfig]]] = {}
+                    paths = sorted(self.folder.glob("*.json")) if self.folder.is_dir() else []
+                    for path in paths:
+                        table = read_table(path)
+                        by_op.setdefault(table.op, []).extend((table.device, t) for t in table.tuned())
+                    self._by_op = by_op
+        return self._by_op.get(op, [])
+
+    def best(self, op: str, device: DeviceIdentity, tuning_key: str) -> TunedConfig | None:
+        """The shipped winner for exactly this key (device matching as `TuningStore.best`)."""
+        check_device(device)
+        key = canonical_key(tuning_key)
+        return pick_best(device, ((d, t) for d, t in self._entries(op) if t.tuning_key == key))
+
+    def nearest(self, op: str, device: DeviceIdentity, dims: Mapping[str, object],
+                length_dims: Collection[str]) -> TunedConfig | None:
+        """The shipped key nearest to `dims` in its length dims (as `TuningStore.nearest`)."""
+        check_device(device)
+        if not isinstance(dims, Mapping):
+            raise TypeError(f"dims: expected a dict of tuning-key dims, got {type(dims).__name__}")
+        return pick_nearest(device, dims, self._entries(op), length_dims)
+
+    def tuned(self, op: str | None = None) -> list[TunedConfig]:
+        """Every shipped entry (of `op` when given)."""
+        if op is not None:
+            return [t for _, t in self._entries(op)]
+        self._entries("")
+        return [t for entries in (self._by_op or {}).values() for _, t in entries]
