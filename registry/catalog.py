@@ -41,12 +41,3 @@ def load_all() -> dict[str, list[Variant]]:
         importlib.import_module(package)
     return VARIANTS
 
-
-def find(op: str, vendor: str, name: str) -> Variant:
-    """The registered variant `name` of `op` for `vendor` (ValueError naming the known ones)."""
-    pool = [v for v in load_all().get(op, []) if v.vendor == vendor]
-    for variant in pool:
-        if variant.name == name:
-            return variant
-    known = ", ".join(v.name for v in pool) or "none"
-    raise ValueError(f"variant: expected one of {known} for {op} on {vendor}, got {name!r}")

@@ -66,7 +66,8 @@ def _user_store(url: str):
 
 
 @functools.lru_cache(maxsize=1)
-def _shipped_tables():
+def shipped_tables():
+    """The shipped tuned tables (`tuning_db/tables/`), read once per process."""
     from tuning_db.table_files import ShippedTables
 
     return ShippedTables()
@@ -103,9 +104,9 @@ def tuned_lookups(op: Op, device: DeviceInfo, key_json: str, dims: dict):
         return run
 
     yield "database", guarded(lambda: user_store().best(op.name, device, key_json))
-    yield "tables", lambda: _shipped_tables().best(op.name, device, key_json)
+    yield "tables", lambda: shipped_tables().best(op.name, device, key_json)
     yield "nearest-database", guarded(lambda: user_store().nearest(op.name, device, dims, op.length_dims))
-    yield "nearest-tables", lambda: _shipped_tables().nearest(op.name, device, dims, op.length_dims)
+    yield "nearest-tables", lambda: shipped_tables().nearest(op.name, device, dims, op.length_dims)
 
 
 def tuned_vendor(tuned: TunedConfig, device: DeviceInfo) -> str:
@@ -240,4 +241,4 @@ def clear_caches() -> None:
     for handle in _handles.values():
         handle.clear_cache()
     _user_store.cache_clear()
-    _shipped_tables.cache_clear()
+    shipped_tables.cache_clear()

@@ -145,6 +145,26 @@ def test_cli_sweeps_every_role_in_the_interpreter_and_prints_winners(tmp_path):
     assert tuned.time_ms > 0 and tuned.backward_ms > 0 and tuned.vendor == "nvidia"
 
 
+def test_a_resumed_multi_role_sweep_finds_its_stage_winners_in_the_database(tmp_path):
+    """Resuming reads the earlier trials back from the database (their call configs' roles in another
+    order): every trial is skipped and the same winner is promoted again."""
+    from tuning_db.models import SweepRun
+
+    store = TuningStore(f"sqlite:///{tmp_path / 'resume.db'}")
+    op = OPS["sparse_mla"]
+    variant = next(v for v in load_all()["sparse_mla"] if v.name == "sparse_mla_headblock" and v.vendor == "nvidia")
+    shape = op.presets["tiny"][0]
+    first, finished = sweep_op(op, [variant], CPU, torch.device("cpu"), [shape], torch.float16, store,
+                               resume=False, deadline=None, isolate=False)
+    assert finished and len(first.winners) == 1
+    trials = store.trials()
+    store._run(lambda s: s.query(SweepRun).update({"status": "stopped"}), write=True)  # as if cut short
+    again, finished = sweep_op(op, [variant], CPU, torch.device("cpu"), [shape], torch.float16, store,
+                               resume=True, deadline=None, isolate=False)
+    assert finished and again.done == 0 and again.skipped == len(trials) and store.trials() == trials
+    assert [w.config for w in again.winners] == [w.config for w in first.winners]
+
+
 def test_roles_tunes_only_those_and_times_the_rest_once(tmp_path):
     db = f"sqlite:///{tmp_path / 'roles.db'}"
     done = _cli("--device", "cpu", "--op", "sparse_mla", "--shapes", "tiny:0", "--roles", "bwd_dkv", db=db)

@@ -140,10 +140,16 @@ class KeyTuner:
         return True
 
     def _start(self, variant, dims: dict, key_json: str) -> CallConfig:
-        """The variant's best known call config for this key (database, then shipped tables), else its default."""
-        from registry.dispatch import _shipped_tables, tuned_vendor
+        """Where tuning the variant at this key starts: the variant's best known call config for the key
+        (database, then shipped tables), else its default. A resumed run starts where it first started:
+        its earliest trial of the variant and key differs from that start only in the role it varied,
+        which the first stage replaces anyway (the database may hold this run's own winner by now)."""
+        from registry.dispatch import shipped_tables, tuned_vendor
 
-        for source in (self.store, _shipped_tables()):
+        for trial in self.recorded:
+            if (trial.variant, trial.source_hash, trial.tuning_key) == (variant.name, variant.source_hash, key_json):
+                return variant.complete(trial.config, dims, self.device_info)
+        for source in (self.store, shipped_tables()):
             tuned = source.best(self.op.name, self.device_info, key_json)
             if tuned is not None and tuned.variant == variant.name \
                     and tuned_vendor(tuned, self.device_info) == variant.vendor:
@@ -198,7 +204,7 @@ class KeyTuner:
         def fits(config: CallConfig) -> bool:
             if exact:
                 return config == current
-            return config.roles() == current.roles() and all(
+            return set(config.roles()) == set(current.roles()) and all(
                 config[r] == current[r] for r in current.roles() if r != role)
 
         ok = [t for t in self.recorded if t.status == "ok" and t.variant == variant.name and t.role == role

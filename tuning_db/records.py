@@ -165,11 +165,6 @@ class CallConfig(RootModel[dict[str, LaunchConfig]]):
         return " ".join(f"{role}[{config}]" for role, config in self.root.items())
 
 
-def call_config(**roles: LaunchConfig) -> CallConfig:
-    """`call_config(fwd=..., bwd_dq=...)`: a CallConfig from keyword roles."""
-    return CallConfig(roles)
-
-
 class TrialResult(BaseModel):
     """One call config tried on one shape: its status, its time when it ran, and why it did not.
 
