@@ -297,12 +297,18 @@ def test_make_inputs_tiny_presets(dtype):
 def test_tuning_key():
     paged = DEC.validate(**_good(True), sinks=torch.zeros(4), window=8)
     assert DEC.tuning_key(paged) == (
-        ("block_size", 16), ("d", 8), ("dtype", "fp32"), ("h_kv", 2), ("h_q", 4), ("n", 32),
+        ("b", 2), ("block_size", 16), ("d", 8), ("dtype", "fp32"), ("h_kv", 2), ("h_q", 4), ("n", 32),
         ("paged", True), ("s_q", 1), ("sinks", True), ("window", 8),
     )
     flat = dict(DEC.tuning_key(DEC.validate(**{**_good(False), "q": rand(2, 3, 4, 8)})))
     assert (flat["block_size"], flat["n"], flat["paged"]) == (None, 32, False)
     assert (flat["s_q"], flat["sinks"]) == (3, False)
+    # One new token: a 3-D q and a 4-D q with s_q 1 share the key (layouts, not dims).
+    one = DEC.validate(**{**_good(True), "q": rand(2, 1, 4, 8)}, sinks=torch.zeros(4), window=8)
+    assert DEC.tuning_key(one) == DEC.tuning_key(paged)
+    # The batch is bucketed: 3 and 4 sequences pick the same config.
+    assert DEC.tuning_key(DEC.validate(**_good(False)))[0] == ("b", 2)
+    assert DEC.length_dims == ("b", "n")
     key = DEC.tuning_key(paged)
     assert key == tuple(sorted(key)) and hash(key) is not None
 

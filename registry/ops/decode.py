@@ -7,6 +7,7 @@ import torch
 from registry.ops._contract import (
     DTYPE_NAMES,
     FLOAT_DTYPES,
+    Args,
     Op,
     bucket_pow2,
     random_normal,
@@ -153,18 +154,13 @@ def validate(
         require_positive_int("num_splits", num_splits)
     if return_lse is not True and return_lse is not False:
         raise TypeError(f"return_lse: expected a bool, got {type(return_lse).__name__}")
-    return {
-        "q": q,
-        "k_cache": k_cache,
-        "v_cache": v_cache,
-        "cache_seqlens": cache_seqlens,
-        "block_table": block_table,
-        "sinks": sinks,
-        "window": window,
-        "sm_scale": d**-0.5 if sm_scale is None else resolve_scale("sm_scale", sm_scale, d),
-        "num_splits": num_splits,
-        "return_lse": return_lse,
-    }
+    args = Args(q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens, block_table=block_table,
+                sinks=sinks, window=window,
+                sm_scale=d**-0.5 if sm_scale is None else resolve_scale("sm_scale", sm_scale, d),
+                num_splits=num_splits, return_lse=return_lse)
+    # Everything tuning_key reads, as validation read it: the hot path's cache key.
+    args.key = (qs, cs, block_table.shape[1] if paged else None, dtype, sinks is None, window)
+    return args
 
 
 def reference(
@@ -225,10 +221,13 @@ def _cache_len(args: dict) -> int:
 
 
 def tuning_key(args: dict) -> tuple:
-    """(block_size, d, dtype, h_kv, h_q, n bucket, paged, s_q, sinks, window)."""
+    """(b bucket, block_size, d, dtype, h_kv, h_q, n bucket, paged, s_q, sinks, window). The batch
+    decides how many split programs fill the GPU, so it is a (bucketed) length dim too; a 3-D q and a
+    4-D q with one token share a key."""
     q, k_cache = args["q"], args["k_cache"]
     paged = args["block_table"] is not None
     return (
+        ("b", bucket_pow2(q.shape[0], lo=1)),
         ("block_size", k_cache.shape[1] if paged else None),
         ("d", q.shape[-1]),
         ("dtype", DTYPE_NAMES[q.dtype]),
@@ -269,7 +268,7 @@ def bytes_moved(args: dict) -> float:
 def make_inputs(shape: dict, *, device, dtype, seed: int) -> dict:
     """Random arguments for a preset shape.
 
-    Keys: b, s_q (1 gives 3-D q), h_q, h_kv, d, n (cache length), block_size (None: contiguous),
+    Keys: b, s_q (1 gives 3-D q unless q4d), h_q, h_kv, d, n (cache length), block_size (None: contiguous),
     sinks (bool), window, ragged (optional: lengths random in [s_q, n] with the first at n; otherwise
     every sequence at n). Paged caches get a shuffled block table over a pool with spare blocks, and
     -1 in the entries past each sequence's blocks.
@@ -282,7 +281,7 @@ def make_inputs(shape: dict, *, device, dtype, seed: int) -> dict:
         lens[0] = n
     else:
         lens = torch.full((b,), n)
-    q_shape = (b, h_q, d) if s_q == 1 else (b, s_q, h_q, d)
+    q_shape = (b, h_q, d) if s_q == 1 and not shape.get("q4d") else (b, s_q, h_q, d)
     q = random_normal(q_shape, device=device, dtype=dtype, generator=gen)
     args = dict(q=q, cache_seqlens=lens.to(device=device, dtype=torch.int32), window=shape.get("window"))
     if block_size is None:
@@ -301,6 +300,11 @@ def make_inputs(shape: dict, *, device, dtype, seed: int) -> dict:
         sinks = random_normal((h_q,), device="cpu", dtype=torch.float32, generator=gen, scale=2.0)
         args["sinks"] = (sinks + torch.log(torch.tensor(float(n)))).to(device)
     return args
+
+
+def layouts(shape: dict) -> list[dict]:
+    """One new token as a 3-D q and as a 4-D q with s_q 1 (speculative shapes have only the 4-D one)."""
+    return [dict(shape), {**shape, "q4d": True}] if shape["s_q"] == 1 else [dict(shape)]
 
 
 def reduce_shape(shape: dict, cap: int = 4096) -> dict:
@@ -341,5 +345,6 @@ OP = Op(
     presets=presets,
     reduce_shape=reduce_shape,
     outputs=("out", "lse"),
-    length_dims=("n",),
+    length_dims=("b", "n"),
+    layouts=layouts,
 )

@@ -1,0 +1,317 @@
+"""Split-KV flash decoding: the Triton kernel bodies both vendors share.
+
+A call is two kernels, two roles:
+
+- `split` (`_decode_split_kernel`): one program per (sequence, kv head, split). Its tile's rows are
+  every query head of the kv head's GQA group times every new token (`s_q * group` rows), so each K/V
+  tile is read once for all of them. The keys a sequence can see, [lo, hi) with hi its length and lo
+  the first query's window start, are cut into `num_splits` equal ranges of whole key tiles; a split
+  that the length or the window leaves empty writes an empty partial (lse -inf) after reading one
+  length. It writes each row's normalized partial output and its lse (natural log) to a workspace.
+- `combine` (`_decode_combine_kernel`): one program per ROWS (sequence, token, head) rows. It merges
+  the partials by their lse, applies the sink once (`L' = logaddexp(L, sink)`), and writes the
+  output in the input dtype and the lse without the sink (+inf, and out 0, for a row with no key).
+
+`num_splits` comes from shapes and the device only (never from cache_seqlens values, so no host sync
+and CUDA-graph capture works): about WAVES programs per SM, at most one split per key tile of the
+longest range a sequence could need (its capacity, or the window plus s_q - 1). Paged caches gather
+each key row through the block table; a block id outside [0, num_blocks) masks its keys, and table
+entries past a sequence's length are never read. Semantics: `registry.ops.decode.reference`
+(docs/op-contracts.md).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.base import CompileSpec
+from tuning_db.records import CallConfig, LaunchConfig
+
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
+MAX_SPLITS = 128
+
+
+# ----------------------------------------------------------------------------- Triton kernels
+@triton.jit
+def _decode_split_kernel(
+    Q, K, V, SEQLENS, TABLE, O_PART, LSE_PART,
+    qk_scale, window, capacity, num_blocks, s_q, group, h_kv, split_len,
+    stride_qb, stride_qs, stride_qh,
+    stride_kb, stride_kn, stride_kh,
+    stride_vb, stride_vn, stride_vh,
+    stride_tb,
+    stride_ob, stride_os, stride_oh, stride_op,
+    stride_lb, stride_ls, stride_lh,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PAGED: tl.constexpr, PAGE: tl.constexpr, HAS_WINDOW: tl.constexpr,
+):
+    """One program: split `program_id(1)` of the keys of one (sequence, kv head), for all its
+    `s_q * group` query rows (row r: token r // group, query head kv_head * group + r % group).
+
+    Online softmax in log2 units (`qk_scale` = sm_scale * log2(e)); writes the partial output
+    (normalized by its own row sum) and the partial lse in natural log, -inf for an empty partial."""
+    b = tl.program_id(0) // h_kv
+    kv_head = tl.program_id(0) % h_kv
+    split = tl.program_id(1)
+
+    length = tl.minimum(tl.maximum(tl.load(SEQLENS + b), 0), capacity)
+    lo = 0
+    if HAS_WINDOW:
+        lo = tl.maximum(length - s_q - window + 1, 0)
+    start = lo + split * split_len
+    end = tl.minimum(start + split_len, length)
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    token = offs_m // group
+    head = kv_head * group + offs_m % group
+    row_ok = offs_m < s_q * group
+    pos = length - s_q + token  # each row's absolute position (bottom-right aligned)
+    d_ok = offs_d < HEAD_DIM
+    q = tl.load(Q + b.to(tl.int64) * stride_qb + token[:, None] * stride_qs + head[:, None] * stride_qh
+                + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    offs_n = tl.arange(0, BLOCK_N)
+    for n0 in range(start, end, BLOCK_N):
+        keys = n0 + offs_n
+        key_ok = keys < end
+        if PAGED:
+            # Only entries of positions below the length are read; an invalid block id masks its keys.
+            block = tl.load(TABLE + b.to(tl.int64) * stride_tb + keys // PAGE, mask=key_ok, other=-1)
+            key_ok = key_ok & (block >= 0) & (block < num_blocks)
+            block = tl.where(key_ok, block, 0).to(tl.int64)
+            k_row = block * stride_kb + (keys % PAGE) * stride_kn
+            v_row = block * stride_vb + (keys % PAGE) * stride_vn
+        else:
+            k_row = b.to(tl.int64) * stride_kb + keys.to(tl.int64) * stride_kn
+            v_row = b.to(tl.int64) * stride_vb + keys.to(tl.int64) * stride_vn
+        kv_mask = key_ok[:, None] & d_ok[None, :]
+        k = tl.load(K + k_row[:, None] + kv_head * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(V + v_row[:, None] + kv_head * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k)) * qk_scale
+        allowed = key_ok[None, :] & (keys[None, :] <= pos[:, None])
+        if HAS_WINDOW:
+            allowed = allowed & (keys[None, :] > pos[:, None] - window)
+        s = tl.where(allowed, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # Rows with no allowed key so far keep m = -inf: shift by 0 so exp2 gives 0 instead of NaN.
+        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - shift[:, None])
+        alpha = tl.math.exp2(m_i - shift)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    empty = l_i == 0.0
+    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * LN2)
+    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    o_ptr = O_PART + b.to(tl.int64) * stride_ob + token[:, None] * stride_os + head[:, None] * stride_oh \
+        + split * stride_op + offs_d[None, :]
+    tl.store(o_ptr, out, mask=row_ok[:, None] & d_ok[None, :])
+    tl.store(LSE_PART + b.to(tl.int64) * stride_lb + token * stride_ls + head * stride_lh + split, lse, mask=row_ok)
+
+
+@triton.jit
+def _decode_combine_kernel(
+    O_PART, LSE_PART, SINK, OUT, LSE,
+    rows, s_q, h_q, num_splits,
+    stride_ob, stride_os, stride_oh, stride_op,
+    stride_lb, stride_ls, stride_lh,
+    stride_outb, stride_outs, stride_outh,
+    stride_rb, stride_rh, stride_rs,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr, HAS_SINK: tl.constexpr,
+    RETURN_LSE: tl.constexpr,
+):
+    """One program: ROWS (sequence, token, head) rows. L = logsumexp of the partial lse over the
+    splits, L' = logaddexp(L, sink[h]) (or L), out = sum_s exp(lse_s - L') * o_s; the returned lse is L,
+    +inf with out 0 where every split was empty (whatever the sink)."""
+    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    row_ok = r < rows
+    b = (r // (s_q * h_q)).to(tl.int64)
+    token = (r // h_q) % s_q
+    head = r % h_q
+    lse_row = LSE_PART + b * stride_lb + token * stride_ls + head * stride_lh
+    m = tl.full([ROWS], float("-inf"), tl.float32)
+    for s in range(0, num_splits):
+        m = tl.maximum(m, tl.load(lse_row + s, mask=row_ok, other=float("-inf")))
+    shift = tl.where(m == float("-inf"), 0.0, m)
+    total = tl.zeros([ROWS], tl.float32)
+    for s in range(0, num_splits):
+        total += tl.math.exp2((tl.load(lse_row + s, mask=row_ok, other=float("-inf")) - shift) * LOG2E)
+    empty = total == 0.0
+    lse = tl.where(empty, float("-inf"), shift + tl.log(tl.where(empty, 1.0, total)))
+    lse_out = lse
+    if HAS_SINK:
+        # logaddexp(L, sink); an empty row's weights are 0 anyway (any finite stand-in for L will do),
+        # and a sink of +inf makes every weight 0.
+        sink = tl.load(SINK + head, mask=row_ok, other=0.0)
+        finite = tl.where(empty, sink, lse)
+        hi = tl.maximum(finite, sink)
+        hi_safe = tl.where((hi == float("inf")) | (hi == float("-inf")), 0.0, hi)
+        lse_out = tl.where(hi == float("inf"), float("inf"),
+                           hi_safe + tl.log(tl.exp(finite - hi_safe) + tl.exp(sink - hi_safe)))
+    lse_out = tl.where(empty, 0.0, lse_out)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
+    o_row = O_PART + b[:, None] * stride_ob + token[:, None] * stride_os + head[:, None] * stride_oh + offs_d[None, :]
+    acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
+    for s in range(0, num_splits):
+        weight = tl.math.exp2((tl.load(lse_row + s, mask=row_ok, other=float("-inf")) - lse_out) * LOG2E)
+        weight = tl.where(empty, 0.0, weight)
+        acc += weight[:, None] * tl.load(o_row + s * stride_op, mask=d_mask, other=0.0)
+    out_ptr = OUT + b[:, None] * stride_outb + token[:, None] * stride_outs + head[:, None] * stride_outh \
+        + offs_d[None, :]
+    tl.store(out_ptr, acc.to(OUT.dtype.element_ty), mask=d_mask)
+    if RETURN_LSE:
+        tl.store(LSE + b * stride_rb + head * stride_rh + token * stride_rs, tl.where(empty, float("inf"), lse),
+                 mask=row_ok)
+
+
+# ----------------------------------------------------------------------------- launchers
+def head_block(d: int) -> int:
+    """BLOCK_D: the head dim rounded up to a power of two, at least 16 (tl.dot's K)."""
+    return max(16, triton.next_power_of_2(int(d)))
+
+
+def rows_block(s_q: int, group: int) -> int:
+    """BLOCK_M: the split kernel's rows (every token of every head of a GQA group), at least 16."""
+    return max(16, triton.next_power_of_2(s_q * group))
+
+
+def key_range(capacity: int, s_q: int, window: int | None) -> int:
+    """The most keys one sequence's queries can see: its capacity, or the window plus s_q - 1."""
+    return capacity if window is None else min(capacity, window + s_q - 1)
+
+
+def choose_splits(batch: int, h_kv: int, capacity: int, s_q: int, window: int | None, num_sms: int,
+                  block_n: int, waves: int) -> int:
+    """About `waves` split programs per SM, never more splits than key tiles in the longest range, at
+    most MAX_SPLITS. Shapes and the device only: no cache_seqlens value is read."""
+    wanted = -(-waves * num_sms // (batch * h_kv))
+    return max(1, min(wanted, triton.cdiv(key_range(capacity, s_q, window), block_n), MAX_SPLITS))
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    from registry.device import detect
+
+    return detect(device).num_sms
+
+
+def decode_forward(args: dict, config: CallConfig):
+    """Run the split and combine kernels on the decode contract's validated args: `out`, or
+    `(out, lse)` with `return_lse`. Outputs and the workspace are allocated here (a CUDA graph
+    captures them with the launches)."""
+    q, k_cache, v_cache, table = args["q"], args["k_cache"], args["v_cache"], args["block_table"]
+    split_config, combine_config = config["split"], config["combine"]
+    q4 = q if q.dim() == 4 else q.unsqueeze(1)
+    b, s_q, h_q, d = q4.shape
+    h_kv = k_cache.shape[2]
+    group = h_q // h_kv
+    paged = table is not None
+    page = k_cache.shape[1] if paged else 1
+    capacity = table.shape[1] * page if paged else k_cache.shape[1]
+    window = args["window"]
+    block_n = split_config.blocks["BLOCK_N"]
+    splits = args["num_splits"] or choose_splits(b, h_kv, capacity, s_q, window, _sm_count(q.device), block_n,
+                                                 split_config.blocks["WAVES"])
+    split_len = triton.cdiv(triton.cdiv(key_range(capacity, s_q, window), splits), block_n) * block_n
+    o_part = torch.empty((b, s_q, h_q, splits, d), device=q.device, dtype=torch.float32)
+    lse_part = torch.empty((b, s_q, h_q, splits), device=q.device, dtype=torch.float32)
+    block_d = head_block(d)
+    _decode_split_kernel[(b * h_kv, splits)](
+        q4, k_cache, v_cache, args["cache_seqlens"], table if paged else args["cache_seqlens"], o_part, lse_part,
+        float(args["sm_scale"]) * LOG2E.value, window or 0, capacity, k_cache.shape[0], s_q, group, h_kv, split_len,
+        *q4.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3], table.stride(0) if paged else 0,
+        *o_part.stride()[:4], *lse_part.stride()[:3],
+        HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=rows_block(s_q, group), BLOCK_N=block_n, PAGED=paged, PAGE=page,
+        HAS_WINDOW=window is not None, **split_config.knobs(),
+    )
+    out = torch.empty((b, s_q, h_q, d), device=q.device, dtype=q.dtype)
+    lse = torch.empty((b, h_q, s_q), device=q.device, dtype=torch.float32) if args["return_lse"] else None
+    sinks = args["sinks"]
+    rows, per_program = b * s_q * h_q, combine_config.blocks["ROWS"]
+    _decode_combine_kernel[(triton.cdiv(rows, per_program),)](
+        o_part, lse_part, sinks if sinks is not None else lse_part, out, lse if lse is not None else lse_part,
+        rows, s_q, h_q, splits,
+        *o_part.stride()[:4], *lse_part.stride()[:3], *out.stride()[:3],
+        *(lse.stride() if lse is not None else (0, 0, 0)),
+        HEAD_DIM=d, BLOCK_D=block_d, ROWS=per_program, HAS_SINK=sinks is not None, RETURN_LSE=lse is not None,
+        **combine_config.knobs(),
+    )
+    if q.dim() == 3:
+        out, lse = out[:, 0], (lse[:, :, 0] if lse is not None else None)
+    return (out, lse) if args["return_lse"] else out
+
+
+# ----------------------------------------------------------------------------- offline compiles
+def decode_compile_specs(key: dict, config: CallConfig, dtype: str = "fp16") -> list[CompileSpec]:
+    """Both kernels as a call with this key launches them (with sinks and lse, the heavier combine)."""
+    elem = f"*{key.get('dtype', dtype)}"
+    group = key["h_q"] // key["h_kv"]
+    split = config["split"].blocks
+    names = _decode_split_kernel.arg_names
+    floats = ("qk_scale",)
+    pointers = {"Q": elem, "K": elem, "V": elem, "SEQLENS": "*i32", "TABLE": "*i32", "O_PART": "*fp32",
+                "LSE_PART": "*fp32"}
+    constexprs = {"HEAD_DIM": key["d"], "BLOCK_D": head_block(key["d"]), "BLOCK_M": rows_block(key["s_q"], group),
+                  "BLOCK_N": split["BLOCK_N"], "PAGED": bool(key["paged"]), "PAGE": key["block_size"] or 1,
+                  "HAS_WINDOW": key["window"] is not None}
+    signature = {n: pointers.get(n, "fp32" if n in floats else "i32") for n in names if n not in constexprs}
+    split_spec = CompileSpec("split", _decode_split_kernel, signature, constexprs,
+                             values={"s_q": key["s_q"], "group": group, "h_kv": key["h_kv"]})
+    names = _decode_combine_kernel.arg_names
+    pointers = {"O_PART": "*fp32", "LSE_PART": "*fp32", "SINK": "*fp32", "OUT": elem, "LSE": "*fp32"}
+    constexprs = {"HEAD_DIM": key["d"], "BLOCK_D": head_block(key["d"]), "ROWS": config["combine"].blocks["ROWS"],
+                  "HAS_SINK": True, "RETURN_LSE": True}
+    signature = {n: pointers.get(n, "i32") for n in names if n not in constexprs}
+    combine_spec = CompileSpec("combine", _decode_combine_kernel, signature, constexprs,
+                               values={"s_q": key["s_q"], "h_q": key["h_q"]})
+    return [split_spec, combine_spec]
+
+
+# ----------------------------------------------------------------------------- the variant
+# The interpreter's block shapes, both vendors (their defaults first).
+INTERPRETER_SPLIT = ({"BLOCK_N": 16, "WAVES": 2}, {"BLOCK_N": 32, "WAVES": 1})
+INTERPRETER_COMBINE = ({"ROWS": 4}, {"ROWS": 1})
+
+
+class DecodeSplitKVBase:
+    """The split-KV variant's logic; each vendor file subclasses it with `Variant` and sets `spaces`:
+    "split" (blocks BLOCK_N, the key tile, and WAVES, the split programs per SM that num_splits aims
+    for) and "combine" (block ROWS, the rows per program)."""
+
+    op = "decode"
+    name = "decode_splitkv"
+    kernels = {"split": _decode_split_kernel, "combine": _decode_combine_kernel}
+
+    def supports(self, key: dict, device) -> bool:
+        return key["dtype"] in ("fp16", "bf16")
+
+    def prune_reason(self, role: str, config: LaunchConfig, key: dict, device) -> str | None:
+        if role != "split" or device.key == "cpu":
+            return None
+        # K and V tiles in flight per stage, next to Q; 16-bit elements.
+        block_d = head_block(key["d"])
+        rows = rows_block(key["s_q"], key["h_q"] // key["h_kv"])
+        need = 2 * block_d * (rows + 2 * config.blocks["BLOCK_N"] * max(1, config.num_stages - 1))
+        if need > device.shared_mem_bytes:
+            return f"needs ~{need} B of shared memory/LDS (> {device.shared_mem_bytes})"
+        return None
+
+    def launch(self, args: dict, config: CallConfig):
+        return decode_forward(args, config)
+
+    def bind(self, config: CallConfig):
+        return lambda args: decode_forward(args, config)
+
+    def compile_specs(self, key: dict, config: CallConfig, dtype: str = "fp16") -> list[CompileSpec]:
+        return decode_compile_specs(key, config, dtype)

@@ -1,0 +1,30 @@
+"""decode on NVIDIA Hopper (H100/H200): the shared split-KV kernels with NVIDIA's config space.
+
+Decoding reads every cached key and value once and does little arithmetic per byte, so the split
+kernel is bound by memory bandwidth: what matters is enough programs in flight to cover all 132 SMs
+(WAVES) and key tiles long enough for wide, pipelined loads (BLOCK_N, num_stages).
+"""
+
+from kernels.base import Variant
+from kernels.common.decode import INTERPRETER_COMBINE, INTERPRETER_SPLIT, DecodeSplitKVBase
+from registry.catalog import register
+from tuning.space import ConfigSpace
+
+
+@register
+class DecodeSplitKVNvidia(DecodeSplitKVBase, Variant):
+    vendor = "nvidia"
+    spaces = {
+        "split": ConfigSpace(
+            blocks={"BLOCK_N": (32, 64, 128), "WAVES": (1, 2, 4)},
+            knobs={"num_warps": (2, 4, 8), "num_stages": (2, 3, 4)},
+            defaults={"*": {"BLOCK_N": 64, "WAVES": 2, "num_warps": 4, "num_stages": 3}},
+            interpreter=INTERPRETER_SPLIT,
+        ),
+        "combine": ConfigSpace(
+            blocks={"ROWS": (1, 4, 16)},
+            knobs={"num_warps": (1, 2, 4)},
+            defaults={"*": {"ROWS": 4, "num_warps": 2}},
+            interpreter=INTERPRETER_COMBINE,
+        ),
+    }

@@ -1,0 +1,163 @@
+"""The split-KV decode kernels (both vendors' variants, one body) against the reference: contiguous and
+paged caches, empty and partial splits, zero-length sequences beside long ones, shuffled and invalid
+block tables, windows that empty whole splits, sinks, speculative tokens, GQA ratios, odd head dims.
+
+On the CPU the kernels run in the Triton interpreter in fp16; on a GPU in bf16. Each case runs the
+default call config and the other block shapes of each role, with explicit split counts (the CPU has
+too few "SMs" for the heuristic to split much) and with the heuristic's own.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from registry.catalog import load_all
+from registry.device import CPU, detect
+from registry.ops import OPS
+from registry.ops._contract import random_normal
+from registry.testing import TOLERANCE, assert_close
+
+from .conftest import HAS_GPU
+
+OP = OPS["decode"]
+DTYPE = torch.bfloat16 if HAS_GPU else torch.float16
+TOL = TOLERANCE[DTYPE]
+INFO = detect() if HAS_GPU else CPU
+VARIANTS = [v for v in load_all()["decode"] if not HAS_GPU or v.vendor == INFO.vendor]
+
+
+def _inputs(device, *, b, s_q, h_q, h_kv, d, lens, capacity, block_size=None, sinks=None, window=None, seed=0,
+            shuffle=True):
+    """q, a cache holding `capacity` positions per sequence (paged: a shuffled pool with spare blocks),
+    cache_seqlens = lens."""
+    gen = torch.Generator().manual_seed(seed)
+    q = random_normal((b, h_q, d) if s_q == 1 else (b, s_q, h_q, d), device=device, dtype=DTYPE, generator=gen)
+    args = {"q": q, "cache_seqlens": torch.tensor(lens, dtype=torch.int32, device=device), "window": window,
+            "return_lse": True}
+    if block_size is None:
+        shape = (b, capacity, h_kv, d)
+    else:
+        max_blocks = -(-capacity // block_size)
+        pool = b * max_blocks + 5
+        order = torch.randperm(pool, generator=gen) if shuffle else torch.arange(pool)
+        args["block_table"] = order[: b * max_blocks].reshape(b, max_blocks).to(device=device, dtype=torch.int32)
+        shape = (pool, block_size, h_kv, d)
+    args["k_cache"] = random_normal(shape, device=device, dtype=DTYPE, generator=gen)
+    args["v_cache"] = random_normal(shape, device=device, dtype=DTYPE, generator=gen)
+    if sinks is not None:
+        args["sinks"] = torch.full((h_q,), float(sinks), device=device) if not isinstance(sinks, torch.Tensor) \
+            else sinks.to(device)
+    return OP.validate(**args)
+
+
+def _configs(variant, args):
+    """The default call config, then each role's other configs in its place (on a GPU, three of each
+    role's space, spread over it)."""
+    key = dict(OP.tuning_key(args))
+    default = variant.default_config(key, INFO)
+    out = [default]
+    for role, configs in variant.space(key, INFO).items():
+        configs = [c for c in configs if c != default[role] and variant.prune_reason(role, c, key, INFO) is None]
+        if HAS_GPU:
+            configs = configs[:: max(1, len(configs) // 3)][:3]
+        out += [default.replace(role, c) for c in configs]
+    return out
+
+
+def _check(args, splits=(None, 3, 7)):
+    expected = OP.reference(**args)
+    for variant in VARIANTS:
+        for config in _configs(variant, args):
+            for num_splits in splits:
+                got = variant.launch({**args, "num_splits": num_splits}, config)
+                assert_close(got, expected, TOL, what=f"{variant.vendor} {config} splits={num_splits}")
+
+
+@pytest.fixture
+def device():
+    return torch.device("cuda" if HAS_GPU else "cpu")
+
+
+CASES = {
+    # (b, s_q, h_q, h_kv, d, lens, capacity, block_size, window)
+    "mha-contiguous": (2, 1, 2, 2, 64, [37, 5], 37, None, None),
+    "one-split-each-way": (1, 1, 4, 1, 64, [64], 64, 16, None),
+    "gqa4-len0-beside-long": (3, 1, 8, 2, 64, [0, 61, 1], 61, None, None),
+    "gqa8-paged16-shuffled": (2, 1, 8, 1, 64, [70, 33], 80, 16, None),
+    "gqa16-paged32": (1, 1, 16, 1, 128, [95], 96, 32, None),
+    "spec4-gqa4-paged16": (2, 4, 8, 2, 64, [50, 4], 64, 16, None),
+    "spec8-window16": (2, 8, 4, 1, 64, [90, 20], 96, None, 16),
+    "window1": (2, 1, 4, 4, 64, [40, 17], 40, None, 1),
+    "window-empties-splits-paged": (1, 2, 4, 2, 64, [120], 128, 16, 9),
+    "d80-odd": (2, 3, 4, 2, 80, [33, 2], 40, None, None),
+    "len-below-s_q": (2, 4, 4, 4, 64, [2, 0], 16, 16, None),
+    "len-over-capacity-clamped": (2, 1, 4, 2, 64, [1000, -5], 24, None, None),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
+def test_decode_matches_reference(case, device):
+    b, s_q, h_q, h_kv, d, lens, capacity, block_size, window = CASES[case]
+    splits = (1, 2, 4, 64) if case == "one-split-each-way" else (None, 3, 7)
+    _check(_inputs(device, b=b, s_q=s_q, h_q=h_q, h_kv=h_kv, d=d, lens=lens, capacity=capacity,
+                   block_size=block_size, window=window, seed=sum(map(ord, case))), splits)
+
+
+@pytest.mark.parametrize("sink", [30.0, -30.0, math.inf, -math.inf, "mixed"])
+def test_sinks_of_any_size(device, sink):
+    """The sink enters the combine once; an empty sequence stays 0 whatever the sink."""
+    sinks = torch.tensor([30.0, -30.0, 0.5, 4.0]) if sink == "mixed" else sink
+    args = _inputs(device, b=2, s_q=2, h_q=4, h_kv=2, d=64, lens=[45, 0], capacity=48, block_size=16,
+                   sinks=sinks, seed=3)
+    _check(args, splits=(None, 4))
+    out, lse = VARIANTS[0].launch(args, VARIANTS[0].default_config(dict(OP.tuning_key(args)), INFO))
+    assert torch.all(out[1] == 0) and torch.all(lse[1] == math.inf)
+
+
+def test_invalid_block_ids_in_use_are_masked_and_entries_past_the_length_never_read(device):
+    """Within a sequence's blocks an id outside [0, num_blocks) masks its keys; past its blocks the
+    table may hold anything (huge values, -1) and is never read."""
+    args = _inputs(device, b=2, s_q=1, h_q=4, h_kv=1, d=64, lens=[40, 20], capacity=64, block_size=16, seed=5)
+    table = args["block_table"].clone()
+    num_blocks = args["k_cache"].shape[0]
+    table[0, 1] = num_blocks + 7  # inside sequence 0's three blocks: invalid, masked
+    table[1, 1] = -(2**31)  # inside sequence 1's two blocks
+    table[1, 2:] = 2**31 - 1  # past sequence 1's blocks: never read
+    args["block_table"] = table
+    _check(args, splits=(1, 5))
+
+
+def test_a_sequence_with_every_block_invalid_returns_zero_and_infinite_lse(device):
+    args = _inputs(device, b=2, s_q=1, h_q=4, h_kv=2, d=64, lens=[32, 10], capacity=32, block_size=16, seed=6)
+    table = args["block_table"].clone()
+    table[0] = -1
+    args["block_table"] = table
+    out, lse = VARIANTS[0].launch({**args, "num_splits": 3},
+                                  VARIANTS[0].default_config(dict(OP.tuning_key(args)), INFO))
+    assert torch.all(out[0] == 0) and torch.all(lse[0] == math.inf)
+    assert_close((out, lse), OP.reference(**args), TOL)
+
+
+def test_non_contiguous_inputs(device):
+    args = _inputs(device, b=2, s_q=3, h_q=4, h_kv=2, d=64, lens=[30, 11], capacity=32, seed=7)
+    q = torch.empty((2, 3, 8, 64), device=device, dtype=DTYPE)[:, :, ::2].copy_(args["q"])  # strided heads
+    k = torch.empty((2, 32, 2, 128), device=device, dtype=DTYPE)[..., :64].copy_(args["k_cache"])
+    v = torch.empty((2, 32, 2, 128), device=device, dtype=DTYPE)[..., 64:].copy_(args["v_cache"])
+    _check(OP.validate(**{**args, "q": q, "k_cache": k, "v_cache": v}), splits=(None, 2))
+
+
+def test_split_count_depends_on_shapes_only():
+    """num_splits comes from the device and shapes (no cache_seqlens value), is capped by the key tiles
+    of the longest range a sequence can need, and a window shrinks that range."""
+    from kernels.common.decode import MAX_SPLITS, choose_splits
+
+    one_long = choose_splits(1, 8, 131072, 1, None, 132, 64, 2)
+    assert one_long == 33  # 2 waves of 132 SMs over 8 programs
+    assert choose_splits(32, 8, 8192, 1, None, 132, 64, 2) == 2
+    assert choose_splits(128, 8, 8192, 1, None, 132, 64, 2) == 1
+    assert choose_splits(1, 1, 1 << 20, 1, None, 132, 16, 4) == MAX_SPLITS
+    assert choose_splits(1, 8, 131072, 1, 128, 132, 64, 2) == 2  # a window of 128: two tiles
+    assert choose_splits(1, 8, 40, 1, None, 132, 64, 2) == 1
