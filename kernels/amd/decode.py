@@ -6,7 +6,7 @@ here; the defaults compile without spills for gfx942 and gfx950).
 """
 
 from kernels.base import Variant
-from kernels.common.decode import INTERPRETER_COMBINE, INTERPRETER_SPLIT, DecodeSplitKVBase
+from kernels.common.decode import COMBINE_SPACE, INTERPRETER_SPLIT, DecodeSplitKVBase
 from registry.catalog import register
 from tuning.space import ConfigSpace
 
@@ -23,10 +23,5 @@ class DecodeSplitKVAmd(DecodeSplitKVBase, Variant):
                             "matrix_instr_nonkdim": 16, "kpack": 1}},
             interpreter=INTERPRETER_SPLIT,
         ),
-        "combine": ConfigSpace(
-            blocks={"ROWS": (1, 4, 16)},
-            knobs={"num_warps": (1, 2, 4)},
-            defaults={"*": {"ROWS": 4, "num_warps": 2}},
-            interpreter=INTERPRETER_COMBINE,
-        ),
+        "combine": COMBINE_SPACE,
     }

@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from kernels.base import CompileSpec
+from tuning.space import ConfigSpace
 from tuning_db.records import CallConfig, LaunchConfig
 
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -279,15 +280,21 @@ def decode_compile_specs(key: dict, config: CallConfig, dtype: str = "fp16") -> 
 
 
 # ----------------------------------------------------------------------------- the variant
-# The interpreter's block shapes, both vendors (their defaults first).
+# The interpreter's block shapes of the split kernel, both vendors (the default first).
 INTERPRETER_SPLIT = ({"BLOCK_N": 16, "WAVES": 2}, {"BLOCK_N": 32, "WAVES": 1})
-INTERPRETER_COMBINE = ({"ROWS": 4}, {"ROWS": 1})
+# The combine kernel is a few hundred bytes per row on either vendor: one space for both.
+COMBINE_SPACE = ConfigSpace(
+    blocks={"ROWS": (1, 4, 16)},
+    knobs={"num_warps": (1, 2, 4)},
+    defaults={"*": {"ROWS": 4, "num_warps": 2}},
+    interpreter=({"ROWS": 4}, {"ROWS": 1}),
+)
 
 
 class DecodeSplitKVBase:
     """The split-KV variant's logic; each vendor file subclasses it with `Variant` and sets `spaces`:
     "split" (blocks BLOCK_N, the key tile, and WAVES, the split programs per SM that num_splits aims
-    for) and "combine" (block ROWS, the rows per program)."""
+    for) and "combine" (COMBINE_SPACE: block ROWS, the rows per program)."""
 
     op = "decode"
     name = "decode_splitkv"

@@ -6,7 +6,7 @@ kernel is bound by memory bandwidth: what matters is enough programs in flight t
 """
 
 from kernels.base import Variant
-from kernels.common.decode import INTERPRETER_COMBINE, INTERPRETER_SPLIT, DecodeSplitKVBase
+from kernels.common.decode import COMBINE_SPACE, INTERPRETER_SPLIT, DecodeSplitKVBase
 from registry.catalog import register
 from tuning.space import ConfigSpace
 
@@ -21,10 +21,5 @@ class DecodeSplitKVNvidia(DecodeSplitKVBase, Variant):
             defaults={"*": {"BLOCK_N": 64, "WAVES": 2, "num_warps": 4, "num_stages": 3}},
             interpreter=INTERPRETER_SPLIT,
         ),
-        "combine": ConfigSpace(
-            blocks={"ROWS": (1, 4, 16)},
-            knobs={"num_warps": (1, 2, 4)},
-            defaults={"*": {"ROWS": 4, "num_warps": 2}},
-            interpreter=INTERPRETER_COMBINE,
-        ),
+        "combine": COMBINE_SPACE,
     }
