@@ -18,7 +18,7 @@ from benchmarks.common import PROVIDER, Measurement, checked, checked_backward, 
 from registry.device import detect
 from registry.dispatch import candidates
 from registry.ops import OPS
-from registry.testing import cotangent, grad_leaves
+from registry.testing import backward_call
 from tuning_db.records import LaunchConfig
 
 FAMILY = "sparse_mla"
@@ -35,18 +35,6 @@ def _name(s: dict) -> str:
     return f"s_q {s['s_q']} s_kv {s['s_kv']} h {s['h_q']} topk {s['topk']}"
 
 
-def _grads(args: dict, call):
-    """(leaves, out, dout): a forward graph to time backwards on."""
-    leaves = grad_leaves(OP, args)
-    out = call({**args, **leaves}).out
-    return leaves, out, cotangent(out)
-
-
-def _backward(graph):
-    leaves, out, dout = graph
-    return lambda: torch.autograd.grad(out, list(leaves.values()), dout, retain_graph=True)
-
-
 def _bench_shape(shape: dict, call, dtype: torch.dtype, time_reference: bool) -> list[Measurement]:
     small = OP.validate(**OP.make_inputs(OP.reduce_shape(shape), device="cuda", dtype=dtype, seed=1))
     err = checked(OP, small, call)
@@ -61,7 +49,7 @@ def _bench_shape(shape: dict, call, dtype: torch.dtype, time_reference: bool) ->
         out.append(Measurement("sparse_mla fwd", _name(shape), "torch-reference", ms, flops, "TFLOP/s", None))
     # Backward: dq/dkv checked on the small shape, then timed on the full one.
     bwd_err = checked_backward(OP, small, call)
-    out.append(measure("sparse_mla bwd", _name(shape), PROVIDER, _backward(_grads(args, call)), 2.5 * flops,
+    out.append(measure("sparse_mla bwd", _name(shape), PROVIDER, backward_call(OP, call, args), 2.5 * flops,
                        "TFLOP/s", bwd_err))
     return out
 
@@ -95,12 +83,12 @@ def explore(configs: dict[str, list[dict]], dtype: torch.dtype = torch.bfloat16,
         label = f"{variant.name} {role} {_describe(call_config[role])}"
         if role.startswith("bwd"):
             err = checked_backward(OP, small, call)
-            graph = _grads(args, call)
-            m = measure("sparse_mla bwd", _name(shape), label, _backward(graph), 2.5 * flops, "TFLOP/s", err)
+            backward = backward_call(OP, call, args)
+            m = measure("sparse_mla bwd", _name(shape), label, backward, 2.5 * flops, "TFLOP/s", err)
             split = " + ".join(f"{name.removeprefix('_sparse_mla_bwd_').removesuffix('_kernel')} {k_ms:.1f}"
-                               for name, k_ms in _kernel_ms(graph).items())
+                               for name, k_ms in _kernel_ms(backward).items())
             m.provider += f" ({split})"
-            del graph
+            del backward
         else:
             err = checked(OP, small, call)
             m = measure("sparse_mla fwd", _name(shape), label, lambda c=call: c(args), flops, "TFLOP/s", err)
@@ -109,13 +97,13 @@ def explore(configs: dict[str, list[dict]], dtype: torch.dtype = torch.bfloat16,
     return out
 
 
-def _kernel_ms(graph) -> dict[str, float]:
-    """Milliseconds per backward kernel in one profiled backward (which pass to work on next), on a
-    graph whose backward has already run (compiled and warm)."""
+def _kernel_ms(backward) -> dict[str, float]:
+    """Milliseconds per backward kernel in one profiled run of `backward` (which pass to work on next),
+    one that has already run (compiled and warm)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        _backward(graph)()
+        backward()
         torch.cuda.synchronize()
     return {e.key: e.self_device_time_total / 1e3 for e in prof.key_averages() if "_sparse_mla_bwd" in e.key}
 

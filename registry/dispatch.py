@@ -109,14 +109,6 @@ def tuned_lookups(op: Op, device: DeviceInfo, key_json: str, dims: dict):
     yield "nearest-tables", lambda: shipped_tables().nearest(op.name, device, dims, op.length_dims)
 
 
-def tuned_vendor(tuned: TunedConfig, device: DeviceInfo) -> str:
-    """The vendor whose variant a tuned entry names: recorded, or (entries from before vendors were
-    recorded) the device's, NVIDIA for the interpreter's "cpu"."""
-    if tuned.vendor is not None:
-        return tuned.vendor
-    return "nvidia" if device.vendor == "cpu" else device.vendor
-
-
 def _bound(variant: Variant, config: CallConfig, source: str, dims: dict, device: DeviceInfo) -> Choice:
     config = variant.complete(config, dims, device)
     return Choice(variant, config, source, variant.bind(config))
@@ -134,7 +126,7 @@ def resolve(op: Op, vendor: str, variant: str | None, key: tuple, device: Device
     key_json = canonical_json(dims)
     for source, lookup in tuned_lookups(op, device, key_json, dims):
         tuned: TunedConfig | None = lookup()
-        if tuned is not None and tuned.variant in by_name and tuned_vendor(tuned, device) == vendor:
+        if tuned is not None and tuned.variant in by_name and tuned.variant_vendor == vendor:
             return _bound(by_name[tuned.variant], tuned.config, source, dims, device)
     if os.environ.get("KREG_AUTOTUNE") == "1" and device.key != "cpu":
         from tuning.autotune import autotune_call

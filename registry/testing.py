@@ -66,11 +66,14 @@ def first_output(value) -> torch.Tensor:
     return value if isinstance(value, torch.Tensor) else value[0]
 
 
+def _grad_names(op, args: dict) -> list[str]:
+    """The `op.grad_inputs` the call passes as tensors."""
+    return [name for name in op.grad_inputs if isinstance(args.get(name), torch.Tensor)]
+
+
 def grad_leaves(op, args: dict) -> dict[str, torch.Tensor]:
-    """Fresh leaf copies (requires_grad) of the arguments gradients flow to (the `op.grad_inputs` that
-    the call passes)."""
-    return {name: args[name].detach().clone().requires_grad_()
-            for name in op.grad_inputs if isinstance(args.get(name), torch.Tensor)}
+    """Fresh leaf copies (requires_grad) of the arguments gradients flow to."""
+    return {name: args[name].detach().clone().requires_grad_() for name in _grad_names(op, args)}
 
 
 def cotangent(out: torch.Tensor, seed: int = 7) -> torch.Tensor:
@@ -88,18 +91,28 @@ def gradients(op, call, args: dict, dout: torch.Tensor | None = None) -> tuple[l
 
 def reference_gradients(op, args: dict, dout: torch.Tensor) -> list[torch.Tensor]:
     """The reference's gradients in fp32 for the same leaves and cotangent."""
-    leaves = {name: args[name].detach().float().requires_grad_() for name in grad_leaves(op, args)}
+    leaves = {name: args[name].detach().float().requires_grad_() for name in _grad_names(op, args)}
     out = first_output(op.reference(**{**args, **leaves}))
     return list(torch.autograd.grad(out, list(leaves.values()), dout.float()))
 
 
-def gradient_error(op, call, args: dict, expected: list[torch.Tensor] | None = None) -> float:
+def gradient_error(op, call, args: dict, dout: torch.Tensor | None = None,
+                   expected: list[torch.Tensor] | None = None) -> float:
     """The largest relative error of `call`'s gradients against the reference's (fp32) autograd; pass
-    `expected` (from `reference_gradients` with `cotangent`'s default seed) to reuse it."""
-    got, dout = gradients(op, call, args)
+    the cotangent and the reference's gradients for it (`reference_gradients`) to reuse them."""
+    got, dout = gradients(op, call, args, dout)
     if expected is None:
         expected = reference_gradients(op, args, dout)
     return max_relative_error([g.float() for g in got], expected)
+
+
+def backward_call(op, call, args: dict):
+    """A zero-argument function that runs the backward of one forward of `call` (built here, once, on
+    fresh leaves with a seeded cotangent), for timing the backward alone."""
+    leaves = grad_leaves(op, args)
+    out = first_output(call({**args, **leaves}))
+    dout, inputs = cotangent(out), list(leaves.values())
+    return lambda: torch.autograd.grad(out, inputs, dout, retain_graph=True)
 
 
 # The backward's budget, by input dtype: gradients sum over more terms than the forward.

@@ -47,5 +47,5 @@ def test_every_variant_is_checked():
     assert {(v.name, v.vendor) for v, what in CASES if what == "defaults"} == {(v.name, v.vendor) for v in ALL}
     from tuning_db.table_files import ShippedTables
 
-    named = {(t.variant, t.vendor or t.device_key.split("-", 1)[0]) for t in ShippedTables().tuned()}
+    named = {(t.variant, t.variant_vendor) for t in ShippedTables().tuned()}
     assert named == {(v.name, v.vendor) for v, what in CASES if what == "tables"}

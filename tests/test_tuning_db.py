@@ -271,6 +271,11 @@ def test_a_database_from_before_roles_is_migrated_with_every_row(tmp_path, prese
     (tuned,) = store.tuned()
     assert tuned.config["fwd"] == LaunchConfig(blocks={"BLOCK_H": 64}, num_warps=8, num_stages=3)
     assert (tuned.vendor, tuned.backward_ms, tuned.time_ms) == (None, None, 1.25)
+    # Without a recorded vendor, the variant's vendor is the device key's (NVIDIA for the interpreter).
+    assert tuned.variant_vendor == "nvidia"
+    assert tuned.model_copy(update={"device_key": "amd-mi355x"}).variant_vendor == "amd"
+    assert tuned.model_copy(update={"device_key": "cpu"}).variant_vendor == "nvidia"
+    assert tuned.model_copy(update={"device_key": "cpu", "vendor": "amd"}).variant_vendor == "amd"
     assert store.resumable_run(OP, presets["h200"]) == 1
     again = trials[0].model_copy(update={"role": "bwd_dq"})
     assert store.record(1, again) and len(store.trials(run_id=1)) == 3

@@ -266,8 +266,7 @@ def shipped_configs(variant: Variant) -> dict[str, list[CallConfig]]:
 
     out: dict[str, list[CallConfig]] = {}
     for tuned in ShippedTables().tuned(variant.op):
-        vendor = tuned.vendor or tuned.device_key.split("-", 1)[0]
-        if tuned.variant == variant.name and vendor == variant.vendor:
+        if tuned.variant == variant.name and tuned.variant_vendor == variant.vendor:
             out.setdefault(tuned.tuning_key, []).append(tuned.config)
     return out
 

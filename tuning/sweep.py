@@ -144,7 +144,7 @@ class KeyTuner:
         (database, then shipped tables), else its default. A resumed run starts where it first started:
         its earliest trial of the variant and key differs from that start only in the role it varied,
         which the first stage replaces anyway (the database may hold this run's own winner by now)."""
-        from registry.dispatch import shipped_tables, tuned_vendor
+        from registry.dispatch import shipped_tables
 
         for trial in self.recorded:
             if (trial.variant, trial.source_hash, trial.tuning_key) == (variant.name, variant.source_hash, key_json):
@@ -152,7 +152,7 @@ class KeyTuner:
         for source in (self.store, shipped_tables()):
             tuned = source.best(self.op.name, self.device_info, key_json)
             if tuned is not None and tuned.variant == variant.name \
-                    and tuned_vendor(tuned, self.device_info) == variant.vendor:
+                    and tuned.variant_vendor == variant.vendor:
                 return variant.complete(tuned.config, dims, self.device_info)
         return variant.default_config(dims, self.device_info)
 
@@ -268,10 +268,9 @@ def improves(current: TunedConfig | None, new: TunedConfig, hashes: dict[tuple[s
     earlier one). Two call configs with the same variant and forward compare by their backward."""
     if current is None or current.time_ms is None:
         return True
-    vendor = current.vendor or new.vendor
     comparable = (current.device_key == new.device_key
                   and (current.triton_version, current.torch_version) == (new.triton_version, new.torch_version)
-                  and hashes.get((vendor, current.variant)) == current.source_hash)
+                  and hashes.get((current.variant_vendor, current.variant)) == current.source_hash)
     if not comparable or current.config == new.config:
         return True
 
@@ -519,7 +518,7 @@ def _stale(store, registry_variants) -> int:
 
     hashes = {(v.vendor, v.name): v.source_hash for vs in registry_variants.values() for v in vs}
     shipped = [t for t in ShippedTables().tuned()
-               if hashes.get((t.vendor or t.device_key.split("-", 1)[0], t.variant), t.source_hash) != t.source_hash]
+               if hashes.get((t.variant_vendor, t.variant), t.source_hash) != t.source_hash]
     stale = [("database", t) for t in store.stale(hashes)] + [("shipped", t) for t in shipped]
     for where, t in stale:
         print(f"stale ({where}): {t.op} {t.device_key} {t.tuning_key} {t.variant} (tuned for source {t.source_hash})")

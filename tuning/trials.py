@@ -22,10 +22,10 @@ import torch
 from registry.testing import (
     GRAD_TOLERANCE,
     TOLERANCE,
+    backward_call,
     cotangent,
     first_output,
-    grad_leaves,
-    gradients,
+    gradient_error,
     max_relative_error,
     reference_gradients,
 )
@@ -112,9 +112,8 @@ def run_trial(inputs: KeyInputs, variant, config: CallConfig, role: str) -> tupl
     try:
         if is_backward_role(role):
             expected, dout = inputs.reference_gradients()
-            got, _ = gradients(op, lambda a: launch(a, config), inputs.gate_args, dout)
-            _synchronize(device)
-            err, tol = max_relative_error([g.float() for g in got], expected), GRAD_TOLERANCE[inputs.dtype]
+            err = gradient_error(op, lambda a: launch(a, config), inputs.gate_args, dout, expected)
+            tol = GRAD_TOLERANCE[inputs.dtype]
         else:
             out = launch(inputs.gate_args, config)
             _synchronize(device)
@@ -122,12 +121,7 @@ def run_trial(inputs: KeyInputs, variant, config: CallConfig, role: str) -> tupl
         if not err <= tol:
             return "wrong_result", None, f"relative error {err:.3g} > {tol:.3g}"
         if is_backward_role(role):
-            args = inputs.full_sets[0]
-            leaves = grad_leaves(op, args)
-            out = first_output(launch({**args, **leaves}, config))
-            dout = cotangent(out)
-            ms = time_call(lambda: torch.autograd.grad(out, list(leaves.values()), dout, retain_graph=True), device)
-            del out, leaves
+            ms = time_call(backward_call(op, lambda a: launch(a, config), inputs.full_sets[0]), device)
         else:
             ms = time_call(rotating(lambda a: launch(a, config), inputs.full_sets), device)
         return "ok", ms, None

@@ -221,3 +221,12 @@ class TunedConfig(BaseModel):
         if not isinstance(value, dict):
             raise ValueError("tuning_key must be a JSON object")
         return canonical_json(value)
+
+    @property
+    def variant_vendor(self) -> str:
+        """The vendor whose variant this entry names: the recorded one, or (entries from before vendors
+        were recorded) its device key's ("<vendor>-<model>"), NVIDIA's for the interpreter's "cpu",
+        which sweeps ran with NVIDIA variants."""
+        if self.vendor is not None:
+            return self.vendor
+        return "nvidia" if self.device_key == "cpu" else self.device_key.split("-", 1)[0]

@@ -489,13 +489,11 @@ class TuningStore:
     def stale(self, variant_hashes: Mapping[tuple[str, str], str]) -> list[TunedConfig]:
         """Tuned entries whose source hash differs from their variant's current hash.
 
-        `variant_hashes` maps (vendor, variant name) to the hash; the vendor is the one the entry records
-        (entries from before vendors were recorded: the device's, NVIDIA for the interpreter's "cpu").
+        `variant_hashes` maps (vendor, variant name) to the hash (`TunedConfig.variant_vendor`).
         Variants missing from the mapping are not judged."""
         out = []
-        for device, tuned in self.tuned_rows():
-            vendor = tuned.vendor or ("nvidia" if device.vendor == "cpu" else device.vendor)
-            current = variant_hashes.get((vendor, tuned.variant))
+        for tuned in self.tuned():
+            current = variant_hashes.get((tuned.variant_vendor, tuned.variant))
             if current is not None and current != tuned.source_hash:
                 out.append(tuned)
         return out
