@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from kernels.base import CompileSpec
+from kernels.common.tiles import dot_block
 from tuning.space import ConfigSpace
 from tuning_db.records import CallConfig, LaunchConfig
 
@@ -177,14 +178,9 @@ def _decode_combine_kernel(
 
 
 # ----------------------------------------------------------------------------- launchers
-def head_block(d: int) -> int:
-    """BLOCK_D: the head dim rounded up to a power of two, at least 16 (tl.dot's K)."""
-    return max(16, triton.next_power_of_2(int(d)))
-
-
 def rows_block(s_q: int, group: int) -> int:
-    """BLOCK_M: the split kernel's rows (every token of every head of a GQA group), at least 16."""
-    return max(16, triton.next_power_of_2(s_q * group))
+    """BLOCK_M: the split kernel's rows, every token of every head of a GQA group."""
+    return dot_block(s_q * group)
 
 
 def key_range(capacity: int, s_q: int, window: int | None) -> int:
@@ -227,7 +223,7 @@ def decode_forward(args: dict, config: CallConfig):
     split_len = triton.cdiv(triton.cdiv(key_range(capacity, s_q, window), splits), block_n) * block_n
     o_part = torch.empty((b, s_q, h_q, splits, d), device=q.device, dtype=torch.float32)
     lse_part = torch.empty((b, s_q, h_q, splits), device=q.device, dtype=torch.float32)
-    block_d = head_block(d)
+    block_d = dot_block(d)
     _decode_split_kernel[(b * h_kv, splits)](
         q4, k_cache, v_cache, args["cache_seqlens"], table if paged else args["cache_seqlens"], o_part, lse_part,
         float(args["sm_scale"]) * LOG2E.value, window or 0, capacity, k_cache.shape[0], s_q, group, h_kv, split_len,
@@ -263,7 +259,7 @@ def decode_compile_specs(key: dict, config: CallConfig, dtype: str = "fp16") -> 
     floats = ("qk_scale",)
     pointers = {"Q": elem, "K": elem, "V": elem, "SEQLENS": "*i32", "TABLE": "*i32", "O_PART": "*fp32",
                 "LSE_PART": "*fp32"}
-    constexprs = {"HEAD_DIM": key["d"], "BLOCK_D": head_block(key["d"]), "BLOCK_M": rows_block(key["s_q"], group),
+    constexprs = {"HEAD_DIM": key["d"], "BLOCK_D": dot_block(key["d"]), "BLOCK_M": rows_block(key["s_q"], group),
                   "BLOCK_N": split["BLOCK_N"], "PAGED": bool(key["paged"]), "PAGE": key["block_size"] or 1,
                   "HAS_WINDOW": key["window"] is not None}
     signature = {n: pointers.get(n, "fp32" if n in floats else "i32") for n in names if n not in constexprs}
@@ -271,7 +267,7 @@ def decode_compile_specs(key: dict, config: CallConfig, dtype: str = "fp16") -> 
                              values={"s_q": key["s_q"], "group": group, "h_kv": key["h_kv"]})
     names = _decode_combine_kernel.arg_names
     pointers = {"O_PART": "*fp32", "LSE_PART": "*fp32", "SINK": "*fp32", "OUT": elem, "LSE": "*fp32"}
-    constexprs = {"HEAD_DIM": key["d"], "BLOCK_D": head_block(key["d"]), "ROWS": config["combine"].blocks["ROWS"],
+    constexprs = {"HEAD_DIM": key["d"], "BLOCK_D": dot_block(key["d"]), "ROWS": config["combine"].blocks["ROWS"],
                   "HAS_SINK": True, "RETURN_LSE": True}
     signature = {n: pointers.get(n, "i32") for n in names if n not in constexprs}
     combine_spec = CompileSpec("combine", _decode_combine_kernel, signature, constexprs,
@@ -307,7 +303,7 @@ class DecodeSplitKVBase:
         if role != "split" or device.key == "cpu":
             return None
         # K and V tiles in flight per stage, next to Q; 16-bit elements.
-        block_d = head_block(key["d"])
+        block_d = dot_block(key["d"])
         rows = rows_block(key["s_q"], key["h_q"] // key["h_kv"])
         need = 2 * block_d * (rows + 2 * config.blocks["BLOCK_N"] * max(1, config.num_stages - 1))
         if need > device.shared_mem_bytes:

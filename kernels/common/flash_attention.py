@@ -21,12 +21,8 @@ import triton
 import triton.language as tl
 
 from kernels.base import CompileSpec
+from kernels.common.tiles import dot_block
 from tuning_db.records import CallConfig, LaunchConfig
-
-
-def head_block(d: int) -> int:
-    """BLOCK_D for a head dim: the next power of two, at least 16 (the smallest K of tl.dot)."""
-    return max(16, triton.next_power_of_2(int(d)))
 
 
 # ----------------------------------------------------------------------------- Triton kernels
@@ -233,7 +229,7 @@ def _launch(args: dict, config: LaunchConfig) -> tuple[torch.Tensor, torch.Tenso
         float(args["sm_scale"]) * _LOG2E, seqlen_q, seqlen_k, window or 0, h_q // h_kv,
         *strides[0], *strides[1], *strides[2], *strides[3], *lse_strides,
         IS_VARLEN=varlen, IS_CAUSAL=bool(args["causal"]), HAS_WINDOW=window is not None,
-        RETURN_LSE=lse is not None, HEAD_DIM=d, BLOCK_D=head_block(d),
+        RETURN_LSE=lse is not None, HEAD_DIM=d, BLOCK_D=dot_block(d),
         BLOCK_M=block_m, BLOCK_N=block_n, **config.knobs())
     return out, lse
 
@@ -309,7 +305,7 @@ def flash_attention_compile_specs(key: dict, config: LaunchConfig, dtype: str = 
             "stride_lb", "stride_lh")})
         constexprs = {
             "IS_VARLEN": varlen, "IS_CAUSAL": bool(key["causal"]), "HAS_WINDOW": key["window"] is not None,
-            "RETURN_LSE": True, "HEAD_DIM": int(key["d"]), "BLOCK_D": head_block(key["d"]),
+            "RETURN_LSE": True, "HEAD_DIM": int(key["d"]), "BLOCK_D": dot_block(key["d"]),
             "BLOCK_M": config.blocks["BLOCK_M"], "BLOCK_N": config.blocks["BLOCK_N"],
         }
         specs.append(CompileSpec("fwd", _flash_attention_fwd_kernel, signature, constexprs, values={"group": group}))
@@ -361,7 +357,7 @@ class FlashAttentionTiledBase:
         if device.key == "cpu":
             return None
         elem = 4 if key["dtype"] == "fp32" else 2
-        need = self.shared_bytes(config, head_block(key["d"]), elem)
+        need = self.shared_bytes(config, dot_block(key["d"]), elem)
         if need > device.shared_mem_bytes:
             return f"needs ~{need} B of shared memory/LDS (> {device.shared_mem_bytes} B)"
         return None

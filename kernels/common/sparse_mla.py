@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from kernels.base import CompileSpec
+from kernels.common.tiles import dot_block
 from registry.ops.sparse_mla import SparseMLAOutput
 from tuning_db.records import CallConfig, LaunchConfig
 
@@ -33,12 +34,12 @@ LN2 = tl.constexpr(0.6931471805599453)
 def dim_blocks(d_qk: int, d_v: int) -> tuple[int, int]:
     """(BLOCK_DV, BLOCK_DT): power-of-two tiles for the value part and the tail d_qk - d_v (0: none)."""
     tail = d_qk - d_v
-    return max(16, triton.next_power_of_2(d_v)), (max(16, triton.next_power_of_2(tail)) if tail else 0)
+    return dot_block(d_v), (dot_block(tail) if tail else 0)
 
 
 def group_head_cap(heads_per_group: int) -> int:
     """The widest useful head tile: the group's heads rounded up to a power of two (at least 16, tl.dot's M)."""
-    return max(16, triton.next_power_of_2(heads_per_group))
+    return dot_block(heads_per_group)
 
 
 # ----------------------------------------------------------------------------- Triton kernels
