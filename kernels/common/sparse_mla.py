@@ -163,7 +163,8 @@ def _sparse_mla_fwd_kernel(
         tl.store(o_ptr + BLOCK_DS + offs_dv[None, :], (acc_high * scale[:, None]).to(OUT.dtype.element_ty),
                  mask=head_ok[:, None] & (offs_dv[None, :] < D_V - BLOCK_DS))
     m_off = b * stride_mb + t.to(tl.int64) * stride_ms + heads
-    tl.store(MAX_LOGITS + m_off, m_i * LN2, mask=head_ok)
+    # The running max skips NaN scores; a NaN among them makes the row sum NaN, and max_logits NaN too.
+    tl.store(MAX_LOGITS + m_off, tl.where(l_i != l_i, float("nan"), m_i * LN2), mask=head_ok)
     tl.store(LSE + m_off, lse, mask=head_ok)
 
 
@@ -556,6 +557,18 @@ class SparseMLALaunch:
     def bind(self, config: CallConfig):
         run_forward = self.run_forward
         return lambda args: sparse_mla_forward(args, config, run_forward)
+
+    def backward(self, args: dict, config: CallConfig, outputs: tuple, grad: torch.Tensor) -> dict:
+        """The dq and dkv passes on the forward's saved out and lse (what `_SparseMLAFunction` runs)."""
+        batched = args["q"].dim() == 4
+        q, kv, indices, lengths, out, lse, dout = (
+            _batched(t, batched)
+            for t in (args["q"], args["kv"], args["indices"], args["topk_length"], outputs[0], outputs[2], grad))
+        dq, dkv, dsink = _backward(q, kv, indices, args["sm_scale"], args["d_v"], args["attn_sink"], lengths, out,
+                                   lse, dout, config["bwd_dq"], config["bwd_dkv"])
+        if not batched:
+            dq, dkv = dq[0], dkv[0]
+        return {"q": dq, "kv": dkv, "attn_sink": dsink}
 
 
 class SparseMLAHeadBlockBase(SparseMLALaunch):

@@ -7,9 +7,10 @@ Triton or vendors.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -17,6 +18,18 @@ import torch
 DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 # A frozenset: membership is one hash lookup on the hot path.
 FLOAT_DTYPES = frozenset((torch.float16, torch.bfloat16, torch.float32))
+
+
+class TensorSpec(NamedTuple):
+    """The shape and dtype of one output tensor, as `Op.output_specs` describes it."""
+
+    shape: tuple
+    dtype: torch.dtype
+
+
+def spec_like(t: torch.Tensor, dtype: torch.dtype | None = None) -> TensorSpec:
+    """The spec of an output shaped like `t` (in `t`'s dtype unless given)."""
+    return TensorSpec(tuple(t.shape), t.dtype if dtype is None else dtype)
 
 
 class Args(dict):
@@ -52,6 +65,11 @@ class Op:
         and not, packed varlen, ...), all with one tuning key: a tuned config serves every layout.
     grad_inputs: the arguments gradients flow to, for a differentiable op (empty: not differentiable);
         a backward gets the gradient of its first output.
+    output_specs(args) -> what a call returns with each tensor replaced by its `TensorSpec`: one
+        spec, or a tuple (or NamedTuple) of them in `outputs` order, from shapes and flags only (no
+        tensor values). It is the op's fake implementation under torch.compile (registry/library.py);
+        the tensors live on the device of the first argument and are contiguous. `args` has
+        validate's parameters by name with defaults filled in but unvalidated (sm_scale may be None).
     """
 
     name: str
@@ -68,6 +86,7 @@ class Op:
     length_dims: tuple[str, ...] = ()
     layouts: Callable[[dict], list[dict]] = field(default=lambda shape: [dict(shape)])
     grad_inputs: tuple[str, ...] = ()
+    output_specs: Callable[[dict], Any] | None = None
 
     @property
     def differentiable(self) -> bool:
@@ -155,11 +174,17 @@ def require_positive_int(name: str, value: Any, *, allow_none: bool = False) -> 
 
 
 def resolve_scale(name: str, sm_scale: Any, head_dim: int) -> float:
+    """The softmax scale every op validates through: `head_dim ** -0.5` for None, else a finite real
+    number as a float (TypeError for other types; ValueError for nan and +-inf, which would turn every
+    output into NaN or zero without an error)."""
     if sm_scale is None:
         return float(head_dim) ** -0.5
     if isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float)):
         raise TypeError(f"{name}: expected a float or None, got {type(sm_scale).__name__}")
-    return float(sm_scale)
+    scale = float(sm_scale)
+    if not math.isfinite(scale):
+        raise ValueError(f"{name}: expected a finite float, got {scale!r}")
+    return scale
 
 
 def require_window(window: Any, causal: bool) -> None:
@@ -211,7 +236,7 @@ def masked_softmax(z: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, 
     shift = torch.where(torch.isfinite(shift), shift, 0.0)
     e = torch.exp(z - shift)
     den = e.sum(-1, keepdim=True)
-    nonempty = den > 0
+    nonempty = den != 0  # a NaN logit gives a NaN row (and lse), not an empty one
     den = torch.where(nonempty, den, 1.0)
     lse = torch.where(nonempty, torch.log(den) + shift, float("-inf"))
     return e / den, lse.squeeze(-1)

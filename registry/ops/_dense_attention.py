@@ -23,6 +23,7 @@ import torch
 from registry.ops._contract import (
     DTYPE_NAMES,
     FLOAT_DTYPES,
+    TensorSpec,
     bucket_pow2,
     query_chunk,
     random_normal,
@@ -35,6 +36,7 @@ from registry.ops._contract import (
     require_tensor,
     require_window,
     resolve_scale,
+    spec_like,
 )
 
 MAX_HEAD_DIM = 256
@@ -108,7 +110,7 @@ def _attend_chunk(qc, k, v, p0, sm_scale, causal, window, sink, key_valid):
     m = torch.where(torch.isfinite(m), m, 0.0)
     e = torch.exp(z - m)
     total = e.sum(dim=-1, keepdim=True)
-    has_key = total > 0
+    has_key = total != 0  # NaN logits give a NaN total: a NaN row, not an empty one
     total = torch.where(has_key, total, 1.0)
     out = torch.einsum("bkgcs,bksd->bkgcd", e / total, v[:, :, lo:hi])
     lse = (torch.log(total) + m).squeeze(-1)  # 0 on empty rows: keeps the sink factor finite
@@ -344,6 +346,16 @@ def dense_tuning_key(args: dict, sinks: bool | None = None) -> tuple:
     )
     tail = (("window", args["window"]),)
     return head + tail if sinks is None else head + (("sinks", sinks),) + tail
+
+
+def dense_output_specs(args: dict):
+    """`out` like q, and with return_lse an fp32 lse `[b, h_q, s_q]` (varlen: `[h_q, total_q]`)."""
+    q = args["q"]
+    out = spec_like(q)
+    if not args["return_lse"]:
+        return out
+    lse = (q.shape[1], q.shape[0]) if args["cu_seqlens_q"] is not None else (q.shape[0], q.shape[2], q.shape[1])
+    return out, TensorSpec(lse, torch.float32)
 
 
 def dense_layouts(shape: dict) -> list[dict]:

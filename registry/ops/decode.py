@@ -9,6 +9,7 @@ from registry.ops._contract import (
     FLOAT_DTYPES,
     Args,
     Op,
+    TensorSpec,
     bucket_pow2,
     random_normal,
     require_float,
@@ -20,6 +21,7 @@ from registry.ops._contract import (
     require_tensor,
     require_window,
     resolve_scale,
+    spec_like,
 )
 from registry.ops._dense_attention import (
     MAX_HEAD_DIM,
@@ -241,6 +243,16 @@ def tuning_key(args: dict) -> tuple:
     )
 
 
+def output_specs(args: dict):
+    """`out` like q, and with return_lse an fp32 lse `[b, h_q]` (`[b, h_q, s_q]` for a 4-D q)."""
+    q = args["q"]
+    out = spec_like(q)
+    if not args["return_lse"]:
+        return out
+    s = q.shape
+    return out, TensorSpec((s[0], s[1]) if q.dim() == 3 else (s[0], s[2], s[1]), torch.float32)
+
+
 def _keys_read(args: dict) -> int:
     n = _cache_len(args)
     s_q = 1 if args["q"].dim() == 3 else args["q"].shape[1]
@@ -347,4 +359,5 @@ OP = Op(
     outputs=("out", "lse"),
     length_dims=("b", "n"),
     layouts=layouts,
+    output_specs=output_specs,
 )

@@ -10,6 +10,7 @@ from registry.ops._dense_attention import (
     dense_bytes,
     dense_flops,
     dense_layouts,
+    dense_output_specs,
     dense_tuning_key,
     make_dense_inputs,
     reduce_dense_shape,
@@ -156,5 +157,6 @@ OP = Op(
     outputs=("out", "lse"),
     length_dims=("s_k", "s_q"),
     layouts=dense_layouts,
+    output_specs=dense_output_specs,
     grad_inputs=("q", "k", "v"),
 )

@@ -14,6 +14,7 @@ from registry.ops._contract import (
     DTYPE_NAMES,
     FLOAT_DTYPES,
     Op,
+    TensorSpec,
     bucket_pow2,
     query_chunk,
     random_normal,
@@ -166,6 +167,13 @@ presets = {
     "full": [{"t": t, **_INDEX_HEADS} for t in (4096, 8192, 32768)],
 }
 
+
+def output_specs(args: dict) -> TensorSpec:
+    """scores fp32 `[b, t, t]`."""
+    b, t = args["q_idx"].shape[:2]
+    return TensorSpec((b, t, t), torch.float32)
+
+
 OP = Op(
     name="gsa_indexer",
     summary="Gated Sparse Attention indexer: gated sigmoid scores of every causal query-key pair",
@@ -179,4 +187,5 @@ OP = Op(
     reduce_shape=reduce_shape,
     outputs=("scores",),
     length_dims=("t",),
+    output_specs=output_specs,
 )

@@ -8,6 +8,7 @@ from registry.ops._contract import (
     DTYPE_NAMES,
     FLOAT_DTYPES,
     Op,
+    TensorSpec,
     bucket_pow2,
     masked_softmax,
     query_chunk,
@@ -21,6 +22,7 @@ from registry.ops._contract import (
     require_same_dtype,
     require_tensor,
     resolve_scale,
+    spec_like,
 )
 
 
@@ -212,6 +214,12 @@ presets = {
     "full": [{"b": 1, "t": t, "h_q": 16, "h_kv": 16, "d": 128, "k": 2048} for t in (4096, 8192, 32768)],
 }
 
+
+def output_specs(args: dict) -> TensorSpec:
+    """out like q."""
+    return spec_like(args["q"])
+
+
 OP = Op(
     name="gsa_sparse_attention",
     summary="Gated Sparse Attention's sparse attention: each query's heads attend to its top-k keys",
@@ -226,4 +234,5 @@ OP = Op(
     outputs=("out",),
     length_dims=("t",),
     grad_inputs=("q", "k", "v"),
+    output_specs=output_specs,
 )

@@ -8,6 +8,7 @@ from registry.ops import gsa_indexer
 from registry.ops._contract import (
     DTYPE_NAMES,
     Op,
+    TensorSpec,
     bucket_pow2,
     require_int32,
     require_last_contiguous,
@@ -141,6 +142,13 @@ presets = {
     "full": [{**shape, "k": 2048} for shape in gsa_indexer.presets["full"]],
 }
 
+
+def output_specs(args: dict) -> TensorSpec:
+    """indices int32 `[b, t, k]`."""
+    b, t = args["q_idx"].shape[:2]
+    return TensorSpec((b, t, args["k"]), torch.int32)
+
+
 OP = Op(
     name="gsa_topk",
     summary="Gated Sparse Attention top-k: each query's k best causal keys under the indexer scores",
@@ -154,4 +162,5 @@ OP = Op(
     reduce_shape=reduce_shape,
     outputs=("indices",),
     length_dims=("t",),
+    output_specs=output_specs,
 )

@@ -8,6 +8,7 @@ from registry.ops._contract import (
     DTYPE_NAMES,
     FLOAT_DTYPES,
     Op,
+    TensorSpec,
     bucket_pow2,
     masked_softmax,
     query_chunk,
@@ -22,6 +23,7 @@ from registry.ops._contract import (
     require_same_dtype,
     require_tensor,
     resolve_scale,
+    spec_like,
 )
 
 
@@ -346,6 +348,12 @@ presets = {
     ],
 }
 
+
+def output_specs(args: dict) -> TensorSpec:
+    """out like q."""
+    return spec_like(args["q"])
+
+
 OP = Op(
     name="nsa",
     summary="Native Sparse Attention: gated compressed-block, selected-block and sliding-window attention",
@@ -359,4 +367,5 @@ OP = Op(
     reduce_shape=reduce_shape,
     outputs=("out",),
     length_dims=("t",),
+    output_specs=output_specs,
 )

@@ -15,6 +15,7 @@ from registry.ops._contract import (
     FLOAT_DTYPES,
     Args,
     Op,
+    TensorSpec,
     bucket_pow2,
     masked_softmax,
     query_chunk,
@@ -202,18 +203,19 @@ def reference(
     valid = (indices >= 0) & (indices < s_kv)
     if topk_length is not None:
         valid = valid & (torch.arange(topk, device=q.device) < topk_length[:, :, None, None])
-    # Invalid slots gather row 0 and are masked out of the softmax.
+    # Invalid slots gather row 0, then zeros (below), and are masked out of the softmax.
     idx = torch.where(valid, indices, 0).long()
     kvf = kv.to(ct)
     sink = None if attn_sink is None else attn_sink.to(ct).view(h_kv, group)
     batch_ids = torch.arange(b, device=q.device).view(b, 1, 1, 1)
     group_ids = torch.arange(h_kv, device=q.device).view(1, 1, h_kv, 1)
-    chunk = query_chunk(b * h_kv * topk * (d_qk + 3 * group))
+    chunk = query_chunk(b * h_kv * topk * (2 * d_qk + 3 * group))
     outs, maxes, lses = [], [], []
     for start in range(0, s_q, chunk):
         rows = slice(start, start + chunk)
         qc = q[:, rows].to(ct).unflatten(2, (h_kv, group))  # [b, c, g, r, d_qk]
-        kc = kvf[batch_ids, idx[:, rows], group_ids]  # [b, c, g, topk, d_qk]
+        # Invalid slots stand in zeros (not row 0), so a NaN in row 0 reaches only queries that select it.
+        kc = torch.where(valid[:, rows, :, :, None], kvf[batch_ids, idx[:, rows], group_ids], 0.0)  # [b, c, g, topk, d_qk]
         z = torch.einsum("bcgrd,bcgtd->bcgrt", qc, kc) * sm_scale
         p, lse = masked_softmax(z, valid[:, rows, :, None, :])
         o = torch.einsum("bcgrt,bcgtd->bcgrd", p, kc[..., :d_v])
@@ -223,12 +225,20 @@ def reference(
         outs.append(o.flatten(2, 3))
         z = torch.where(valid[:, rows, :, None, :], z.detach(), float("-inf"))
         maxes.append(z.amax(-1).flatten(2, 3))
-        lses.append(torch.where(torch.isfinite(lse), lse, float("inf")).flatten(2, 3))
+        lses.append(torch.where(lse == float("-inf"), float("inf"), lse).flatten(2, 3))
     out = torch.cat(outs, 1).to(q.dtype)
     max_logits, lse = torch.cat(maxes, 1), torch.cat(lses, 1)
     if not batched:
         out, max_logits, lse = out[0], max_logits[0], lse[0]
     return SparseMLAOutput(out, max_logits, lse)
+
+
+def output_specs(args: dict) -> SparseMLAOutput:
+    """out `[.., s_q, h_q, d_v]` in q's dtype, max_logits and lse `[.., s_q, h_q]` fp32."""
+    q = args["q"]
+    rows = tuple(q.shape[:-1])
+    stats = TensorSpec(rows, torch.float32)
+    return SparseMLAOutput(TensorSpec((*rows, args["d_v"]), q.dtype), stats, stats)
 
 
 def _query_rows(q: torch.Tensor) -> int:
@@ -356,4 +366,5 @@ OP = Op(
     length_dims=("s_q",),
     layouts=layouts,
     grad_inputs=("q", "kv", "attn_sink"),
+    output_specs=output_specs,
 )
