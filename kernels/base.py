@@ -103,6 +103,13 @@ class Variant:
         """Run on validated arguments (the op contract's dict) with one config per role."""
         raise NotImplementedError
 
+    def backward(self, args: dict, config: CallConfig, outputs: tuple, grad: Any) -> dict | None:
+        """Gradients of the first output (cotangent `grad`) by argument name for the op's grad_inputs,
+        from validated arguments and the forward's outputs (in `Op.outputs` order), for the op's custom
+        op (registry/library.py). None (the default): the variant has no backward kernels and the
+        reference's gradients are used, as its eager backward does."""
+        return None
+
     def bind(self, config: CallConfig) -> Callable[[dict], Any]:
         """A callable(args) for the dispatch cache; override to precompute per-config launch state."""
         launch = self.launch

@@ -2,7 +2,7 @@
 
 Lookup order on a cache miss (docs/architecture.md): user database -> shipped tables -> nearest tuned
 key for the same op and device -> the highest-priority supporting variant's heuristic default. After
-the first call for a key, a call costs the op's validation, its raw key and one dict lookup.
+the first call for a key, a call costs the op's validation, a read of the device and two dict lookups.
 """
 
 from __future__ import annotations
@@ -20,12 +20,16 @@ import torch
 
 from registry.catalog import load_all
 from registry.device import CPU, DeviceInfo, detect, interpreter_enabled
+from registry.library import traced_call
 from registry.ops import OPS
 from registry.ops._contract import Args, Op
 from tuning_db.records import CallConfig, TunedConfig, canonical_json
 
 if TYPE_CHECKING:
     from kernels.base import Variant
+
+# True while torch.compile (or torch.export) traces a call: a module-level name, read once per call.
+_is_compiling = torch.compiler.is_compiling
 
 
 @dataclass(frozen=True)
@@ -141,10 +145,12 @@ def resolve(op: Op, vendor: str, variant: str | None, key: tuple, device: Device
 class OpHandle:
     """`registry.get(op)`: validates a call, dispatches it, and caches the launcher per key.
 
-    Two caches per device: by the raw key an op's validation returns (`Args.key`: shapes, dtype and
-    flags as read), so a repeated call costs one dict lookup; and by the canonical tuning key, so new
-    raw keys that map to a known tuning key (another sequence length in its bucket, the other layout)
-    reuse its resolution.
+    The hot path after a key's first call: the op's validation, one read of the device, two dict
+    lookups (the device, then the raw key validation returns as `Args.key`: shapes, dtype and flags as
+    read), the cached launcher. The canonical tuning key is computed only on a miss; new raw keys that
+    map to a known tuning key (another sequence length in its bucket, the other layout) reuse its
+    resolution. Under torch.compile the call becomes the op's `kreg::<op>` custom op instead
+    (registry/library.py), which runs this same eager path at run time.
     """
 
     def __init__(self, op: Op, vendor: str | None, variant: str | None) -> None:
@@ -155,66 +161,107 @@ class OpHandle:
         self.variant = variant
         self._validate = op.validate
         self._device_arg = next(iter(inspect.signature(op.validate).parameters))
-        # torch.device -> (vendor or "" for the reference, DeviceInfo, {raw key: Choice})
-        self._devices: dict[torch.device, tuple[str, DeviceInfo, dict]] = {}
+        # torch.device -> {raw key: launcher}; torch.device -> (vendor, or "" for the reference; DeviceInfo).
+        self._launchers: dict[torch.device, dict[Any, Callable[[dict], Any]]] = {}
+        self._targets: dict[torch.device, tuple[str, DeviceInfo]] = {}
         self._by_tuning_key: dict[tuple[str, tuple], Choice] = {}
         self._lock = threading.Lock()
+        self._reference_choice = Choice(None, None, "reference", lambda a: op.reference(**a))
         self.__doc__ = op.validate.__doc__
 
-    def _device(self, dev: torch.device) -> tuple[str, DeviceInfo, dict]:
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if _is_compiling():
+            return traced_call(self, args, kwargs)
+        a = self._validate(*args, **kwargs)
+        try:
+            launch = self._launchers[a[self._device_arg].device][a.key]
+        except (KeyError, AttributeError):  # a new key or device, or a plain-dict validation
+            launch = self._choose(a).launcher
+        return launch(a)
+
+    def eager(self, kwargs: dict) -> Any:
+        """The call with keyword arguments, run eagerly whatever traces it (the custom op's body)."""
+        a = self._validate(**kwargs)
+        try:
+            launch = self._launchers[a[self._device_arg].device][a.key]
+        except (KeyError, AttributeError):
+            launch = self._choose(a).launcher
+        return launch(a)
+
+    def _target(self, dev: torch.device) -> tuple[str, DeviceInfo]:
+        """(vendor, or "" when the PyTorch reference runs; DeviceInfo) for a device, checked once."""
+        found = self._targets.get(dev)
+        if found is not None:
+            return found
         if dev.type == "cpu":
             if self.vendor is None and self.variant is None:
-                return "", CPU, {}  # plain CPU call: the reference
-            if not interpreter_enabled():
+                found = ("", CPU)  # plain CPU call: the reference
+            elif not interpreter_enabled():
                 raise RuntimeError(
                     f"{self.op.name}: a Triton variant on CPU tensors needs the interpreter; "
                     "set TRITON_INTERPRET=1 before importing kreg, or pass CUDA/ROCm tensors")
-            return self.vendor or "nvidia", CPU, {}
-        info = detect(dev)
-        if self.vendor is not None and self.vendor != info.vendor:
-            raise ValueError(f"vendor: {self.vendor!r} variants cannot run on {info.name} ({info.vendor})")
-        return info.vendor, info, {}
+            else:
+                found = (self.vendor or "nvidia", CPU)
+        else:
+            info = detect(dev)
+            if self.vendor is not None and self.vendor != info.vendor:
+                raise ValueError(f"vendor: {self.vendor!r} variants cannot run on {info.name} ({info.vendor})")
+            found = (info.vendor, info)
+        self._targets[dev] = found
+        return found
 
-    def _resolve(self, vendor: str, info: DeviceInfo, choices: dict, raw, a: dict) -> Choice:
+    def _choose(self, a: dict) -> Choice:
+        """The choice for validated arguments, resolved on the first call of its key and cached (the
+        reference's for a plain CPU call)."""
+        dev = a[self._device_arg].device
+        vendor, info = self._target(dev)
+        if not vendor:
+            return self._reference_choice
+        raw = a.key if a.__class__ is Args else self.op.tuning_key(a)
+        launchers = self._launchers.setdefault(dev, {})
         with self._lock:
             key = self.op.tuning_key(a)
             choice = self._by_tuning_key.get((info.key, key))
             if choice is None:
                 choice = resolve(self.op, vendor, self.variant, key, info, a)
                 self._by_tuning_key[(info.key, key)] = choice
-            choices[raw] = choice
-            return choice
-
-    def _choose(self, a: dict) -> Choice | None:
-        """The cached choice for validated arguments (None: the reference runs)."""
-        dev = a[self._device_arg].device
-        found = self._devices.get(dev)
-        if found is None:
-            found = self._devices[dev] = self._device(dev)
-        vendor, info, choices = found
-        if not vendor:
-            return None
-        raw = a.key if a.__class__ is Args else self.op.tuning_key(a)
-        choice = choices.get(raw)
-        if choice is None:
-            choice = self._resolve(vendor, info, choices, raw, a)
+            launchers[raw] = choice.launcher
         return choice
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        a = self._validate(*args, **kwargs)
-        choice = self._choose(a)
-        return self.op.reference(**a) if choice is None else choice.launcher(a)
 
     def choice(self, *args: Any, **kwargs: Any) -> Choice:
         """What a call with these arguments runs (variant, call config, where the config came from),
         resolved and cached as a call would, without launching anything."""
-        a = self._validate(*args, **kwargs)
+        return self._choose(self._validate(*args, **kwargs))
+
+    def gradients(self, a: dict, outputs: tuple, grad: torch.Tensor) -> dict[str, torch.Tensor | None]:
+        """Gradients of the first output (cotangent `grad`) for the op's grad_inputs, given validated
+        arguments and the forward's outputs: the chosen variant's backward kernels when it has them
+        (`Variant.backward`), else the reference's (recomputed through torch.func.vjp). What the
+        custom op's backward runs (registry/library.py)."""
         choice = self._choose(a)
-        return Choice(None, None, "reference", lambda x: self.op.reference(**x)) if choice is None else choice
+        if choice.variant is not None:
+            found = choice.variant.backward(a, choice.config, outputs, grad)
+            if found is not None:
+                return found
+        return reference_vjp(self.op, a, grad)
 
     def clear_cache(self) -> None:
-        self._devices.clear()
+        self._launchers.clear()
+        self._targets.clear()
         self._by_tuning_key.clear()
+
+
+def reference_vjp(op: Op, a: dict, grad: torch.Tensor) -> dict[str, torch.Tensor | None]:
+    """The reference's gradients of its first output for the tensors among `op.grad_inputs`, through
+    torch.func.vjp (which works where autograd recording is off, as inside a custom op)."""
+    names = [name for name in op.grad_inputs if isinstance(a.get(name), torch.Tensor)]
+
+    def first_output(*tensors: torch.Tensor) -> torch.Tensor:
+        result = op.reference(**{**a, **dict(zip(names, tensors, strict=True))})
+        return result if isinstance(result, torch.Tensor) else result[0]
+
+    out, vjp = torch.func.vjp(first_output, *(a[name] for name in names))
+    return dict(zip(names, vjp(grad.to(out.dtype)), strict=True))
 
 
 _handles: dict[tuple[str, str | None, str | None], OpHandle] = {}

@@ -215,7 +215,8 @@ def reference(
         rows = slice(start, start + chunk)
         qc = q[:, rows].to(ct).unflatten(2, (h_kv, group))  # [b, c, g, r, d_qk]
         # Invalid slots stand in zeros (not row 0), so a NaN in row 0 reaches only queries that select it.
-        kc = torch.where(valid[:, rows, :, :, None], kvf[batch_ids, idx[:, rows], group_ids], 0.0)  # [b, c, g, topk, d_qk]
+        kc = kvf[batch_ids, idx[:, rows], group_ids]  # [b, c, g, topk, d_qk]
+        kc = torch.where(valid[:, rows, :, :, None], kc, 0.0)
         z = torch.einsum("bcgrd,bcgtd->bcgrt", qc, kc) * sm_scale
         p, lse = masked_softmax(z, valid[:, rows, :, None, :])
         o = torch.einsum("bcgrt,bcgtd->bcgrd", p, kc[..., :d_v])
