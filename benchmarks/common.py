@@ -123,17 +123,17 @@ def write_csv(rows: list[dict], path: str) -> None:
         writer.writerows(rows)
 
 
-def host_overhead_us(fn, direct, iters: int = 2000, repeats: int = 7) -> tuple[float, float]:
-    """Median host microseconds per call of `fn` and of `direct` (interleaved repeats, GPU drained)."""
-    samples: dict[str, list[float]] = {"fn": [], "direct": []}
+def host_us(fns: dict, iters: int = 2000, repeats: int = 9) -> dict[str, list[float]]:
+    """Host microseconds per call of each zero-argument function: `repeats` samples of `iters` calls
+    each, the functions interleaved and the GPU drained around every sample."""
+    samples: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeats):
-        for name, f in (("fn", fn), ("direct", direct)):
+        for name, fn in fns.items():
             torch.cuda.synchronize()
             start = time.perf_counter()
             for _ in range(iters):
-                f()
+                fn()
             elapsed = time.perf_counter() - start
             torch.cuda.synchronize()
             samples[name].append(elapsed / iters * 1e6)
-    med = {k: sorted(v)[len(v) // 2] for k, v in samples.items()}
-    return med["fn"], med["direct"]
+    return samples

@@ -54,10 +54,11 @@ def main(argv: list[str] | None = None) -> int:
         table.add_column(col)
     for m in (m for m in measurements if m.provider == PROVIDER):
         peer = next((p for p in measurements if p.provider != PROVIDER and (p.op, p.shape) == (m.op, m.shape)), None)
-        ceiling = ceilings.gemm_tflops if m.unit == "TFLOP/s" else ceilings.copy_tbps
+        ceiling = {"TFLOP/s": ceilings.gemm_tflops, "TB/s": ceilings.copy_tbps}.get(m.unit)
         table.add_row(m.op, m.shape, f"{m.median_ms:.3f}", f"{m.rate():.0f} {m.unit}", peer.provider if peer else "-",
                       f"{peer.median_ms:.3f}" if peer else "-", f"{peer.median_ms / m.median_ms:.2f}x" if peer else "-",
-                      f"{m.rate() / ceiling:.0%}", "-" if m.rel_err is None else f"{m.rel_err:.1e}")
+                      "-" if ceiling is None else f"{m.rate() / ceiling:.0%}",
+                      "-" if m.rel_err is None else f"{m.rel_err:.1e}")
     console = Console(width=200)
     console.print(table)
     for name in chosen:

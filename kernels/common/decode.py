@@ -23,13 +23,14 @@ entries past a sequence's length are never read. Semantics: `registry.ops.decode
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
 from kernels.base import CompileSpec
-from kernels.common.tiles import dot_block
+from kernels.common.tiles import cdiv, dot_block
 from tuning.space import ConfigSpace
 from tuning_db.records import CallConfig, LaunchConfig
 
@@ -193,60 +194,85 @@ def choose_splits(batch: int, h_kv: int, capacity: int, s_q: int, window: int | 
     """About `waves` split programs per SM, never more splits than key tiles in the longest range, at
     most MAX_SPLITS. Shapes and the device only: no cache_seqlens value is read."""
     wanted = -(-waves * num_sms // (batch * h_kv))
-    return max(1, min(wanted, triton.cdiv(key_range(capacity, s_q, window), block_n), MAX_SPLITS))
+    return max(1, min(wanted, cdiv(key_range(capacity, s_q, window), block_n), MAX_SPLITS))
 
 
 @functools.cache
-def _sm_count(device: torch.device) -> int:
+def _sm_count(device_index: int) -> int:
+    """SMs (CUs) of GPU `device_index`; for -1 (the CPU: the interpreter) its core count."""
     from registry.device import detect
 
-    return detect(device).num_sms
+    return detect(torch.device("cuda", device_index) if device_index >= 0 else "cpu").num_sms
 
 
-def decode_forward(args: dict, config: CallConfig):
+@dataclass(frozen=True)
+class DecodePlan:
+    """What a call config fixes for every launch: both roles' tiles and launch knobs, read out of the
+    config once (`DecodeSplitKVBase.bind`) instead of on every call."""
+
+    block_n: int
+    waves: int
+    rows: int
+    split_knobs: dict
+    combine_knobs: dict
+
+    @classmethod
+    def of(cls, config: CallConfig) -> DecodePlan:
+        split, combine = config["split"], config["combine"]
+        return cls(split.blocks["BLOCK_N"], split.blocks["WAVES"], combine.blocks["ROWS"], split.knobs(),
+                   combine.knobs())
+
+
+def decode_forward(args: dict, plan: DecodePlan):
     """Run the split and combine kernels on the decode contract's validated args: `out`, or
     `(out, lse)` with `return_lse`. Outputs and the workspace are allocated here (a CUDA graph
-    captures them with the launches)."""
+    captures them with the launches). A 3-D q (one token) is passed with a token stride of 0 and its
+    outputs are allocated 3-D: no view is made, each would cost a microsecond of host time."""
     q, k_cache, v_cache, table = args["q"], args["k_cache"], args["v_cache"], args["block_table"]
-    split_config, combine_config = config["split"], config["combine"]
-    q4 = q if q.dim() == 4 else q.unsqueeze(1)
-    b, s_q, h_q, d = q4.shape
+    one_token = q.dim() == 3
+    if one_token:
+        (b, h_q, d), (sqb, sqh, _) = q.shape, q.stride()
+        s_q, q_strides = 1, (sqb, 0, sqh)
+    else:
+        (b, s_q, h_q, d), q_strides = q.shape, q.stride()[:3]
     h_kv = k_cache.shape[2]
     group = h_q // h_kv
     paged = table is not None
     page = k_cache.shape[1] if paged else 1
     capacity = table.shape[1] * page if paged else k_cache.shape[1]
     window = args["window"]
-    block_n = split_config.blocks["BLOCK_N"]
-    splits = args["num_splits"] or choose_splits(b, h_kv, capacity, s_q, window, _sm_count(q.device), block_n,
-                                                 split_config.blocks["WAVES"])
-    split_len = triton.cdiv(triton.cdiv(key_range(capacity, s_q, window), splits), block_n) * block_n
+    block_n = plan.block_n
+    splits = args["num_splits"] or choose_splits(
+        b, h_kv, capacity, s_q, window, _sm_count(q.get_device()), block_n, plan.waves)
+    split_len = cdiv(cdiv(key_range(capacity, s_q, window), splits), block_n) * block_n
     o_part = torch.empty((b, s_q, h_q, splits, d), device=q.device, dtype=torch.float32)
     lse_part = torch.empty((b, s_q, h_q, splits), device=q.device, dtype=torch.float32)
     block_d = dot_block(d)
     _decode_split_kernel[(b * h_kv, splits)](
-        q4, k_cache, v_cache, args["cache_seqlens"], table if paged else args["cache_seqlens"], o_part, lse_part,
+        q, k_cache, v_cache, args["cache_seqlens"], table if paged else args["cache_seqlens"], o_part, lse_part,
         float(args["sm_scale"]) * LOG2E.value, window or 0, capacity, k_cache.shape[0], s_q, group, h_kv, split_len,
-        *q4.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3], table.stride(0) if paged else 0,
+        *q_strides, *k_cache.stride()[:3], *v_cache.stride()[:3], table.stride(0) if paged else 0,
         *o_part.stride()[:4], *lse_part.stride()[:3],
         HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=rows_block(s_q, group), BLOCK_N=block_n, PAGED=paged, PAGE=page,
-        HAS_WINDOW=window is not None, **split_config.knobs(),
+        HAS_WINDOW=window is not None, **plan.split_knobs,
     )
-    out = torch.empty((b, s_q, h_q, d), device=q.device, dtype=q.dtype)
-    lse = torch.empty((b, h_q, s_q), device=q.device, dtype=torch.float32) if args["return_lse"] else None
+    out = torch.empty(q.shape, device=q.device, dtype=q.dtype)
+    lse = None
+    if args["return_lse"]:
+        lse = torch.empty((b, h_q) if one_token else (b, h_q, s_q), device=q.device, dtype=torch.float32)
+    so, sl = out.stride(), (lse.stride() if lse is not None else (0, 0, 0))
+    out_strides = (so[0], 0, so[1]) if one_token else so[:3]
+    lse_strides = (sl[0], sl[1], 0) if one_token else sl
     sinks = args["sinks"]
-    rows, per_program = b * s_q * h_q, combine_config.blocks["ROWS"]
-    _decode_combine_kernel[(triton.cdiv(rows, per_program),)](
+    rows, per_program = b * s_q * h_q, plan.rows
+    _decode_combine_kernel[(cdiv(rows, per_program),)](
         o_part, lse_part, sinks if sinks is not None else lse_part, out, lse if lse is not None else lse_part,
         rows, s_q, h_q, splits,
-        *o_part.stride()[:4], *lse_part.stride()[:3], *out.stride()[:3],
-        *(lse.stride() if lse is not None else (0, 0, 0)),
+        *o_part.stride()[:4], *lse_part.stride()[:3], *out_strides, *lse_strides,
         HEAD_DIM=d, BLOCK_D=block_d, ROWS=per_program, HAS_SINK=sinks is not None, RETURN_LSE=lse is not None,
-        **combine_config.knobs(),
+        **plan.combine_knobs,
     )
-    if q.dim() == 3:
-        out, lse = out[:, 0], (lse[:, :, 0] if lse is not None else None)
-    return (out, lse) if args["return_lse"] else out
+    return (out, lse) if lse is not None else out
 
 
 # ----------------------------------------------------------------------------- offline compiles
@@ -311,10 +337,11 @@ class DecodeSplitKVBase:
         return None
 
     def launch(self, args: dict, config: CallConfig):
-        return decode_forward(args, config)
+        return decode_forward(args, DecodePlan.of(config))
 
     def bind(self, config: CallConfig):
-        return lambda args: decode_forward(args, config)
+        plan = DecodePlan.of(config)
+        return lambda args: decode_forward(args, plan)
 
     def compile_specs(self, key: dict, config: CallConfig, dtype: str = "fp16") -> list[CompileSpec]:
         return decode_compile_specs(key, config, dtype)

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from kernels.base import CompileSpec
-from kernels.common.tiles import dot_block
+from kernels.common.tiles import cdiv, dot_block
 from registry.ops.sparse_mla import SparseMLAOutput
 from tuning_db.records import CallConfig, LaunchConfig
 
@@ -360,7 +360,7 @@ def _strides(t: torch.Tensor | None, n: int) -> tuple[int, ...]:
 
 def _grid(s_q: int, h_q: int, h_kv: int, b: int, block_h: int) -> tuple[tuple[int, int, int], int]:
     heads_per_group = h_q // h_kv
-    head_blocks = triton.cdiv(heads_per_group, block_h)
+    head_blocks = cdiv(heads_per_group, block_h)
     return (s_q, h_kv * head_blocks, b), head_blocks
 
 
@@ -430,7 +430,7 @@ def _backward(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, out, lse, d
     cap = group_head_cap(heads_per_group)
     dq_blocks = {**dq_config.blocks, "BLOCK_H": min(dq_config.blocks["BLOCK_H"], cap)}
     dkv_blocks = {**dkv_config.blocks, "BLOCK_H": min(dkv_config.blocks["BLOCK_H"], cap)}
-    topk_tiles = triton.cdiv(topk, dkv_blocks["BLOCK_TOPK"])
+    topk_tiles = cdiv(topk, dkv_blocks["BLOCK_TOPK"])
     for c0 in range(0, s_q, chunk):
         rows = slice(c0, min(s_q, c0 + chunk))
         q_c, dout_c, idx_c = q[:, rows], dout[:, rows], indices[:, rows]
@@ -531,8 +531,8 @@ def sparse_mla_compile_specs(key: dict, config: CallConfig, roles: tuple[str, ..
         names = [n for n in fn.arg_names if n not in constexprs]
         signature = _compile_signature(names, {n: t for n, t in pointers.items() if n in names}, floats)
         sizes = {"topk": key["topk"], "heads_per_group": heads_per_group,
-                 "head_blocks": triton.cdiv(heads_per_group, block_h),
-                 "topk_tiles": triton.cdiv(key["topk"], blocks["BLOCK_TOPK"])}
+                 "head_blocks": cdiv(heads_per_group, block_h),
+                 "topk_tiles": cdiv(key["topk"], blocks["BLOCK_TOPK"])}
         specs.append(CompileSpec(role, fn, signature, constexprs,
                                  values={n: v for n, v in sizes.items() if n in names}))
     return specs

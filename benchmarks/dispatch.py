@@ -1,0 +1,163 @@
+"""What `registry.get(op)(...)` costs over launching the same variant and config directly, at tiny
+(decode-like) shapes where a call is bound by the host: eagerly, and replayed inside a CUDA graph.
+
+Eager rows time host microseconds per call (interleaved repeats of many calls, the GPU drained
+between repeats) of three ways to run one call: `registry.get(op)(...)` (validation, two dict lookups,
+the cached launcher), `variant.launch(args, config)` on arguments validated once ("direct": what a
+user who picked the variant and config would call), and the cached launcher on those arguments
+("bound": the launch alone, with its config-derived launch arguments precomputed). Graph rows time a
+replay of a CUDA graph of CALLS calls captured through each path: dispatch runs only at capture, so
+the replays launch the same kernels. `python -m benchmarks.dispatch` prints the dispatch alone (a
+stub launcher, no GPU work) on any device, the interpreter's on a CPU.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+
+import registry
+from benchmarks.common import PROVIDER, Measurement, host_us
+from registry.dispatch import OpHandle
+from registry.ops import OPS
+
+FAMILY = "dispatch"
+# A decode step of one sequence and a short causal prefill: both host-bound on an H100/H200.
+SHAPES = {
+    "decode": {"b": 1, "s_q": 1, "h_q": 8, "h_kv": 1, "d": 64, "n": 1024, "block_size": None, "sinks": True,
+               "window": None},
+    "flash_attention": {"b": 1, "s_q": 128, "s_k": 128, "h_q": 2, "h_kv": 2, "d": 64, "causal": True},
+}
+CALLS = 100  # calls per CUDA graph
+# Rates are calls per second: Measurement.rate is work / ms / 1e9, so work = 1e12 gives 1000 / ms.
+CALLS_PER_S = 1e12
+_notes: list[str] = []
+
+
+def _positional(name: str, kw: dict) -> tuple[tuple, dict]:
+    """A call spelled as users write it: the required arguments positionally, the rest by keyword."""
+    params = inspect.signature(OPS[name].validate).parameters.values()
+    required = [p.name for p in params if p.default is inspect.Parameter.empty]
+    return tuple(kw[n] for n in required), {k: v for k, v in kw.items() if k not in required}
+
+
+def _quantiles_ms(us: list[float]) -> tuple[float, float, float]:
+    q = statistics.quantiles(us, n=10)
+    return q[1] / 1e3, statistics.median(us) / 1e3, q[7] / 1e3
+
+
+def _graph_us(fn: Callable[[], object]) -> list[float]:
+    """Device microseconds per call of a CUDA graph of CALLS calls of `fn`, per replay, 50 replays."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        fn()
+        with torch.cuda.graph(graph, stream=stream):
+            for _ in range(CALLS):
+                fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph.replay()
+    out = []
+    for _ in range(50):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        out.append(start.elapsed_time(end) * 1e3 / CALLS)
+    return out
+
+
+def stub_dispatch_us(name: str, device: str, dtype: torch.dtype, vendor: str | None = None,
+                     iters: int = 20000, repeats: int = 15) -> tuple[float, float]:
+    """(validation alone, validation + dispatch with a launcher that does nothing): the fastest of
+    `repeats` thread-CPU-time samples of `iters` calls, microseconds per call."""
+    op = OPS[name]
+    args, kwargs = _positional(name, op.make_inputs(SHAPES[name], device=device, dtype=dtype, seed=0))
+    probe = OpHandle(op, vendor, None)
+    probe.choice(*args, **kwargs)
+    for launchers in probe._launchers.values():
+        for key in launchers:
+            launchers[key] = _stub
+
+    def best(fn: Callable[[], object]) -> float:
+        for _ in range(1000):
+            fn()
+        fastest = float("inf")
+        for _ in range(repeats):
+            start = time.thread_time()
+            for _ in range(iters):
+                fn()
+            fastest = min(fastest, (time.thread_time() - start) / iters * 1e6)
+        return fastest
+
+    return best(lambda: op.validate(*args, **kwargs)), best(lambda: probe(*args, **kwargs))
+
+
+def _stub(args: dict) -> None:
+    return None
+
+
+def run(dtype: torch.dtype = torch.bfloat16) -> list[Measurement]:
+    out: list[Measurement] = []
+    _notes.clear()
+    for name, shape in SHAPES.items():
+        op = OPS[name]
+        kw = op.make_inputs(shape, device="cuda", dtype=dtype, seed=0)
+        args, kwargs = _positional(name, kw)
+        handle = registry.get(name)
+        validated = op.validate(**kw)
+        choice = handle.choice(**kw)
+        paths = {
+            "registry": lambda h=handle, a=args, k=kwargs: h(*a, **k),
+            "direct": lambda c=choice, v=validated: c.variant.launch(v, c.config),
+            "bound": lambda c=choice, v=validated: c.launcher(v),
+        }
+        label = f"{name} {' '.join(f'{k}{v}' for k, v in shape.items() if v not in (None, False))}"
+        host = host_us(paths)
+        graph = {path: _graph_us(fn) for path, fn in paths.items() if path != "bound"}
+        for path, provider in (("registry", PROVIDER), ("direct", "direct-launch")):
+            out.append(Measurement(f"dispatch {name} (host)", label, provider, _quantiles_ms(host[path]),
+                                   CALLS_PER_S, "calls/s", None))
+            out.append(Measurement(f"dispatch {name} (CUDA graph)", label, provider, _quantiles_ms(graph[path]),
+                                   CALLS_PER_S, "calls/s", None))
+        med = {path: statistics.median(v) for path, v in host.items()}
+        graphs = {path: statistics.median(v) for path, v in graph.items()}
+        validate_us, dispatch_us = stub_dispatch_us(name, "cuda", dtype)
+        _notes.append(
+            f"dispatch {name}: registry {med['registry']:.2f} us/call, direct launch {med['direct']:.2f}, bound "
+            f"launcher {med['bound']:.2f} -> registry adds {med['registry'] - med['direct']:+.2f} us over direct "
+            f"({med['registry'] - med['bound']:+.2f} over bound); alone (stub launcher): validation "
+            f"{validate_us:.2f} us, validation + dispatch {dispatch_us:.2f} us; CUDA graph replay "
+            f"{graphs['registry']:.2f} vs {graphs['direct']:.2f} us/call "
+            f"({graphs['registry'] - graphs['direct']:+.2f})")
+    return out
+
+
+def notes() -> list[str]:
+    return list(_notes)
+
+
+def main() -> int:
+    """Print the dispatch alone per op (stub launcher): on the GPU, or through the interpreter on a CPU."""
+    if torch.cuda.is_available():
+        device, dtype, vendor = "cuda", torch.bfloat16, None
+    else:
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the kernels are first imported
+        device, dtype, vendor = "cpu", torch.float16, "nvidia"
+    for name in SHAPES:
+        validate_us, dispatch_us = stub_dispatch_us(name, device, dtype, vendor)
+        print(f"{name:16s} validation {validate_us:.2f} us, validation + dispatch {dispatch_us:.2f} us "
+              f"(dispatch {dispatch_us - validate_us:.2f} us) per call on {device}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
