@@ -61,19 +61,22 @@ class LibraryOp:
         self.forward: Callable[..., Any] | None = None
         self.backward: Callable[..., Any] | None = None
 
-    def bind(self, args: tuple, kwargs: dict) -> dict:
-        """A call's arguments by parameter name with defaults filled in (TypeError as Python would)."""
-        if len(args) > len(self.params) - len(HANDLE_ARGS):
+    def bind(self, args: tuple, kwargs: dict, vendor: str | None, variant: str | None) -> dict:
+        """A user's call (validate's parameters) by name with defaults filled in and the handle's vendor
+        and variant added; TypeError as the call itself would raise."""
+        own = self.params[: -len(HANDLE_ARGS)]
+        if len(args) > len(own):
             raise TypeError(f"{self.op.name}: too many positional arguments ({len(args)})")
         bound = dict(self.defaults)
-        bound.update(zip(self.params, args, strict=False))
+        bound.update(zip(own, args, strict=False))
         for name, value in kwargs.items():
-            if name not in self.params or self.params.index(name) < len(args):
+            if name not in own or own.index(name) < len(args):
                 raise TypeError(f"{self.op.name}: unexpected or repeated argument {name!r}")
             bound[name] = value
-        missing = [name for name in self.params if name not in bound]
+        missing = [name for name in own if name not in bound]
         if missing:
             raise TypeError(f"{self.op.name}: missing argument {missing[0]!r}")
+        bound.update(vendor=vendor, variant=variant)
         return bound
 
     def named(self, args: tuple) -> dict:
@@ -94,7 +97,7 @@ def traced_call(handle: Any, args: tuple, kwargs: dict) -> Any:
     if lib is None:
         raise RuntimeError(f"{op.name}: its contract declares no output_specs, so it has no kreg custom op "
                            "and cannot run under torch.compile")
-    bound = lib.bind(args, {**kwargs, "vendor": handle.vendor, "variant": handle.variant})
+    bound = lib.bind(args, kwargs, handle.vendor, handle.variant)
     flat = lib.forward(*(bound[name] for name in lib.params))
     specs = op.output_specs(bound)
     if isinstance(specs, TensorSpec):
