@@ -2,13 +2,13 @@
 (decode-like) shapes where a call is bound by the host: eagerly, and replayed inside a CUDA graph.
 
 Eager rows time host microseconds per call (interleaved repeats of many calls, the GPU drained
-between repeats) of three ways to run one call: `registry.get(op)(...)` (validation, two dict lookups,
-the cached launcher), `variant.launch(args, config)` on arguments validated once ("direct": what a
-user who picked the variant and config would call), and the cached launcher on those arguments
-("bound": the launch alone, with its config-derived launch arguments precomputed). Graph rows time a
-replay of a CUDA graph of CALLS calls captured through each path: dispatch runs only at capture, so
-the replays launch the same kernels. `python -m benchmarks.dispatch` prints the dispatch alone (a
-stub launcher, no GPU work) on any device, the interpreter's on a CPU.
+between repeats) of three ways to run one call: `registry.get(op)(...)` (the handle's lookup,
+validation, two dict lookups, the cached launcher); `variant.launch(args, config)` on arguments
+validated once ("direct": what a user who picked the variant and config would call); and the cached
+launcher on those arguments ("bound": the launch alone, what the config fixes read out of it once).
+Graph rows time a replay of a CUDA graph of CALLS calls captured through each path: dispatch runs only
+at capture, so the replays launch the same kernels. `python -m benchmarks.dispatch` prints the
+dispatch alone (a stub launcher, no GPU work) on any device, the interpreter's on a CPU.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from collections.abc import Callable
 import torch
 
 import registry
-from benchmarks.common import PROVIDER, Measurement, host_us
+from benchmarks.common import PROVIDER, Measurement, checked, host_us
 from registry.dispatch import OpHandle
 from registry.ops import OPS
 
@@ -34,6 +34,7 @@ SHAPES = {
                "window": None},
     "flash_attention": {"b": 1, "s_q": 128, "s_k": 128, "h_q": 2, "h_kv": 2, "d": 64, "causal": True},
 }
+LABELS = {"decode": "b1 h8/1 d64 n1024 sinks", "flash_attention": "b1 s128 h2 d64 causal"}
 CALLS = 100  # calls per CUDA graph
 # Rates are calls per second: Measurement.rate is work / ms / 1e9, so work = 1e12 gives 1000 / ms.
 CALLS_PER_S = 1e12
@@ -116,18 +117,20 @@ def run(dtype: torch.dtype = torch.bfloat16) -> list[Measurement]:
         validated = op.validate(**kw)
         choice = handle.choice(**kw)
         paths = {
-            "registry": lambda h=handle, a=args, k=kwargs: h(*a, **k),
+            "registry": lambda n=name, a=args, k=kwargs: registry.get(n)(*a, **k),
             "direct": lambda c=choice, v=validated: c.variant.launch(v, c.config),
             "bound": lambda c=choice, v=validated: c.launcher(v),
         }
-        label = f"{name} {' '.join(f'{k}{v}' for k, v in shape.items() if v not in (None, False))}"
+        label = LABELS[name]
+        err = checked(op, validated, lambda a, n=name: registry.get(n)(**a))
         host = host_us(paths)
         graph = {path: _graph_us(fn) for path, fn in paths.items() if path != "bound"}
         for path, provider in (("registry", PROVIDER), ("direct", "direct-launch")):
+            rel_err = err if path == "registry" else None
             out.append(Measurement(f"dispatch {name} (host)", label, provider, _quantiles_ms(host[path]),
-                                   CALLS_PER_S, "calls/s", None))
+                                   CALLS_PER_S, "calls/s", rel_err))
             out.append(Measurement(f"dispatch {name} (CUDA graph)", label, provider, _quantiles_ms(graph[path]),
-                                   CALLS_PER_S, "calls/s", None))
+                                   CALLS_PER_S, "calls/s", rel_err))
         med = {path: statistics.median(v) for path, v in host.items()}
         graphs = {path: statistics.median(v) for path, v in graph.items()}
         validate_us, dispatch_us = stub_dispatch_us(name, "cuda", dtype)

@@ -265,13 +265,21 @@ def reference_vjp(op: Op, a: dict, grad: torch.Tensor) -> dict[str, torch.Tensor
 
 
 _handles: dict[tuple[str, str | None, str | None], OpHandle] = {}
+# The same handles without vendor or variant, by op name alone: `registry.get(op)` in a hot loop.
+_plain_handles: dict[str, OpHandle] = {}
 
 
 def get(op: str, *, vendor: str | None = None, variant: str | None = None) -> OpHandle:
     """The callable for `op`: `registry.get("sparse_mla")(q, kv, idx)`."""
+    if vendor is None and variant is None:
+        handle = _plain_handles.get(op)
+        if handle is not None:
+            return handle
     handle = _handles.get((op, vendor, variant))
     if handle is None:
         handle = _handles[(op, vendor, variant)] = OpHandle(_op(op), vendor, variant)
+        if vendor is None and variant is None:
+            _plain_handles[op] = handle
     return handle
 
 

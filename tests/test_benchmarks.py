@@ -36,3 +36,13 @@ def test_long_rows_hold_quantiles_units_and_versions(tmp_path):
 def test_without_a_gpu_the_runner_says_so(capsys):
     assert main([]) == 2
     assert "need a CUDA or ROCm GPU" in capsys.readouterr().err
+
+
+def test_dispatch_stub_timing_runs_without_a_gpu():
+    """The dispatch-alone timing (stub launcher) that `python -m benchmarks.dispatch` prints."""
+    import torch
+
+    from benchmarks.dispatch import stub_dispatch_us
+
+    validate_us, dispatch_us = stub_dispatch_us("decode", "cpu", torch.float16, "nvidia", iters=20, repeats=2)
+    assert 0 < validate_us and 0 < dispatch_us

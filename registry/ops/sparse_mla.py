@@ -139,11 +139,14 @@ def validate(
     if d_v > d_qk:
         raise ValueError(f"d_v: expected at most d_qk = {d_qk}, got {d_v}")
     sm_scale = d_qk**-0.5 if sm_scale is None else resolve_scale("sm_scale", sm_scale, d_qk)
-    device = q.device
-    if kv.device != device or indices.device != device:
+    # get_device() is -1 for every non-GPU device: there all must be CPU tensors, or compare fully (meta).
+    device = q.get_device()
+    if kv.get_device() != device or indices.get_device() != device or (
+            device < 0 and not (q.is_cpu and kv.is_cpu and indices.is_cpu)):
         require_same_device(main)
     # is_contiguous() is a cheap C call; only strided views pay for reading their strides.
-    if not (q.is_contiguous() and kv.is_contiguous() and indices.is_contiguous()) and (
+    kv_contiguous = kv.is_contiguous()
+    if not (q.is_contiguous() and kv_contiguous and indices.is_contiguous()) and (
             q.stride(-1) != 1 or kv.stride(-1) != 1 or indices.stride(-1) != 1):
         for name, x in main:
             require_last_contiguous(name, x)
@@ -154,7 +157,7 @@ def validate(
             require_float("attn_sink", attn_sink, (torch.float32,))
         if attn_sink.shape != (h_q,):
             raise ValueError(f"attn_sink: expected shape [h_q] = [{h_q}], got {list(attn_sink.shape)}")
-        if attn_sink.device != device:
+        if attn_sink.get_device() != device or (device < 0 and attn_sink.is_cpu != q.is_cpu):
             require_same_device([("q", q), ("attn_sink", attn_sink)])
         if attn_sink.stride(-1) != 1:
             require_last_contiguous("attn_sink", attn_sink)
@@ -168,13 +171,15 @@ def validate(
                 f"topk_length: expected shape {layout['topk_length']} = {list(qs[:-2])}, "
                 f"got {list(topk_length.shape)}"
             )
-        if topk_length.device != device:
+        if topk_length.get_device() != device or (device < 0 and topk_length.is_cpu != q.is_cpu):
             require_same_device([("q", q), ("topk_length", topk_length)])
         if topk_length.stride(-1) != 1:
             require_last_contiguous("topk_length", topk_length)
     args = Args(q=q, kv=kv, indices=indices, sm_scale=sm_scale, d_v=d_v, attn_sink=attn_sink,
                 topk_length=topk_length)
-    args.key = (qs, ks, js, dtype, d_v, kv_rows_aligned(kv))
+    # A contiguous kv's strides are multiples of d_qk: 16-element multiples when d_qk is.
+    aligned = kv.data_ptr() % 16 == 0 and (d_qk % 16 == 0 if kv_contiguous else kv_rows_aligned(kv))
+    args.key = (qs, ks, js, dtype, d_v, aligned)
     return args
 
 
