@@ -36,7 +36,6 @@ import torch
 from registry.ops import OPS
 from registry.ops._contract import Op, TensorSpec
 
-NAMESPACE = "kreg"
 # Arguments every custom op takes after the op's own: which vendor's and which variant's kernels run
 # (registry.get's keywords; None picks as registry.get does).
 HANDLE_ARGS = ("vendor", "variant")
@@ -175,7 +174,7 @@ def register(op: Op) -> LibraryOp:
         device = args[0].device
         return _padded(op, [torch.empty(s.shape, dtype=s.dtype, device=device) for s in _flat(specs)], device)
 
-    custom = torch.library.custom_op(f"{NAMESPACE}::{op.name}", forward_impl, mutates_args=(),
+    custom = torch.library.custom_op(f"kreg::{op.name}", forward_impl, mutates_args=(),
                                      schema=f"({', '.join(lib.schema)}) -> {returns}")
     custom.register_fake(forward_fake)
     lib.forward = getattr(torch.ops.kreg, op.name).default
@@ -203,7 +202,7 @@ def _register_backward(lib: LibraryOp) -> None:
         return [torch.empty(named[name].shape, dtype=named[name].dtype, device=device)
                 if isinstance(named[name], torch.Tensor) else _placeholder(device) for name in op.grad_inputs]
 
-    custom = torch.library.custom_op(f"{NAMESPACE}::{op.name}_backward", backward_impl, mutates_args=(),
+    custom = torch.library.custom_op(f"kreg::{op.name}_backward", backward_impl, mutates_args=(),
                                      schema=f"(Tensor grad, Tensor[] outputs, {', '.join(lib.schema)}) -> Tensor[]")
     custom.register_fake(backward_fake)
     lib.backward = getattr(torch.ops.kreg, f"{op.name}_backward").default
@@ -238,6 +237,10 @@ def _backward_formula(lib: LibraryOp):
     return backward
 
 
-for _op in OPS.values():
-    if _op.output_specs is not None:
-        register(_op)
+def _register_all() -> None:
+    for op in OPS.values():
+        if op.output_specs is not None:
+            register(op)
+
+
+_register_all()

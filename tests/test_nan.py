@@ -35,15 +35,16 @@ def _nan_masks(value) -> list[torch.Tensor]:
     return [torch.isnan(t.float()).cpu() for t in tensors]
 
 
-def _check(name: str, kw: dict, expect_nan: bool) -> None:
-    """Kernels (the vendor's variant) and reference put NaN at the same elements of every output; the
-    reference has some NaN exactly when `expect_nan`, so the case tests something."""
+def _check(name: str, kw: dict, expect_nan: bool, skip: tuple[int, ...] = ()) -> None:
+    """Kernels (the vendor's variant) and reference put NaN at the same elements of every output but
+    those in `skip`; the reference has some NaN exactly when `expect_nan`, so the case tests something."""
     op = OPS[name]
     want = _nan_masks(op.reference(**op.validate(**kw)))
     got = _nan_masks(registry.get(name, vendor=VENDOR)(**kw))
     assert any(bool(m.any()) for m in want) == expect_nan
     for i, (g, w) in enumerate(zip(got, want, strict=True)):
-        assert torch.equal(g, w), f"{name} output {i}: NaN at {int(g.sum())} elements, the reference at {int(w.sum())}"
+        if i not in skip:
+            assert torch.equal(g, w), f"{name} output {i}: NaN at {int(g.sum())} elements, reference {int(w.sum())}"
 
 
 def _poisoned(t: torch.Tensor, index: tuple) -> torch.Tensor:
@@ -119,11 +120,14 @@ def _sparse_mla_cases():
     for preset, layout in ((0, 0), (1, 0)):
         kw = _sparse_mla(preset, layout)
         lead = (0,) if kw["q"].dim() == 4 else ()
-        yield {**kw, "q": _poisoned(kw["q"], (*lead, 1, 2, 3))}, True
+        # A NaN in q makes every logit of its row NaN; max_logits skips NaN logits (IEEE maxNum, what the
+        # GPU's max gives: -inf for that row), but the interpreter's maxNum is numpy's maximum, which
+        # propagates NaN, so there only out and lse are compared for it.
+        yield {**kw, "q": _poisoned(kw["q"], (*lead, 1, 2, 3))}, True, () if HAS_GPU else (1,)
         # kv row 0 is also what an invalid slot would read if a kernel dereferenced it: only queries
         # that select row 0 may see its NaN (key dims and value dims alike).
-        yield {**kw, "kv": _poisoned(kw["kv"], (*lead, 0, 0, 1))}, True
-        yield {**kw, "kv": _poisoned(kw["kv"], (*lead, 3, 0, kw["kv"].shape[-1] - 1))}, True
+        yield {**kw, "kv": _poisoned(kw["kv"], (*lead, 0, 0, 1))}, True, ()
+        yield {**kw, "kv": _poisoned(kw["kv"], (*lead, 3, 0, kw["kv"].shape[-1] - 1))}, True, ()
 
 
 CASES = {"flash_attention": _flash_cases, "decode": _decode_cases, "sparse_mla": _sparse_mla_cases}
@@ -131,5 +135,5 @@ CASES = {"flash_attention": _flash_cases, "decode": _decode_cases, "sparse_mla":
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_nan_reaches_what_it_reaches_in_the_reference(name):
-    for kw, expect_nan in CASES[name]():
-        _check(name, kw, expect_nan)
+    for kw, expect_nan, *skip in CASES[name]():
+        _check(name, kw, expect_nan, *skip)

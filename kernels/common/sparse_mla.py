@@ -163,8 +163,7 @@ def _sparse_mla_fwd_kernel(
         tl.store(o_ptr + BLOCK_DS + offs_dv[None, :], (acc_high * scale[:, None]).to(OUT.dtype.element_ty),
                  mask=head_ok[:, None] & (offs_dv[None, :] < D_V - BLOCK_DS))
     m_off = b * stride_mb + t.to(tl.int64) * stride_ms + heads
-    # The running max skips NaN scores; a NaN among them makes the row sum NaN, and max_logits NaN too.
-    tl.store(MAX_LOGITS + m_off, tl.where(l_i != l_i, float("nan"), m_i * LN2), mask=head_ok)
+    tl.store(MAX_LOGITS + m_off, m_i * LN2, mask=head_ok)
     tl.store(LSE + m_off, lse, mask=head_ok)
 
 

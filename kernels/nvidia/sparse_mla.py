@@ -311,8 +311,7 @@ def _attend_half(common, own, peer, SIDE: gl.constexpr, D_V: gl.constexpr, D_TAI
         scale = scale * gl.where(empty, 0.0, 1.0 / (1.0 + gl.exp(sink - gl.where(empty, 0.0, lse))))
     if SIDE == 0:
         m_off = b * stride_mb + t.to(gl.int64) * stride_ms + heads
-        # The running max skips NaN scores; a NaN among them makes the row sum NaN, and max_logits too.
-        gl.store(MAX_LOGITS + m_off, gl.where(l_i != l_i, float("nan"), m_i * LN2), mask=head_ok)
+        gl.store(MAX_LOGITS + m_off, m_i * LN2, mask=head_ok)
         gl.store(LSE + m_off, lse, mask=head_ok)
     offs_d = SIDE * (D_V // 2) + gl.arange(0, D_V // 2, layout=gl.SliceLayout(0, o_layout))
     o_row = OUT + b * stride_ob + t.to(gl.int64) * stride_os + heads[:, None].to(gl.int64) * stride_oh

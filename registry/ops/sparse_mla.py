@@ -87,7 +87,8 @@ def validate(
     Indices: there is no causal flag, causality lives in the indices. A slot is invalid when its index
     lies outside [0, s_kv) (-1, -7, s_kv and 2**31-1 alike) or its position is >= topk_length; invalid
     slots are masked, never read. Duplicates count with multiplicity. A row with no valid slot returns
-    out = 0, lse = +inf and max_logits = -inf, whatever the sink.
+    out = 0, lse = +inf and max_logits = -inf, whatever the sink. A NaN logit makes its row's out and lse
+    NaN; max_logits is the largest logit that is not NaN (a GPU max instruction's IEEE maxNum).
 
     Returns SparseMLAOutput(out [.., s_q, h_q, d_v] like q, max_logits [.., s_q, h_q] fp32,
     lse [.., s_q, h_q] fp32).
@@ -229,7 +230,9 @@ def reference(
             # Empty rows have o = 0; a finite stand-in for their lse keeps sinks of +-inf NaN-free.
             o = o * torch.sigmoid(torch.where(torch.isfinite(lse), lse, 0.0) - sink)[..., None]
         outs.append(o.flatten(2, 3))
-        z = torch.where(valid[:, rows, :, None, :], z.detach(), float("-inf"))
+        # max_logits skips NaN logits, as the kernels' max does (IEEE maxNum); out and lse are NaN there.
+        z = z.detach()
+        z = torch.where(valid[:, rows, :, None, :] & ~torch.isnan(z), z, float("-inf"))
         maxes.append(z.amax(-1).flatten(2, 3))
         lses.append(torch.where(lse == float("-inf"), float("inf"), lse).flatten(2, 3))
     out = torch.cat(outs, 1).to(q.dtype)
