@@ -283,6 +283,17 @@ def get(op: str, *, vendor: str | None = None, variant: str | None = None) -> Op
     return handle
 
 
+def _create_handles() -> None:
+    # Created at import: a handle created inside torch.compile's trace would break the graph (its
+    # constructor is not traceable), so every (op, vendor) handle exists before any trace.
+    for name in OPS:
+        for vendor in (None, "nvidia", "amd"):
+            get(name, vendor=vendor)
+
+
+_create_handles()
+
+
 def clear_caches() -> None:
     """Forget every resolved key (after a sweep or a table import in this process)."""
     for handle in _handles.values():
