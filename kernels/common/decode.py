@@ -27,6 +27,7 @@ import functools
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from kernels.base import CompileSpec
 from kernels.common.tiles import dot_block
@@ -50,7 +51,7 @@ def _decode_split_kernel(
     stride_ob, stride_os, stride_oh, stride_op,
     stride_lb, stride_ls, stride_lh,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PAGED: tl.constexpr, PAGE: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    PAGED: tl.constexpr, PAGE: tl.constexpr, HAS_WINDOW: tl.constexpr, PDL: tl.constexpr,
 ):
     """One program: split `program_id(1)` of the keys of one (sequence, kv head), for all its
     `s_q * group` query rows (row r: token r // group, query head kv_head * group + r % group).
@@ -119,6 +120,8 @@ def _decode_split_kernel(
         + split * stride_op + offs_d[None, :]
     tl.store(o_ptr, out, mask=row_ok[:, None] & d_ok[None, :])
     tl.store(LSE_PART + b.to(tl.int64) * stride_lb + token * stride_ls + head * stride_lh + split, lse, mask=row_ok)
+    if PDL:
+        gdc_launch_dependents()  # the combine may start launching; it waits for this grid's writes
 
 
 @triton.jit
@@ -129,25 +132,31 @@ def _decode_combine_kernel(
     stride_lb, stride_ls, stride_lh,
     stride_outb, stride_outs, stride_outh,
     stride_rb, stride_rh, stride_rs,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr, HAS_SINK: tl.constexpr,
-    RETURN_LSE: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr, SPLITS: tl.constexpr,
+    CHUNK: tl.constexpr, HAS_SINK: tl.constexpr, RETURN_LSE: tl.constexpr, PDL: tl.constexpr,
 ):
     """One program: ROWS (sequence, token, head) rows. L = logsumexp of the partial lse over the
     splits, L' = logaddexp(L, sink[h]) (or L), out = sum_s exp(lse_s - L') * o_s; the returned lse is L,
-    +inf with out 0 where every split was empty (whatever the sink)."""
+    +inf with out 0 where every split was empty (whatever the sink).
+
+    Every split's lse is read as one [ROWS, SPLITS] tile (SPLITS: num_splits rounded up to a power of
+    two), and the partial outputs CHUNK splits at a time, so a long list of splits costs a few wide
+    loads, not a chain of dependent ones. With PDL (Hopper's programmatic dependent launch) it is
+    launched while the split grid drains and waits here for its writes."""
+    if PDL:
+        gdc_wait()
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_ok = r < rows
     b = (r // (s_q * h_q)).to(tl.int64)
     token = (r // h_q) % s_q
     head = r % h_q
     lse_row = LSE_PART + b * stride_lb + token * stride_ls + head * stride_lh
-    m = tl.full([ROWS], float("-inf"), tl.float32)
-    for s in range(0, num_splits):
-        m = tl.maximum(m, tl.load(lse_row + s, mask=row_ok, other=float("-inf")))
+    offs_s = tl.arange(0, SPLITS)
+    lse_all = tl.load(lse_row[:, None] + offs_s[None, :], mask=row_ok[:, None] & (offs_s[None, :] < num_splits),
+                      other=float("-inf"))
+    m = tl.max(lse_all, 1)
     shift = tl.where(m == float("-inf"), 0.0, m)
-    total = tl.zeros([ROWS], tl.float32)
-    for s in range(0, num_splits):
-        total += tl.math.exp2((tl.load(lse_row + s, mask=row_ok, other=float("-inf")) - shift) * LOG2E)
+    total = tl.sum(tl.math.exp2((lse_all - shift[:, None]) * LOG2E), 1)
     empty = total == 0.0
     lse = tl.where(empty, float("-inf"), shift + tl.log(tl.where(empty, 1.0, total)))
     lse_out = lse
@@ -162,16 +171,22 @@ def _decode_combine_kernel(
                            hi_safe + tl.log(tl.exp(finite - hi_safe) + tl.exp(sink - hi_safe)))
     lse_out = tl.where(empty, 0.0, lse_out)
     offs_d = tl.arange(0, BLOCK_D)
-    d_mask = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
-    o_row = O_PART + b[:, None] * stride_ob + token[:, None] * stride_os + head[:, None] * stride_oh + offs_d[None, :]
+    offs_c = tl.arange(0, CHUNK)
+    d_ok = offs_d < HEAD_DIM
+    o_row = O_PART + b * stride_ob + token * stride_os + head * stride_oh
     acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
-    for s in range(0, num_splits):
-        weight = tl.math.exp2((tl.load(lse_row + s, mask=row_ok, other=float("-inf")) - lse_out) * LOG2E)
-        weight = tl.where(empty, 0.0, weight)
-        acc += weight[:, None] * tl.load(o_row + s * stride_op, mask=d_mask, other=0.0)
+    for s0 in range(0, num_splits, CHUNK):
+        split = s0 + offs_c
+        split_ok = row_ok[:, None] & (split[None, :] < num_splits)
+        weight = tl.math.exp2((tl.load(lse_row[:, None] + split[None, :], mask=split_ok, other=float("-inf"))
+                               - lse_out[:, None]) * LOG2E)
+        weight = tl.where(empty[:, None], 0.0, weight)
+        o = tl.load(o_row[:, None, None] + split[None, :, None] * stride_op + offs_d[None, None, :],
+                    mask=split_ok[:, :, None] & d_ok[None, None, :], other=0.0)
+        acc += tl.sum(weight[:, :, None] * o, 1)
     out_ptr = OUT + b[:, None] * stride_outb + token[:, None] * stride_outs + head[:, None] * stride_outh \
         + offs_d[None, :]
-    tl.store(out_ptr, acc.to(OUT.dtype.element_ty), mask=d_mask)
+    tl.store(out_ptr, acc.to(OUT.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
     if RETURN_LSE:
         tl.store(LSE + b * stride_rb + head * stride_rh + token * stride_rs, tl.where(empty, float("inf"), lse),
                  mask=row_ok)
@@ -203,6 +218,13 @@ def _sm_count(device: torch.device) -> int:
     return detect(device).num_sms
 
 
+@functools.cache
+def programmatic_launch(device: torch.device) -> bool:
+    """Whether the combine is launched as a programmatic dependent of the split (NVIDIA sm_90 and
+    later): its launch then overlaps the split grid's tail."""
+    return device.type == "cuda" and torch.version.hip is None and torch.cuda.get_device_capability(device)[0] >= 9
+
+
 def decode_forward(args: dict, config: CallConfig):
     """Run the split and combine kernels on the decode contract's validated args: `out`, or
     `(out, lse)` with `return_lse`. Outputs and the workspace are allocated here (a CUDA graph
@@ -224,13 +246,14 @@ def decode_forward(args: dict, config: CallConfig):
     o_part = torch.empty((b, s_q, h_q, splits, d), device=q.device, dtype=torch.float32)
     lse_part = torch.empty((b, s_q, h_q, splits), device=q.device, dtype=torch.float32)
     block_d = dot_block(d)
+    pdl = programmatic_launch(q.device)
     _decode_split_kernel[(b * h_kv, splits)](
         q4, k_cache, v_cache, args["cache_seqlens"], table if paged else args["cache_seqlens"], o_part, lse_part,
         float(args["sm_scale"]) * LOG2E.value, window or 0, capacity, k_cache.shape[0], s_q, group, h_kv, split_len,
         *q4.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3], table.stride(0) if paged else 0,
         *o_part.stride()[:4], *lse_part.stride()[:3],
         HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=rows_block(s_q, group), BLOCK_N=block_n, PAGED=paged, PAGE=page,
-        HAS_WINDOW=window is not None, **split_config.knobs(),
+        HAS_WINDOW=window is not None, PDL=pdl, **split_config.knobs(),
     )
     out = torch.empty((b, s_q, h_q, d), device=q.device, dtype=q.dtype)
     lse = torch.empty((b, h_q, s_q), device=q.device, dtype=torch.float32) if args["return_lse"] else None
@@ -241,8 +264,9 @@ def decode_forward(args: dict, config: CallConfig):
         rows, s_q, h_q, splits,
         *o_part.stride()[:4], *lse_part.stride()[:3], *out.stride()[:3],
         *(lse.stride() if lse is not None else (0, 0, 0)),
-        HEAD_DIM=d, BLOCK_D=block_d, ROWS=per_program, HAS_SINK=sinks is not None, RETURN_LSE=lse is not None,
-        **combine_config.knobs(),
+        HEAD_DIM=d, BLOCK_D=block_d, ROWS=per_program, SPLITS=triton.next_power_of_2(splits),
+        CHUNK=combine_config.blocks["CHUNK"], HAS_SINK=sinks is not None, RETURN_LSE=lse is not None, PDL=pdl,
+        **({"launch_pdl": True} if pdl else {}), **combine_config.knobs(),
     )
     if q.dim() == 3:
         out, lse = out[:, 0], (lse[:, :, 0] if lse is not None else None)
@@ -250,8 +274,9 @@ def decode_forward(args: dict, config: CallConfig):
 
 
 # ----------------------------------------------------------------------------- offline compiles
-def decode_compile_specs(key: dict, config: CallConfig, dtype: str = "fp16") -> list[CompileSpec]:
-    """Both kernels as a call with this key launches them (with sinks and lse, the heavier combine)."""
+def decode_compile_specs(key: dict, config: CallConfig, dtype: str = "fp16", pdl: bool = False) -> list[CompileSpec]:
+    """Both kernels as a call with this key launches them (with sinks and lse, the heavier combine;
+    `pdl`: with the programmatic-dependent-launch instructions NVIDIA's Hopper build carries)."""
     elem = f"*{key.get('dtype', dtype)}"
     group = key["h_q"] // key["h_kv"]
     split = config["split"].blocks
@@ -261,14 +286,16 @@ def decode_compile_specs(key: dict, config: CallConfig, dtype: str = "fp16") -> 
                 "LSE_PART": "*fp32"}
     constexprs = {"HEAD_DIM": key["d"], "BLOCK_D": dot_block(key["d"]), "BLOCK_M": rows_block(key["s_q"], group),
                   "BLOCK_N": split["BLOCK_N"], "PAGED": bool(key["paged"]), "PAGE": key["block_size"] or 1,
-                  "HAS_WINDOW": key["window"] is not None}
+                  "HAS_WINDOW": key["window"] is not None, "PDL": pdl}
     signature = {n: pointers.get(n, "fp32" if n in floats else "i32") for n in names if n not in constexprs}
     split_spec = CompileSpec("split", _decode_split_kernel, signature, constexprs,
                              values={"s_q": key["s_q"], "group": group, "h_kv": key["h_kv"]})
     names = _decode_combine_kernel.arg_names
     pointers = {"O_PART": "*fp32", "LSE_PART": "*fp32", "SINK": "*fp32", "OUT": elem, "LSE": "*fp32"}
-    constexprs = {"HEAD_DIM": key["d"], "BLOCK_D": dot_block(key["d"]), "ROWS": config["combine"].blocks["ROWS"],
-                  "HAS_SINK": True, "RETURN_LSE": True}
+    combine = config["combine"].blocks
+    constexprs = {"HEAD_DIM": key["d"], "BLOCK_D": dot_block(key["d"]), "ROWS": combine["ROWS"],
+                  "SPLITS": MAX_SPLITS, "CHUNK": combine["CHUNK"], "HAS_SINK": True, "RETURN_LSE": True,
+                  "PDL": pdl}
     signature = {n: pointers.get(n, "i32") for n in names if n not in constexprs}
     combine_spec = CompileSpec("combine", _decode_combine_kernel, signature, constexprs,
                                values={"s_q": key["s_q"], "h_q": key["h_q"]})
@@ -280,17 +307,17 @@ def decode_compile_specs(key: dict, config: CallConfig, dtype: str = "fp16") -> 
 INTERPRETER_SPLIT = ({"BLOCK_N": 16, "WAVES": 2}, {"BLOCK_N": 32, "WAVES": 1})
 # The combine kernel is a few hundred bytes per row on either vendor: one space for both.
 COMBINE_SPACE = ConfigSpace(
-    blocks={"ROWS": (1, 4, 16)},
+    blocks={"ROWS": (1, 2, 4), "CHUNK": (4, 8, 16)},
     knobs={"num_warps": (1, 2, 4)},
-    defaults={"*": {"ROWS": 4, "num_warps": 2}},
-    interpreter=({"ROWS": 4}, {"ROWS": 1}),
+    defaults={"*": {"ROWS": 1, "CHUNK": 8, "num_warps": 2}},
+    interpreter=({"ROWS": 2, "CHUNK": 4}, {"ROWS": 1, "CHUNK": 8}),
 )
 
 
 class DecodeSplitKVBase:
     """The split-KV variant's logic; each vendor file subclasses it with `Variant` and sets `spaces`:
     "split" (blocks BLOCK_N, the key tile, and WAVES, the split programs per SM that num_splits aims
-    for) and "combine" (COMBINE_SPACE: block ROWS, the rows per program)."""
+    for) and "combine" (COMBINE_SPACE: blocks ROWS, the rows per program, and CHUNK, the splits per load)."""
 
     op = "decode"
     name = "decode_splitkv"
@@ -317,4 +344,4 @@ class DecodeSplitKVBase:
         return lambda args: decode_forward(args, config)
 
     def compile_specs(self, key: dict, config: CallConfig, dtype: str = "fp16") -> list[CompileSpec]:
-        return decode_compile_specs(key, config, dtype)
+        return decode_compile_specs(key, config, dtype, pdl=self.vendor == "nvidia")
