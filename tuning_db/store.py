@@ -77,8 +77,9 @@ def default_url() -> str:
 
 
 # ----------------------------------------------------------------------------- passwords
-# Everything from "://" to the last "@" before the host: the user and password of a URL that does not parse.
-_USER_INFO = re.compile(r"(?<=://).*@")
+# The user part of a URL: from the scheme's "://" (or the start) to the last "@". For a URL that does
+# not parse, this is all we can tell apart.
+_USER_INFO = re.compile(r"^(?P<scheme>[A-Za-z0-9+.-]*://)?(?P<user>.*)@")
 
 
 def safe_url(url: str) -> str:
@@ -87,7 +88,7 @@ def safe_url(url: str) -> str:
     try:
         return make_url(url).render_as_string(hide_password=True)
     except (sa_exc.ArgumentError, ValueError, TypeError):
-        return _USER_INFO.sub("***@", str(url))
+        return _USER_INFO.sub(lambda m: f"{m['scheme'] or ''}***@", str(url), count=1)
 
 
 def redact(text: str, url: str) -> str:
@@ -99,10 +100,10 @@ def redact(text: str, url: str) -> str:
             secrets.add(str(password))
     except (sa_exc.ArgumentError, ValueError, TypeError):
         pass
-    found = re.search(r"://[^:/@]*:(.*)@", str(url))
-    if found and found.group(1):
-        secrets.add(found.group(1))
-    for secret in sorted(secrets, key=len, reverse=True):
+    found = _USER_INFO.match(str(url))
+    if found and ":" in found["user"]:
+        secrets.add(found["user"].split(":", 1)[1])
+    for secret in sorted(secrets - {""}, key=len, reverse=True):
         text = text.replace(secret, "***")
     return text
 
@@ -289,13 +290,13 @@ class TuningStore:
             try:
                 cursor.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")
                 cursor.execute("PRAGMA foreign_keys = ON")
-                # The first query that reads the file: a damaged file fails here.
+                # The first query that reads the file: a damaged file fails here. An empty file stays
+                # empty until the first write (`_create` sets WAL then); a read-only one keeps its mode.
                 mode = cursor.execute("PRAGMA journal_mode").fetchone()[0]
-                if mode.lower() not in ("wal", "memory"):
+                if mode.lower() not in ("wal", "memory") and cursor.execute("PRAGMA page_count").fetchone()[0]:
                     try:
                         cursor.execute("PRAGMA journal_mode = WAL")
                     except sqlite3.OperationalError as err:
-                        # A read-only file keeps its journal mode; it is read, never written.
                         if "readonly" not in str(err).lower():
                             raise
                 # In WAL mode NORMAL keeps every commit across a process crash (not a power cut).
@@ -402,6 +403,13 @@ class TuningStore:
                 raise self._error(err) from None
         if self._transact(lambda session: _schema_changes(session.connection())):
             self._transact(lambda session: _migrate(session.connection()), write=True)
+        if self.engine.dialect.name == "sqlite":
+            try:
+                # Outside any transaction (SQLite refuses it inside one): the raw connection autocommits.
+                with self.engine.connect() as conn:
+                    conn.connection.dbapi_connection.execute("PRAGMA journal_mode = WAL")
+            except (sa_exc.DBAPIError, sqlite3.Error) as err:
+                raise self._error(err) from None
         self._ready = True
 
     @staticmethod
