@@ -22,6 +22,7 @@ import importlib.metadata
 import os
 import re
 import sqlite3
+import threading
 import time
 import warnings
 from collections.abc import Callable, Collection, Iterable, Mapping
@@ -34,6 +35,7 @@ from sqlalchemy import and_, create_engine, event, inspect, or_, select, text, u
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.orm import Session
+from sqlalchemy.pool import StaticPool
 
 from tuning_db.matching import Accept, DeviceIdentity, canonical_key, check_device, pick_best, pick_nearest
 from tuning_db.models import RUN_STATUSES, Base, DeviceRow, SweepRun, TrialRow, TunedRow, utcnow
@@ -210,11 +212,16 @@ def _is_locked(err: BaseException) -> bool:
     return "locked" in text or "busy" in text
 
 
+# Reads of a database that does not exist yet run against one in-memory database with the store's
+# tables and no rows; it has one connection, so its users take turns.
+_EMPTY_LOCK = threading.Lock()
+
+
 @functools.lru_cache(maxsize=1)
 def _empty_engine() -> Engine:
-    """An in-memory database, given the store's tables on each connection: what a read of a database
-    that does not exist yet runs against (it finds no rows)."""
-    return create_engine("sqlite://")
+    engine = create_engine("sqlite://", poolclass=StaticPool, connect_args={"check_same_thread": False})
+    Base.metadata.create_all(engine)
+    return engine
 
 
 def _one_line(err: BaseException) -> str:
@@ -352,10 +359,8 @@ class TuningStore:
             elif self.exists():
                 self._open()  # another process may have created it since
             if not self._ready:
-                with _empty_engine().connect() as conn:
-                    Base.metadata.create_all(conn)
-                    with Session(bind=conn) as session:
-                        return fn(session)
+                with _EMPTY_LOCK, _empty_engine().connect() as conn, Session(bind=conn) as session:
+                    return fn(session)
         return self._transact(fn, write=write)
 
     def _transact(self, fn: Callable[[Session], T], *, write: bool = False) -> T:
