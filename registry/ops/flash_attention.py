@@ -29,9 +29,11 @@ def validate(
     cu_seqlens_k: torch.Tensor | None = None,
     max_seqlen_q: int | None = None,
     max_seqlen_k: int | None = None,
+    deterministic: bool = False,
 ) -> dict:
     """flash_attention(q, k, v, causal=False, sm_scale=None, window=None, return_lse=False,
-    cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None) -> out | (out, lse)
+    cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, deterministic=False)
+    -> out | (out, lse)
 
     Dense attention `out_i = sum_j softmax_j(z_ij) v_j` with `z_ij = sm_scale * q_i . k_j`.
 
@@ -60,7 +62,8 @@ def validate(
     causal, or varlen without max_seqlen_q/max_seqlen_k.
     """
     scale, key = check_dense_args(
-        q, k, v, causal, sm_scale, window, return_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
+        q, k, v, causal, sm_scale, window, return_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+        deterministic,
     )
     args = Args(
         q=q,
@@ -74,6 +77,7 @@ def validate(
         cu_seqlens_k=cu_seqlens_k,
         max_seqlen_q=max_seqlen_q,
         max_seqlen_k=max_seqlen_k,
+        deterministic=deterministic,
     )
     args.key = key
     return args
@@ -91,8 +95,10 @@ def reference(
     cu_seqlens_k: torch.Tensor | None = None,
     max_seqlen_q: int | None = None,
     max_seqlen_k: int | None = None,
+    deterministic: bool = False,
 ):
-    """The semantics in PyTorch (fp32 math, chunked over queries); takes `validate`'s dict."""
+    """The semantics in PyTorch (fp32 math, chunked over queries); takes `validate`'s dict
+    (`deterministic` changes nothing here)."""
     return run_dense(
         q, k, v, causal=causal, sm_scale=sm_scale, window=window, return_lse=return_lse,
         cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,

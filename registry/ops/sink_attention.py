@@ -31,9 +31,11 @@ def validate(
     cu_seqlens_k: torch.Tensor | None = None,
     max_seqlen_q: int | None = None,
     max_seqlen_k: int | None = None,
+    deterministic: bool = False,
 ) -> dict:
     """sink_attention(q, k, v, sinks=None, window=None, causal=True, sm_scale=None, return_lse=False,
-    cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None) -> out | (out, lse)
+    cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, deterministic=False)
+    -> out | (out, lse)
 
     gpt-oss attention: softmax attention where each head also has a sink, a raw logit (not multiplied
     by sm_scale, never masked, no value vector) that takes a share of the softmax:
@@ -62,7 +64,8 @@ def validate(
     window without causal, or varlen without max_seqlen_q/max_seqlen_k.
     """
     scale, key = check_dense_args(
-        q, k, v, causal, sm_scale, window, return_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
+        q, k, v, causal, sm_scale, window, return_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+        deterministic,
     )
     if sinks is not None:
         check_sinks(sinks, q.shape[-2], q)
@@ -79,6 +82,7 @@ def validate(
         cu_seqlens_k=cu_seqlens_k,
         max_seqlen_q=max_seqlen_q,
         max_seqlen_k=max_seqlen_k,
+        deterministic=deterministic,
     )
     args.key = (*key, sinks is None)
     return args
@@ -97,8 +101,10 @@ def reference(
     cu_seqlens_k: torch.Tensor | None = None,
     max_seqlen_q: int | None = None,
     max_seqlen_k: int | None = None,
+    deterministic: bool = False,
 ):
-    """The semantics in PyTorch (fp32 math, chunked over queries); takes `validate`'s dict."""
+    """The semantics in PyTorch (fp32 math, chunked over queries); takes `validate`'s dict
+    (`deterministic` changes nothing here)."""
     return run_dense(
         q, k, v, causal=causal, sm_scale=sm_scale, window=window, return_lse=return_lse,
         cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
