@@ -65,6 +65,15 @@ def _sequence(cu_seqlens, off_b, rows):
 
 
 @triton.jit
+def _block_order(i, n_blocks, IS_CAUSAL: tl.constexpr):
+    """The query block the i-th program of a varlen sequence takes: causal ones take the longest (last)
+    blocks first, so the short ones fill the tail."""
+    if IS_CAUSAL:
+        return n_blocks - 1 - i
+    return i
+
+
+@triton.jit
 def _key_range(m0, seqlen_q, seqlen_k, window,
                IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """(lo, mid_lo, mid_hi, hi): the keys query rows [m0, m0 + BLOCK_M) may see are [lo, hi); key
@@ -175,8 +184,7 @@ def _attention_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn,
     return acc, l_i, m_i
 
 
-@triton.jit
-def _attention_fwd_block(q_base, k_base, v_base, o_base, lse_base, start_m, seqlen_q, seqlen_k, window,
+def _attention_fwd_block_body(q_base, k_base, v_base, o_base, lse_base, start_m, seqlen_q, seqlen_k, window,
                          qk_scale, sink, stride_qm, stride_kn, stride_vn, stride_om,
                          IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
                          RETURN_LSE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -219,6 +227,13 @@ def _attention_fwd_block(q_base, k_base, v_base, o_base, lse_base, start_m, seql
         tl.store(lse_base + offs_m, tl.where(empty, float("inf"), lse2 * LN2), mask=row_ok)
 
 
+_attention_fwd_block = triton.jit(_attention_fwd_block_body)
+# The same block as a called function, for varlen programs, which loop over blocks (a max_seqlen_q
+# shorter than a sequence still covers it): inlined inside that loop the block holds ~60 more registers
+# live on sm_90; called, about what the padded kernel holds.
+_attention_fwd_block_called = triton.jit(noinline=True)(_attention_fwd_block_body)
+
+
 @triton.jit
 def _attention_fwd_kernel(
         Q, K, V, Sinks, Out, Lse, cu_seqlens_q, cu_seqlens_k,
@@ -257,12 +272,10 @@ def _attention_fwd_kernel(
         lse_base = Lse + off_h.to(tl.int64) * stride_lh + q_start
         n_blocks = (seqlen_q + BLOCK_M - 1) // BLOCK_M
         for i in range(tl.program_id(0), n_blocks, tl.num_programs(0)):
-            start_m = i
-            if IS_CAUSAL:
-                start_m = n_blocks - 1 - i  # the longest query blocks first
-            _attention_fwd_block(q_base, k_base, v_base, o_base, lse_base, start_m, seqlen_q, seqlen_k, window,
-                                 qk_scale, sink, stride_qm, stride_kn, stride_vn, stride_om, IS_CAUSAL, HAS_WINDOW,
-                                 HAS_SINKS, RETURN_LSE, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N)
+            _attention_fwd_block_called(q_base, k_base, v_base, o_base, lse_base, _block_order(i, n_blocks, IS_CAUSAL),
+                                        seqlen_q, seqlen_k, window, qk_scale, sink, stride_qm, stride_kn, stride_vn,
+                                        stride_om, IS_CAUSAL, HAS_WINDOW, HAS_SINKS, RETURN_LSE, HEAD_DIM, BLOCK_D,
+                                        BLOCK_M, BLOCK_N)
     else:
         q_base = Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh
         o_base = Out + off_b.to(tl.int64) * stride_ob + off_h.to(tl.int64) * stride_oh
@@ -344,7 +357,8 @@ def _attention_bwd_dkv_inner(dk, dv, k, v, q_head, do_head, lse2_head, delta_hea
     q_offs = offs_r[:, None] * stride_qm + offs_d[None, :]
     do_offs = offs_r[:, None] * stride_dom + offs_d[None, :]
     diag = seqlen_k - seqlen_q
-    for start_m in range(start, end, BLOCK_M):
+    # The masked edges are a few blocks each: pipelining them only costs registers (sm_90 compiles).
+    for start_m in tl.range(start, end, BLOCK_M, num_stages=1 if MASKED else None):
         rows = start_m + offs_r
         if MASKED:
             row_ok = rows < seqlen_q
@@ -380,8 +394,7 @@ def _attention_bwd_dkv_inner(dk, dv, k, v, q_head, do_head, lse2_head, delta_hea
     return dk, dv
 
 
-@triton.jit
-def _attention_bwd_dkv_block(q_base, k_base, v_base, do_base, dk_base, dv_base, lse2_base, delta_base,
+def _attention_bwd_dkv_block_body(q_base, k_base, v_base, do_base, dk_base, dv_base, lse2_base, delta_base,
                              start_n, seqlen_q, seqlen_k, window, group, off_hk, qk_scale, sm_scale,
                              stride_qm, stride_qh, stride_kn, stride_vn, stride_dom, stride_doh,
                              stride_dkn, stride_dvn, stride_lh,
@@ -398,7 +411,7 @@ def _attention_bwd_dkv_block(q_base, k_base, v_base, do_base, dk_base, dv_base, 
     lo, mid_lo, mid_hi, hi = _query_range(n0, seqlen_q, seqlen_k, window, IS_CAUSAL, HAS_WINDOW, BLOCK_M, BLOCK_N)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    for g in range(group):
+    for g in tl.range(group, disable_licm=True):
         off_h = (off_hk * group + g).to(tl.int64)
         q_head = q_base + off_h * stride_qh
         do_head = do_base + off_h * stride_doh
@@ -419,6 +432,10 @@ def _attention_bwd_dkv_block(q_base, k_base, v_base, do_base, dk_base, dv_base, 
     dv_ptrs = dv_base + n0.to(tl.int64) * stride_dvn + rows * stride_dvn + offs_d[None, :]
     tl.store(dk_ptrs, (dk * sm_scale).to(dk_base.dtype.element_ty), mask=tile_ok)
     tl.store(dv_ptrs, dv.to(dv_base.dtype.element_ty), mask=tile_ok)
+
+
+_attention_bwd_dkv_block = triton.jit(_attention_bwd_dkv_block_body)
+_attention_bwd_dkv_block_called = triton.jit(noinline=True)(_attention_bwd_dkv_block_body)  # see the forward's
 
 
 @triton.jit
@@ -454,11 +471,11 @@ def _attention_bwd_dkv_kernel(
         dv_base = DV + k_start.to(tl.int64) * stride_dvn + off_hk.to(tl.int64) * stride_dvh
         n_blocks = (seqlen_k + BLOCK_N - 1) // BLOCK_N
         for start_n in range(tl.program_id(0), n_blocks, tl.num_programs(0)):
-            _attention_bwd_dkv_block(q_base, k_base, v_base, do_base, dk_base, dv_base, lse2_base, delta_base,
-                                     start_n, seqlen_q, seqlen_k, window, group, off_hk, qk_scale, sm_scale,
-                                     stride_qm, stride_qh, stride_kn, stride_vn, stride_dom, stride_doh,
-                                     stride_dkn, stride_dvn, stride_lh,
-                                     IS_CAUSAL, HAS_WINDOW, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N)
+            _attention_bwd_dkv_block_called(q_base, k_base, v_base, do_base, dk_base, dv_base, lse2_base,
+                                            delta_base, start_n, seqlen_q, seqlen_k, window, group, off_hk,
+                                            qk_scale, sm_scale, stride_qm, stride_qh, stride_kn, stride_vn,
+                                            stride_dom, stride_doh, stride_dkn, stride_dvn, stride_lh,
+                                            IS_CAUSAL, HAS_WINDOW, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N)
     else:
         b64 = off_b.to(tl.int64)
         q_base = Q + b64 * stride_qb
@@ -516,8 +533,7 @@ def _attention_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, s
     return dq
 
 
-@triton.jit
-def _attention_bwd_dq_block(q_base, k_base, v_base, do_base, dq_base, lse2_base, delta_base, start_m,
+def _attention_bwd_dq_block_body(q_base, k_base, v_base, do_base, dq_base, lse2_base, delta_base, start_m,
                             seqlen_q, seqlen_k, window, qk_scale, sm_scale,
                             stride_qm, stride_kn, stride_vn, stride_dom, stride_dqm,
                             IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -546,6 +562,10 @@ def _attention_bwd_dq_block(q_base, k_base, v_base, do_base, dq_base, lse2_base,
                                  seqlen_k, window, qk_scale, True, IS_CAUSAL, HAS_WINDOW, HEAD_DIM, BLOCK_N, BLOCK_D)
     dq_ptrs = dq_base + m0.to(tl.int64) * stride_dqm + rows * stride_dqm + offs_d[None, :]
     tl.store(dq_ptrs, (dq * sm_scale).to(dq_base.dtype.element_ty), mask=tile_ok)
+
+
+_attention_bwd_dq_block = triton.jit(_attention_bwd_dq_block_body)
+_attention_bwd_dq_block_called = triton.jit(noinline=True)(_attention_bwd_dq_block_body)  # see the forward's
 
 
 @triton.jit
@@ -579,13 +599,10 @@ def _attention_bwd_dq_kernel(
         v_base = V + k_start.to(tl.int64) * stride_vn + off_hk.to(tl.int64) * stride_vh
         n_blocks = (seqlen_q + BLOCK_M - 1) // BLOCK_M
         for i in range(tl.program_id(0), n_blocks, tl.num_programs(0)):
-            start_m = i
-            if IS_CAUSAL:
-                start_m = n_blocks - 1 - i
-            _attention_bwd_dq_block(q_base, k_base, v_base, do_base, dq_base, lse2_base, delta_base, start_m,
-                                    seqlen_q, seqlen_k, window, qk_scale, sm_scale,
-                                    stride_qm, stride_kn, stride_vn, stride_dom, stride_dqm,
-                                    IS_CAUSAL, HAS_WINDOW, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N)
+            _attention_bwd_dq_block_called(q_base, k_base, v_base, do_base, dq_base, lse2_base, delta_base,
+                                           _block_order(i, n_blocks, IS_CAUSAL), seqlen_q, seqlen_k, window,
+                                           qk_scale, sm_scale, stride_qm, stride_kn, stride_vn, stride_dom,
+                                           stride_dqm, IS_CAUSAL, HAS_WINDOW, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N)
     else:
         b64 = off_b.to(tl.int64)
         q_base = Q + b64 * stride_qb + h64 * stride_qh
@@ -884,4 +901,5 @@ class AttentionTiledBase:
         return lambda args: attention_call(args, config)
 
     def compile_specs(self, key: dict, config: CallConfig, dtype: str = "fp16") -> list[CompileSpec]:
-        return attention_compile_specs(key, config, self.roles, dtype)
+        """The kernels of the roles `config` names (a forward-only config: the forward's)."""
+        return attention_compile_specs(key, config, tuple(r for r in self.roles if r in config), dtype)
