@@ -47,16 +47,18 @@ def _variants():
     return [v for op in ("flash_attention", "sink_attention") for v in load_all()[op]]
 
 
+# Tiles other than the interpreter defaults for every role: other block shapes (16 rows against 32
+# keys and the reverse), more blocks per loop, other stage boundaries.
+OTHER_TILES = CallConfig({"fwd": LaunchConfig(blocks={"BLOCK_M": 16, "BLOCK_N": 16}),
+                          "bwd_pre": LaunchConfig(blocks={"BLOCK_M": 16}),
+                          "bwd_dkv": LaunchConfig(blocks={"BLOCK_M": 32, "BLOCK_N": 16}),
+                          "bwd_dq": LaunchConfig(blocks={"BLOCK_M": 16, "BLOCK_N": 32})})
+
+
 def _other_config(variant, key: dict) -> CallConfig:
-    """Every role at the interpreter's second tile (its default is the first): other block shapes,
-    more blocks per loop, other stage boundaries."""
     default = variant.default_config(key, CPU)
-    other = default
-    for role, configs in variant.space(key, CPU).items():
-        if len(configs) > 1:
-            other = other.replace(role, configs[1])
-    assert other != default
-    return other
+    assert all(OTHER_TILES[role].blocks != default[role].blocks for role in ROLES)
+    return OTHER_TILES
 
 
 @contextlib.contextmanager
@@ -391,7 +393,7 @@ def test_spaces_differ_only_by_vendor_data():
             assert {c.matrix_instr_nonkdim for c in gfx950} == {16, 32}
     for variant in _variants():
         cpu_space = variant.space(KEY, CPU)
-        assert [len(cpu_space[role]) for role in ROLES] == [4, 1, 2, 2]
+        assert [len(cpu_space[role]) for role in ROLES] == [2, 1, 1, 1]
         assert all(max(c.blocks.values()) <= 32 for configs in cpu_space.values() for c in configs)
 
 
@@ -427,7 +429,7 @@ def test_defaults_survive_pruning(d):
     # Short sequences shrink the tiles to the smallest the space has.
     for vendor, device in (("amd", PRESETS["mi355x"]), ("nvidia", PRESETS["h200"])):
         short = _variant(S, vendor).default_config({**KEY, "d": d, "s_q": 16, "s_k": 32}, device)
-        assert short["fwd"].blocks == {"BLOCK_M": 64, "BLOCK_N": 32}
+        assert short["fwd"].blocks["BLOCK_M"] == 64 and short["fwd"].blocks["BLOCK_N"] <= 32
         assert short["bwd_dq"].blocks["BLOCK_M"] == 32 and short["bwd_dkv"].blocks["BLOCK_N"] == 32
 
 

@@ -61,10 +61,16 @@ class AttentionNvidia:
     }
     # Forward, measured on an H100/H200 at s 8192, bf16 (2026-11): d 64 128x64 with 8 warps (405 TFLOP/s
     # causal vs 370 with 4). d 128: 128x128 w8 is ~4% faster (459 vs 442) but sits at 255 registers and
-    # spills under varlen, so the default stays 128x64 (d 64 and 128 alike). d 256 spills at num_stages 2
-    # under varlen or a window: its default takes num_stages 1, outside the sweep's space.
+    # spills under varlen, so the default stays 128x64 (d 64 and 128 alike). d 256 spills under varlen
+    # with 32-key tiles or 2 stages: its default takes 16-key tiles and num_stages 1, outside the space.
+    # Backward (untimed; sm_90 compiles, bf16, sinks, windows and varlen, no spills): dK/dV keeps 128 key
+    # rows for two warpgroups and narrows its query tile as d grows (32, then 16 at d 128: 255
+    # registers; d 256 fits only 16x32 with 4 warps); dQ 128x32 up to d 128, 128x16 at d 256.
     HEAD_DIM_DEFAULTS = {
-        "fwd": ((128, {}), (256, {"BLOCK_N": 32, "num_stages": 1})),
+        "fwd": ((128, {}), (256, {"BLOCK_N": 16, "num_stages": 1})),
+        "bwd_dkv": ((64, {}), (128, {"BLOCK_M": 16, "num_stages": 2}),
+                    (256, {"BLOCK_M": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1})),
+        "bwd_dq": ((128, {}), (256, {"BLOCK_N": 16, "num_stages": 2})),
     }
 
     def shared_bytes(self, role: str, config: LaunchConfig, block_d: int, elem: int) -> int:
