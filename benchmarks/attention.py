@@ -29,6 +29,7 @@ from tuning.bench import rotating
 FAMILY = "attention"
 FLASH, SINK = OPS["flash_attention"], OPS["sink_attention"]
 BACKWARD = 2.5  # a backward's FLOPs, in forwards
+DEVICE = "cuda"
 
 
 def _shape_name(s: dict) -> str:
@@ -94,10 +95,10 @@ def _bench_shape(op, shape: dict, dtype: torch.dtype) -> list[Measurement]:
     handle = registry.get(op.name)
     call = lambda a: handle(**a)  # noqa: E731
     name, fwd_op, both_op = _shape_name(shape), f"{op.name} fwd", f"{op.name} fwd+bwd"
-    sets = [op.validate(**op.make_inputs(shape, device="cuda", dtype=dtype, seed=i)) for i in range(2)]
+    sets = [op.validate(**op.make_inputs(shape, device=DEVICE, dtype=dtype, seed=i)) for i in range(2)]
     args = sets[0]
     flops = op.flops(args)
-    small = op.validate(**op.make_inputs(op.reduce_shape(shape), device="cuda", dtype=dtype, seed=7))
+    small = op.validate(**op.make_inputs(op.reduce_shape(shape), device=DEVICE, dtype=dtype, seed=7))
     err, bwd_err = checked(op, args, call), checked_backward(op, small, call)
     out = [measure(fwd_op, name, PROVIDER, rotating(call, sets), flops, "TFLOP/s", err),
            measure(both_op, name, PROVIDER, _forward_backward(op, call, args), (1 + BACKWARD) * flops, "TFLOP/s",
