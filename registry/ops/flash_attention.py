@@ -141,7 +141,7 @@ def _shape(b, s, h, d, causal, s_k=None, h_kv=None, window=None):
 
 presets = {
     "tiny": [
-        _shape(2, 37, 4, 64, True, h_kv=2),
+        _shape(1, 37, 4, 64, True, h_kv=2),
         _shape(1, 19, 2, 128, False),
         _shape(2, 13, 4, 64, True, s_k=29, h_kv=1),
     ],
