@@ -185,10 +185,10 @@ def _attention_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn,
 
 
 def _attention_fwd_block_body(q_base, k_base, v_base, o_base, lse_base, start_m, seqlen_q, seqlen_k, window,
-                         qk_scale, sink, stride_qm, stride_kn, stride_vn, stride_om,
-                         IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
-                         RETURN_LSE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                              qk_scale, sink, stride_qm, stride_kn, stride_vn, stride_om,
+                              IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
+                              RETURN_LSE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Query block `start_m` of one (sequence, head): out rows (and lse) from the three key stages."""
     m0 = start_m * BLOCK_M
     offs_m = m0 + tl.arange(0, BLOCK_M)
@@ -395,11 +395,11 @@ def _attention_bwd_dkv_inner(dk, dv, k, v, q_head, do_head, lse2_head, delta_hea
 
 
 def _attention_bwd_dkv_block_body(q_base, k_base, v_base, do_base, dk_base, dv_base, lse2_base, delta_base,
-                             start_n, seqlen_q, seqlen_k, window, group, off_hk, qk_scale, sm_scale,
-                             stride_qm, stride_qh, stride_kn, stride_vn, stride_dom, stride_doh,
-                             stride_dkn, stride_dvn, stride_lh,
-                             IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HEAD_DIM: tl.constexpr,
-                             BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                                  start_n, seqlen_q, seqlen_k, window, group, off_hk, qk_scale, sm_scale,
+                                  stride_qm, stride_qh, stride_kn, stride_vn, stride_dom, stride_doh,
+                                  stride_dkn, stride_dvn, stride_lh,
+                                  IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HEAD_DIM: tl.constexpr,
+                                  BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Key block `start_n` of one (sequence, kv head): dK and dV summed over the group's query heads."""
     n0 = start_n * BLOCK_N
     offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -534,10 +534,10 @@ def _attention_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, s
 
 
 def _attention_bwd_dq_block_body(q_base, k_base, v_base, do_base, dq_base, lse2_base, delta_base, start_m,
-                            seqlen_q, seqlen_k, window, qk_scale, sm_scale,
-                            stride_qm, stride_kn, stride_vn, stride_dom, stride_dqm,
-                            IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HEAD_DIM: tl.constexpr,
-                            BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                                 seqlen_q, seqlen_k, window, qk_scale, sm_scale,
+                                 stride_qm, stride_kn, stride_vn, stride_dom, stride_dqm,
+                                 IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HEAD_DIM: tl.constexpr,
+                                 BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Query block `start_m` of one (sequence, head): dQ over the forward's three key stages."""
     m0 = start_m * BLOCK_M
     offs_m = m0 + tl.arange(0, BLOCK_M)
