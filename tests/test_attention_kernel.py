@@ -1,7 +1,8 @@
 """The attention kernel family (kernels/common/attention.py: flash_attention_tiled and
 sink_attention_flash, NVIDIA and AMD, one body) against the references, forward and backward.
 
-Without a GPU the kernels run in the Triton interpreter, so shapes are tiny. Both vendors' variants run
+Without a GPU the kernels run in the Triton interpreter in fp16, so shapes are tiny (on a GPU: bf16,
+the same shapes and tiles). Both vendors' variants run
 the same kernels with the same interpreter tiles, so each case runs on one vendor's variant, the two
 alternating (tests/test_conformance.py runs both on every tiny preset, every role's configs). Outputs
 come from launches whose `torch.empty`/`empty_like` allocations are poisoned with NaN, so an element a
@@ -30,9 +31,14 @@ from registry.testing import (
     max_relative_error,
     reference_gradients,
 )
+from tuning.space import INTERPRETER_DTYPE
 from tuning_db.records import CallConfig, LaunchConfig
 
-RTOL, GRAD_RTOL = TOLERANCE[torch.float16], GRAD_TOLERANCE[torch.float16]
+from .conftest import HAS_GPU
+
+DEVICE = torch.device("cuda" if HAS_GPU else "cpu")
+DTYPE = torch.bfloat16 if HAS_GPU else INTERPRETER_DTYPE
+RTOL, GRAD_RTOL = TOLERANCE[DTYPE], GRAD_TOLERANCE[DTYPE]
 VENDORS = ("nvidia", "amd")
 ROLES = ("fwd", "bwd_pre", "bwd_dkv", "bwd_dq")
 # The interpreter turns the loop bounds (0-d arrays) into ints through a path numpy deprecates.
@@ -80,14 +86,14 @@ def _poisoned():
 def _make(op: str, b, s_q, s_k, h_q, h_kv, d, *, sinks=None, seed=0, **kw) -> dict:
     """Validated arguments: random q, k, v; sinks None, "random" (around ln s_k) or one value per head."""
     gen = torch.Generator().manual_seed(seed)
-    q = random_normal((b, s_q, h_q, d), device="cpu", dtype=torch.float16, generator=gen)
-    k = random_normal((b, s_k, h_kv, d), device="cpu", dtype=torch.float16, generator=gen)
-    v = random_normal((b, s_k, h_kv, d), device="cpu", dtype=torch.float16, generator=gen)
+    q = random_normal((b, s_q, h_q, d), device=DEVICE, dtype=DTYPE, generator=gen)
+    k = random_normal((b, s_k, h_kv, d), device=DEVICE, dtype=DTYPE, generator=gen)
+    v = random_normal((b, s_k, h_kv, d), device=DEVICE, dtype=DTYPE, generator=gen)
     if op == "sink_attention":
         if isinstance(sinks, str):
-            sinks = random_normal((h_q,), device="cpu", dtype=torch.float32, generator=gen, scale=2.0) + math.log(s_k)
+            sinks = random_normal((h_q,), device=DEVICE, dtype=torch.float32, generator=gen, scale=2.0) + math.log(s_k)
         elif sinks is not None:
-            sinks = torch.tensor(sinks, dtype=torch.float32)
+            sinks = torch.tensor(sinks, dtype=torch.float32, device=DEVICE)
         kw["sinks"] = sinks
     return OPS[op].validate(q, k, v, **{"return_lse": True, **kw})
 
@@ -184,12 +190,12 @@ def test_non_contiguous_inputs_and_gradients():
     """q from a packed qkv tensor, k and v as transposed views: only the last dim is contiguous."""
     gen = torch.Generator().manual_seed(3)
     b, s, h, d = 2, 21, 4, 64
-    qkv = random_normal((b, s, 3, h, d), device="cpu", dtype=torch.float16, generator=gen)
-    k_bhsd = random_normal((b, 2, s + 5, d), device="cpu", dtype=torch.float16, generator=gen)
-    v_bhsd = random_normal((b, 2, s + 5, d), device="cpu", dtype=torch.float16, generator=gen)
+    qkv = random_normal((b, s, 3, h, d), device=DEVICE, dtype=DTYPE, generator=gen)
+    k_bhsd = random_normal((b, 2, s + 5, d), device=DEVICE, dtype=DTYPE, generator=gen)
+    v_bhsd = random_normal((b, 2, s + 5, d), device=DEVICE, dtype=DTYPE, generator=gen)
     q, k, v = qkv[:, :, 0], k_bhsd.transpose(1, 2)[:, 5:], v_bhsd.transpose(1, 2)[:, 5:]
     assert not (q.is_contiguous() or k.is_contiguous() or v.is_contiguous())
-    args = OPS[S].validate(q, k, v, sinks=torch.randn(h, generator=gen) + 2.0, window=6, return_lse=True)
+    args = OPS[S].validate(q, k, v, sinks=(torch.randn(h, generator=gen) + 2.0).to(DEVICE), window=6, return_lse=True)
     _check(_variant(S, "amd"), args, grads=True, other=False)
 
 
@@ -233,13 +239,14 @@ def test_deterministic_gradients_are_bitwise_reproducible():
 def _packed(op: str, lens_q, lens_k, h_q, h_kv, d, *, lead=0, tail=0, seed=0, sinks=True, **kw) -> dict:
     """Packed sequences with `lead` and `tail` rows of q outside every sequence."""
     gen = torch.Generator().manual_seed(seed)
-    cu_q = torch.tensor([lead, *(lead + sum(lens_q[: i + 1]) for i in range(len(lens_q)))], dtype=torch.int32)
-    cu_k = torch.tensor([0, *(sum(lens_k[: i + 1]) for i in range(len(lens_k)))], dtype=torch.int32)
-    q = random_normal((int(cu_q[-1]) + tail, h_q, d), device="cpu", dtype=torch.float16, generator=gen)
-    k = random_normal((int(cu_k[-1]), h_kv, d), device="cpu", dtype=torch.float16, generator=gen)
-    v = random_normal((int(cu_k[-1]), h_kv, d), device="cpu", dtype=torch.float16, generator=gen)
+    cu_q = [lead, *(lead + sum(lens_q[: i + 1]) for i in range(len(lens_q)))]
+    cu_k = [0, *(sum(lens_k[: i + 1]) for i in range(len(lens_k)))]
+    q = random_normal((cu_q[-1] + tail, h_q, d), device=DEVICE, dtype=DTYPE, generator=gen)
+    k = random_normal((cu_k[-1], h_kv, d), device=DEVICE, dtype=DTYPE, generator=gen)
+    v = random_normal((cu_k[-1], h_kv, d), device=DEVICE, dtype=DTYPE, generator=gen)
     if op == "sink_attention":
-        kw["sinks"] = random_normal((h_q,), device="cpu", dtype=torch.float32, generator=gen) + 2.0 if sinks else None
+        kw["sinks"] = random_normal((h_q,), device=DEVICE, dtype=torch.float32, generator=gen) + 2.0 if sinks else None
+    cu_q, cu_k = (torch.tensor(cu, dtype=torch.int32, device=DEVICE) for cu in (cu_q, cu_k))
     return OPS[op].validate(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(lens_q),
                             max_seqlen_k=max(lens_k), return_lse=True, **kw)
 
@@ -287,7 +294,7 @@ class _Guarded:
         self.real = {name: getattr(torch, name) for name in _ALLOCATORS}
 
     def place(self, t: torch.Tensor) -> torch.Tensor:
-        flat = self.real["full"]((t.numel() + 2 * self.PAD,), math.nan, dtype=t.dtype)
+        flat = self.real["full"]((t.numel() + 2 * self.PAD,), math.nan, dtype=t.dtype, device=t.device)
         view = flat[self.PAD: self.PAD + t.numel()].view(t.shape)
         view.copy_(t)
         self.buffers.append((flat, t.numel()))
@@ -332,12 +339,13 @@ def test_hostile_cu_seqlens_stay_inside_the_tensors(case):
     gen = torch.Generator().manual_seed(2)
     guarded = _Guarded()
     shapes = {"q": (20, 4, 64), "k": (24, 2, 64), "v": (24, 2, 64)}
-    leaves = {n: guarded.place(random_normal(shape, device="cpu", dtype=torch.float16, generator=gen))
+    leaves = {n: guarded.place(random_normal(shape, device=DEVICE, dtype=DTYPE, generator=gen))
               for n, shape in shapes.items()}
-    leaves["sinks"] = guarded.place(torch.randn(4, generator=gen))
+    leaves["sinks"] = guarded.place(torch.randn(4, generator=gen).to(DEVICE))
     leaves = {n: t.requires_grad_() for n, t in leaves.items()}
-    args = OPS[S].validate(**leaves, window=9, return_lse=True, cu_seqlens_q=torch.tensor(cu_q, dtype=torch.int32),
-                           cu_seqlens_k=torch.tensor(cu_k, dtype=torch.int32), max_seqlen_q=8, max_seqlen_k=8)
+    cu = {name: torch.tensor(values, dtype=torch.int32, device=DEVICE)
+          for name, values in (("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k))}
+    args = OPS[S].validate(**leaves, **cu, window=9, return_lse=True, max_seqlen_q=8, max_seqlen_k=8)
     variant = _variant(S, VENDORS[list(HOSTILE).index(case) % 2])
     config = variant.default_config(dict(OPS[S].tuning_key(args)), CPU)
     with guarded.allocations():
@@ -347,8 +355,9 @@ def test_hostile_cu_seqlens_stay_inside_the_tensors(case):
     assert guarded.guards_intact()
     assert torch.isfinite(out).all() and not torch.isnan(lse).any() and all(torch.isfinite(g).all() for g in grads)
     if fixed_q is not None:
-        fixed = {**args, "cu_seqlens_q": torch.tensor(fixed_q, dtype=torch.int32),
-                 "cu_seqlens_k": torch.tensor(fixed_k, dtype=torch.int32), "max_seqlen_q": 20, "max_seqlen_k": 24}
+        fixed = {**args, "cu_seqlens_q": torch.tensor(fixed_q, dtype=torch.int32, device=DEVICE),
+                 "cu_seqlens_k": torch.tensor(fixed_k, dtype=torch.int32, device=DEVICE),
+                 "max_seqlen_q": 20, "max_seqlen_k": 24}
         assert max_relative_error((out, lse), OPS[S].reference(**fixed)) <= RTOL
         expected = reference_gradients(OPS[S], fixed, dout)
         assert max_relative_error([g.float() for g in grads], expected) <= GRAD_RTOL
