@@ -1,6 +1,7 @@
-"""Memory safety on the GPU: every registered variant of this GPU's vendor runs its op's tiny presets
-with hostile integer inputs (indices, lengths, offsets, block tables: both int32 ends, -1, sizes and
-sizes + 1, all-invalid rows), forward and, for differentiable ops, backward. Run it under
+"""Memory safety on the GPU: every registered variant of this GPU's vendor runs its op's tiny presets,
+in every layout (packed varlen too), with hostile integer inputs (indices, lengths, offsets, block
+tables: both int32 ends, -1, sizes and sizes + 1, all-invalid rows), forward and, for differentiable
+ops, backward. Run it under
 `compute-sanitizer --tool memcheck` (scripts/memcheck.sh): any read or write outside a tensor fails.
 
 Calls the contract rejects are skipped (a clear error is the guarantee there); everything else must
@@ -40,7 +41,7 @@ def main() -> int:
         op = OPS[op_name]
         for variant in (v for v in variants if v.vendor == vendor):
             handle = dispatch.get(op_name, vendor=vendor, variant=variant.name)
-            for shape in op.presets["tiny"]:
+            for shape in (layout for preset in op.presets["tiny"] for layout in op.layouts(preset)):
                 for label, kwargs in _cases(op, shape):
                     try:
                         op.validate(**kwargs)
