@@ -8,7 +8,9 @@ A benchmark module (`benchmarks/<family>.py`) sets `FAMILY` (its name for `--onl
 
 from __future__ import annotations
 
+import argparse
 import csv
+import json
 import subprocess
 import time
 from dataclasses import dataclass
@@ -16,8 +18,9 @@ from pathlib import Path
 
 import torch
 
-from registry.testing import GRAD_TOLERANCE, TOLERANCE, gradient_error, max_relative_error
+from registry.testing import GRAD_TOLERANCE, TOLERANCE, backward_call, gradient_error, max_relative_error
 from tuning.bench import time_gpu, time_gpu_quantiles
+from tuning_db.records import LaunchConfig
 
 PROVIDER = "kreg"  # our own rows; every other provider is a peer
 
@@ -137,3 +140,80 @@ def host_us(fns: dict, iters: int = 2000, repeats: int = 9) -> dict[str, list[fl
             torch.cuda.synchronize()
             samples[name].append(elapsed / iters * 1e6)
     return samples
+
+
+# ----------------------------------------------------------------------------- config exploration
+def kernel_ms(fn, kernels) -> str:
+    """One profiled run of `fn` (already compiled and warm): milliseconds per kernel among `kernels`
+    (Triton jit functions), as "name ms + name ms"."""
+    from torch.profiler import ProfilerActivity, profile
+
+    names = [k.__name__ for k in kernels]
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    found = {e.key: e.self_device_time_total / 1e3 for e in prof.key_averages() if e.key in names}
+    return " + ".join(f"{name.strip('_').removesuffix('_kernel')} {found[name]:.3f}" for name in names if name in found)
+
+
+def describe(config: LaunchConfig) -> str:
+    """A launch config in one short word: its block values, then warps and stages."""
+    blocks = "x".join(str(v) for v in config.blocks.values())
+    return f"{blocks} w{config.num_warps} s{config.num_stages}"
+
+
+def explore(op, shape: dict, configs: dict[str, list[dict]], *, name: str, unit: str,
+            dtype: torch.dtype = torch.bfloat16, variant_name: str | None = None) -> list[Measurement]:
+    """Time explicit configs of one variant (default: this GPU's highest-priority one for the shape) at
+    one shape, each checked on the op's reduced shape first: for each role, its configs (LaunchConfig
+    fields as dicts) in place of the default's. Forward roles are timed on the call, backward roles on
+    the backward alone; each row's provider names the config and the time of each kernel it ran.
+    `unit` "TFLOP/s" counts the op's FLOPs (backward 2.5x), "TB/s" its bytes. Tuned tables are not
+    involved."""
+    from registry.device import detect
+    from registry.dispatch import candidates
+
+    device = detect()
+    small = op.validate(**op.make_inputs(op.reduce_shape(shape), device="cuda", dtype=dtype, seed=1))
+    args = op.validate(**op.make_inputs(shape, device="cuda", dtype=dtype, seed=0))
+    key = dict(op.tuning_key(args))
+    variant = candidates(op.name, device.vendor, variant_name, key, device)[0]
+    default = variant.default_config(key, device)
+    work = op.flops(args) if unit == "TFLOP/s" else op.bytes_moved(args)
+    out = []
+    for role, fields in ((role, f) for role, listed in configs.items() for f in listed):
+        call_config = default.replace(role, LaunchConfig(**fields))
+        call = lambda a, c=call_config: variant.launch(a, c)  # noqa: E731
+        label = f"{variant.name} {role} {describe(call_config[role])}"
+        if role.startswith("bwd"):
+            err = checked_backward(op, small, call)
+            timed = backward_call(op, call, args)
+            m = measure(f"{op.name} bwd", name, label, timed, 2.5 * work, unit, err)
+            kernels = [k for r, k in variant.kernels.items() if r.startswith("bwd")]
+        else:
+            err = checked(op, small, call)
+            timed = lambda c=call: c(args)  # noqa: E731
+            m = measure(op.name, name, label, timed, work, unit, err)
+            kernels = [k for r, k in variant.kernels.items() if not r.startswith("bwd")]
+        m.provider += f" ({kernel_ms(timed, kernels)})"
+        del timed
+        out.append(m)
+        torch.cuda.empty_cache()
+    return out
+
+
+def explore_main(prog: str, op, shapes: list[dict], name, unit: str, argv: list[str] | None = None) -> int:
+    """The command line of a family's config exploration: `--configs` (JSON role -> list of
+    LaunchConfig dicts), `--variant`, `--shape` (indices into `shapes`, default the first)."""
+    parser = argparse.ArgumentParser(prog=prog)
+    parser.add_argument("--configs", default="{}", help="JSON: role -> list of LaunchConfig dicts")
+    parser.add_argument("--variant", default=None, help="variant name (default: the registry's first choice)")
+    parser.add_argument("--shape", default="0", help="comma-separated indices of: " +
+                        "; ".join(f"{i} {name(s)}" for i, s in enumerate(shapes)))
+    args = parser.parse_args(argv)
+    for index in (int(i) for i in args.shape.split(",")):
+        for m in explore(op, shapes[index], json.loads(args.configs), name=name(shapes[index]), unit=unit,
+                         variant_name=args.variant):
+            print(f"{m.shape:45} {m.provider:100} {m.median_ms:9.4f} ms {m.rate():6.2f} {m.unit}  "
+                  f"rel err {m.rel_err:.1e}", flush=True)
+    return 0

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import registry
-from benchmarks.common import PROVIDER, Measurement, checked, measure
+from benchmarks.common import PROVIDER, Measurement, checked, explore_main, measure
 from registry.ops import OPS
 
 FAMILY = "decode"
@@ -21,11 +21,11 @@ OP = OPS["decode"]
 
 
 def _shapes() -> list[dict]:
-    """The full preset (contiguous and paged at 16 and 64), 4 speculative tokens, a window of 4096 over
-    a 128K cache."""
-    long = {"b": 1, "s_q": 1, "h_q": 64, "h_kv": 8, "d": 64, "n": 131072, "block_size": None, "sinks": True,
-            "window": None, "ragged": False}
-    return list(OP.presets["full"]) + [{**OP.presets["full"][0], "s_q": 4}, {**long, "window": 4096}]
+    """The target shapes (contiguous and paged at 16 and 64, windows of 128), 4 speculative tokens, a
+    window of 4096 over a 128K cache."""
+    targets = list(OP.presets["targets"])
+    long = {**targets[3], "block_size": None}
+    return targets + [{**targets[0], "s_q": 4}, {**long, "window": 4096}]
 
 
 def _name(s: dict) -> str:
@@ -64,3 +64,13 @@ def _bottom_right(s_q: int, s_k: int, device) -> torch.Tensor:
     """The causal mask of s_q new tokens at the end of s_k keys."""
     rows = torch.arange(s_q, device=device)[:, None] + (s_k - s_q)
     return torch.arange(s_k, device=device)[None, :] <= rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m benchmarks.decode --configs '{"split": [{...}]}' [--shape 0,3]`: explore configs
+    (benchmarks.common.explore) at this module's shapes."""
+    return explore_main("python -m benchmarks.decode", OP, _shapes(), _name, "TB/s", argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

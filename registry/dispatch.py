@@ -78,7 +78,8 @@ def shipped_tables():
 
 
 def user_store():
-    """The user's tuning database (KREG_TUNING_DB or the default file), opened once per URL."""
+    """The user's tuning database (KREG_TUNING_DB or the default file), opened once per URL. Opening
+    creates nothing: a database that does not exist yet reads as empty."""
     from tuning_db.store import default_url
 
     return _user_store(default_url())
@@ -94,23 +95,51 @@ def _warn_once(message: str) -> None:
 
 
 def tuned_lookups(op: Op, device: DeviceInfo, key_json: str, dims: dict):
-    """(source, lookup) pairs in docs/architecture.md's order; each lookup returns a TunedConfig or None."""
-    from tuning_db.store import TuningDatabaseError
+    """(source, lookup) pairs in docs/architecture.md's order; each lookup returns a TunedConfig or None.
 
-    def guarded(fn):
-        def run():
+    No failure of a source reaches the call: a database or table that cannot be read (a bad URL, a
+    damaged file, anything it raises) warns once and gives None, so the next source answers; an entry
+    that does not fit its variant (`tuning_db.checks`: unknown variant, config outside its space) is
+    passed over with a warning, and the source's next candidate counts."""
+    from tuning_db.checks import entry_problem
+    from tuning_db.store import default_url, redact, safe_url
+
+    def database() -> tuple[str, str]:
+        return "tuning database", safe_url(default_url())
+
+    def tables() -> tuple[str, str]:
+        return "shipped tuned tables", str(shipped_tables().folder)
+
+    def guarded(source, fallback: str, lookup):
+        def accept(tuned: TunedConfig) -> bool:
+            problem = entry_problem(tuned, device)
+            if problem is not None:
+                _warn_once(f"kreg: {' '.join(source())}: the entry of {tuned.op} for {tuned.tuning_key} on "
+                           f"{tuned.device_key} ({tuned.variant}) is ignored: {problem}")
+            return problem is None
+
+        def run() -> TunedConfig | None:
             try:
-                return fn()
-            except TuningDatabaseError as err:
-                _warn_once(f"kreg: tuning database unusable, falling back to shipped tables and defaults: {err}")
+                return lookup(accept)
+            except Exception as err:  # any failure of a source falls back to the next (see above)
+                label, where = source()
+                text = redact(str(err) if isinstance(err, ValueError) else f"{type(err).__name__}: {err}",
+                              default_url())
+                _warn_once(f"kreg: {label} unusable, falling back to {fallback}: {where}: {text}")
                 return None
 
         return run
 
-    yield "database", guarded(lambda: user_store().best(op.name, device, key_json))
-    yield "tables", lambda: shipped_tables().best(op.name, device, key_json)
-    yield "nearest-database", guarded(lambda: user_store().nearest(op.name, device, dims, op.length_dims))
-    yield "nearest-tables", lambda: shipped_tables().nearest(op.name, device, dims, op.length_dims)
+    yield "database", guarded(database, "shipped tables and defaults",
+                              lambda accept: user_store().best(op.name, device, key_json, accept))
+    yield "tables", guarded(tables, "the nearest tuned key and defaults",
+                            lambda accept: shipped_tables().best(op.name, device, key_json, accept))
+    yield "nearest-database", guarded(
+        database, "shipped tables and defaults",
+        lambda accept: user_store().nearest(op.name, device, dims, op.length_dims, accept))
+    yield "nearest-tables", guarded(
+        tables, "defaults",
+        lambda accept: shipped_tables().nearest(op.name, device, dims, op.length_dims, accept))
 
 
 def _bound(variant: Variant, config: CallConfig, source: str, dims: dict, device: DeviceInfo) -> Choice:

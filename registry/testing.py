@@ -117,3 +117,20 @@ def backward_call(op, call, args: dict):
 
 # The backward's budget, by input dtype: gradients sum over more terms than the forward.
 GRAD_TOLERANCE = {dtype: 2 * tol for dtype, tol in TOLERANCE.items()}
+
+
+# ----------------------------------------------------------------------------- hostile inputs
+# Integer contents no contract can rule out without reading the values on the host: both int32 ends,
+# -1 (the "no entry" marker), 0, small offsets around typical sizes and a large positive value.
+HOSTILE_INTEGERS = (-(2**31), -(2**31) + 1, -2, -1, 0, 1, 2, 3, 15, 16, 17, 63, 64, 65, 4096, 2**31 - 2, 2**31 - 1)
+
+
+def hostile_integers(t: torch.Tensor, generator: torch.Generator, fill: int | None = None) -> torch.Tensor:
+    """A tensor like `t` (shape, dtype, device) whose entries are drawn from HOSTILE_INTEGERS, or all
+    `fill`: index, length and offset contents a kernel must survive without reading outside its
+    tensors."""
+    if fill is not None:
+        return torch.full_like(t, fill)
+    pool = torch.tensor(HOSTILE_INTEGERS, dtype=torch.int64)
+    picks = pool[torch.randint(len(pool), tuple(t.shape), generator=generator)]
+    return picks.to(dtype=t.dtype, device=t.device)

@@ -9,7 +9,7 @@ from benchmarks.run import families, main
 
 def test_families_are_discovered():
     found = families()
-    assert {"flash_attention", "sparse_mla"} <= set(found)
+    assert {"attention", "decode", "sparse_mla"} <= set(found)
     for name, module in found.items():
         assert module.FAMILY == name and callable(module.run)
 

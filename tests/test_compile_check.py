@@ -1,4 +1,4 @@
-"""Offline compile checks (no GPU): the flash_attention variants' defaults fit sm_90, gfx942 and gfx950.
+"""Offline compile checks (no GPU): the flash_attention variants' forward defaults fit sm_90, gfx942 and gfx950.
 
 Compiles run in a subprocess without TRITON_INTERPRET, which conftest sets on machines without a GPU
 (an interpreted kernel cannot be compiled).
@@ -51,9 +51,9 @@ def test_nvidia_default_fits_h200_and_oversized_does_not():
     huge = _fwd(blocks={"BLOCK_M": 128, "BLOCK_N": 128}, num_warps=8, num_stages=5)
     rc, rows = _compile_check("--variant", "flash_attention_tiled", "--vendor", "nvidia", "--target", "h200",
                               "--key-json", json.dumps(KEY), "--config-json", default.to_json(),
-                              "--config-json", huge.to_json())
+                              "--config-json", huge.to_json(), "--roles", "fwd")
     assert rc == 1  # something did not fit
-    assert len(rows) == 4
+    assert len(rows) == 4 and {r["kernel"] for r in rows} == {"_attention_fwd_kernel"}
     for fit in rows[:2]:
         assert fit["arch"] == "sm_90" and fit["config"] == json.loads(default.to_json())
         assert fit["fits"] and fit["spills"] == 0 and fit["reason"] is None
@@ -71,7 +71,7 @@ def test_amd_default_fits_gfx942_and_gfx950_and_lds_overflow_is_caught():
     wide = _fwd(blocks={"BLOCK_M": 128, "BLOCK_N": 128}, num_warps=8, num_stages=2, kpack=1)
     rc, rows = _compile_check("--variant", "flash_attention_tiled", "--vendor", "amd", "--target", "mi300x,mi355x",
                               "--key-json", json.dumps(KEY), "--config-json", defaults.pop(),
-                              "--config-json", wide.to_json())
+                              "--config-json", wide.to_json(), "--roles", "fwd")
     assert rc == 1
     by_arch: dict[tuple, list] = {}
     for row in rows:
@@ -126,6 +126,10 @@ def test_cli_rejects_a_target_of_another_vendor(capsys):
     assert "expected a target of vendor amd, got nvidia-h200" in capsys.readouterr().err
     with pytest.raises(ValueError, match="no variant"):
         main(["--variant", "nope", "--vendor", "amd", "--target", "mi300x"])
+    with pytest.raises(SystemExit):
+        main(["--variant", "flash_attention_tiled", "--vendor", "amd", "--target", "mi300x", "--roles", "split"])
+    assert "--roles: flash_attention_tiled has the roles fwd, bwd_pre, bwd_dkv, bwd_dq, got split" in \
+        capsys.readouterr().err
 
 
 def test_integer_values_are_specialized_as_the_jit_does():

@@ -161,3 +161,31 @@ def test_split_count_depends_on_shapes_only():
     assert choose_splits(1, 1, 1 << 20, 1, None, 132, 16, 4) == MAX_SPLITS
     assert choose_splits(1, 8, 131072, 1, 128, 132, 64, 2) == 2  # a window of 128: two tiles
     assert choose_splits(1, 8, 40, 1, None, 132, 64, 2) == 1
+
+
+@pytest.mark.skipif(not HAS_GPU, reason="CUDA graphs need a GPU")
+def test_cuda_graph_capture_and_replay_follow_new_lengths_and_queries():
+    """The serving pattern: resolve once, capture `registry.get("decode")` with a fixed num_splits, then
+    replay after writing new tokens and lengths into the captured tensors (no host sync in the call)."""
+    import registry
+
+    device = torch.device("cuda")
+    args = _inputs(device, b=3, s_q=1, h_q=8, h_kv=2, d=64, lens=[300, 1, 0], capacity=512, block_size=16,
+                   sinks=0.5, seed=11)
+    call = {k: args[k] for k in ("q", "k_cache", "v_cache", "cache_seqlens", "block_table", "sinks")}
+    handle = registry.get("decode")
+    handle(**call, num_splits=4)  # resolve and compile before capture
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            out = handle(**call, num_splits=4)
+    torch.cuda.current_stream().wait_stream(stream)
+    for lens, seed in (([300, 1, 0], 12), ([512, 77, 5], 13)):
+        args["cache_seqlens"].copy_(torch.tensor(lens, dtype=torch.int32))
+        args["q"].copy_(random_normal(args["q"].shape, device=device, dtype=DTYPE,
+                                      generator=torch.Generator().manual_seed(seed)))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_close(out, OP.reference(**{**args, "return_lse": False}), TOL, what=f"replay with lengths {lens}")

@@ -57,8 +57,8 @@ def test_every_op_with_kernels_is_covered():
     assert sorted(name for name, variants in load_all().items() if variants) == sorted(CASES)
 
 
-def _flash(layout: int, preset: int):
-    op = OPS["flash_attention"]
+def _dense(name: str, layout: int, preset: int):
+    op = OPS[name]
     return {**op.make_inputs(op.layouts(op.presets["tiny"][preset])[layout], device=DEVICE, dtype=DTYPE, seed=3),
             "return_lse": True}
 
@@ -73,16 +73,27 @@ def _sparse_mla(preset: int, layout: int = 0):
     return op.make_inputs(op.layouts(op.presets["tiny"][preset])[layout], device=DEVICE, dtype=DTYPE, seed=3)
 
 
-def _flash_cases():
-    for preset, layout in ((0, 0), (1, 1), (2, 0), (2, 1)):  # layout 0 padded, 1 packed (varlen)
-        kw = _flash(layout, preset)
+def _dense_cases(name: str, cases: tuple[tuple[int, int], ...]):
+    for preset, layout in cases:  # layout 0 padded, 1 packed (varlen)
+        kw = _dense(name, layout, preset)
         lead = (0,) if kw["q"].dim() == 4 else ()
         # One query element (its row only); a key element at the first and last key (every row that
-        # sees it); a value element of key 0 (seen by every row: no window in these presets).
+        # sees it); a value element of key 0 (seen by every row without a window).
         yield {**kw, "q": _poisoned(kw["q"], (*lead, 3, 0, 5))}, True
         yield {**kw, "k": _poisoned(kw["k"], (*lead, 0, 0, 1))}, True
         yield {**kw, "k": _poisoned(kw["k"], (*lead, -1, 0, 1))}, True
-        yield {**kw, "v": _poisoned(kw["v"], (*lead, 0, 0, 1))}, True
+        if kw.get("window") is None:
+            yield {**kw, "v": _poisoned(kw["v"], (*lead, 0, 0, 1))}, True
+        if kw.get("sinks") is not None:  # a NaN sink: its head's out, never lse (the sink is not in it)
+            yield {**kw, "sinks": _poisoned(kw["sinks"], (1,))}, True
+
+
+def _flash_cases():
+    return _dense_cases("flash_attention", ((0, 0), (1, 1), (2, 0), (2, 1)))
+
+
+def _sink_cases():
+    return _dense_cases("sink_attention", tuple((i, i % 2) for i in range(len(OPS["sink_attention"].presets["tiny"]))))
 
 
 def _cache_slot(table: torch.Tensor | None, page: int | None, seq: int, pos: int) -> tuple[int, int]:
@@ -130,7 +141,8 @@ def _sparse_mla_cases():
         yield {**kw, "kv": _poisoned(kw["kv"], (*lead, 3, 0, kw["kv"].shape[-1] - 1))}, True, ()
 
 
-CASES = {"flash_attention": _flash_cases, "decode": _decode_cases, "sparse_mla": _sparse_mla_cases}
+CASES = {"flash_attention": _flash_cases, "sink_attention": _sink_cases, "decode": _decode_cases,
+         "sparse_mla": _sparse_mla_cases}
 
 
 @pytest.mark.parametrize("name", sorted(CASES))

@@ -217,7 +217,7 @@ def test_varlen_reference_checks_offsets():
     past_end = torch.tensor([0, 2, 9], dtype=torch.int32)
     with pytest.raises(ValueError, match="cu_seqlens_k"):
         FA.reference(**FA.validate(
-            q, k, v, cu_seqlens_q=good, cu_seqlens_k=past_end, max_seqlen_q=6, max_seqlen_k=9
+            q, k, v, cu_seqlens_q=good, cu_seqlens_k=past_end, max_seqlen_q=6, max_seqlen_k=6
         ))
 
 
@@ -315,6 +315,8 @@ BAD = [
     ("window-noncausal", dict(window=4, causal=False), ValueError, "window"),
     ("window-zero", dict(window=0), ValueError, "window"),
     ("window-bool", dict(window=True), ValueError, "window"),
+    ("window-beyond-int32", dict(window=2**31), ValueError, "window"),
+    ("deterministic-int", dict(deterministic=1), TypeError, "deterministic"),
     ("sm-scale-str", dict(sm_scale="0.1"), TypeError, "sm_scale"),
 ]
 
@@ -362,6 +364,8 @@ VARLEN_BAD = [
     ("q-4d", dict(q=rand(1, 7, 4, 8)), ValueError, "q"),
     ("k-4d", dict(k=rand(1, 7, 2, 8), v=rand(1, 7, 2, 8)), ValueError, "k"),
     ("empty-total", dict(q=rand(0, 4, 8)), ValueError, "q"),
+    ("max-q-past-rows", dict(max_seqlen_q=8), ValueError, "max_seqlen_q"),
+    ("max-k-past-rows", dict(max_seqlen_k=8), ValueError, "max_seqlen_k"),
 ]
 
 
@@ -378,7 +382,8 @@ def test_validate_returns_every_argument(op):
     args = op.validate(**_good())
     assert list(args) == list(inspect.signature(op.validate).parameters)
     assert args["sm_scale"] == 8**-0.5
-    assert (args["causal"], args["window"], args["return_lse"]) == (True, None, False)
+    assert (args["causal"], args["window"], args["return_lse"], args["deterministic"]) == (True, None, False, False)
+    assert op.validate(**_good(), window=2**31 - 1, deterministic=True)["deterministic"] is True
 
 
 def test_defaults():
@@ -426,7 +431,7 @@ def test_tuning_key():
     sink_key = SA.tuning_key(SA.validate(q, k, v, sinks=torch.zeros(4), window=16))
     assert sink_key == tuple(sorted(key + (("sinks", True),)))
     assert dict(SA.tuning_key(SA.validate(q, k, v, window=16)))["sinks"] is False
-    args = _varlen_good()
+    args = {**_varlen_good(), "q": rand(40, 4, 8), "k": rand(300, 2, 8), "v": rand(300, 2, 8)}
     args["max_seqlen_q"], args["max_seqlen_k"] = 40, 300
     vkey = dict(FA.tuning_key(FA.validate(**args)))
     # Packed varlen keys by max_seqlen and shares the padded layout's key (no layout dim).

@@ -326,16 +326,19 @@ def test_flops_and_bytes():
 
 
 def test_full_presets_and_reduce_shape():
-    full = DEC.presets["full"]
+    full, targets = DEC.presets["full"], DEC.presets["targets"]
+    assert full[: len(targets)] == targets
     plain = [
-        (s["b"], s["h_q"], s["h_kv"], s["d"], s["n"], s["block_size"]) for s in full if s["window"] is None
+        (s["b"], s["h_q"], s["h_kv"], s["d"], s["n"], s["block_size"]) for s in targets if s["window"] is None
     ]
     assert sorted(plain, key=str) == sorted(
         [(b, hq, hk, d, n, bs) for b, hq, hk, d, n in ((8, 64, 8, 64, 32768), (1, 64, 8, 64, 131072),
                                                       (32, 32, 8, 128, 8192)) for bs in (None, 16, 64)],
         key=str,
     )
-    assert all(s["sinks"] and s["s_q"] == 1 for s in full)
+    assert all(s["sinks"] and s["s_q"] == 1 for s in targets)
+    assert {s["b"] for s in full} == {1, 8, 32, 128} and {s["d"] for s in full} == {64, 128}
+    assert max(s["b"] * s["n"] for s in full) <= 1 << 21
     for shape in full + DEC.presets["tiny"]:
         small = DEC.reduce_shape(shape)
         assert small["n"] <= 4096 and {**small, "n": shape["n"]} == shape

@@ -395,7 +395,7 @@ def test_default_url(monkeypatch, tmp_path):
     monkeypatch.delenv("KREG_TUNING_DB")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     assert default_url() == f"sqlite:///{tmp_path.resolve() / 'cache' / 'kreg' / 'tuning.db'}"
-    assert (tmp_path / "cache" / "kreg").is_dir()
+    assert not (tmp_path / "cache").exists()  # the store makes the folder on its first write
 
 
 @pytest.mark.parametrize("content", ["random", "text"])
@@ -508,7 +508,10 @@ def test_killed_writer_loses_nothing_and_resumes(tmp_path, presets):
     assert reopened.resumable_run(OP, h200) is None
 
 
-def test_store_file_location_is_created(tmp_path):
+def test_store_file_location_is_created_by_the_first_write(tmp_path, presets):
     nested = tmp_path / "a" / "b" / "tuning.db"
-    TuningStore(f"sqlite:///{nested}").close()
+    store = TuningStore(f"sqlite:///{nested}")
+    assert store.tuned() == [] and store.devices() == [] and not (tmp_path / "a").exists()
+    store.ensure_device(presets["h200"])
+    store.close()
     assert nested.is_file() and Path(nested).stat().st_size > 0

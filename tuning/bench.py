@@ -10,9 +10,10 @@ from typing import Any
 
 import torch
 
-# Below this many microseconds a call may be bound by the host (Python, launch), not the GPU: it is
+# Below this many microseconds a call may be bound by the host (Python, launch), not the GPU (a call
+# with ~100 us of Python measures ~200 us eager between do_bench's cache flushes): it is
 # also timed as a CUDA-graph replay, as serving code that captures graphs would run it.
-GRAPH_BELOW_US = 200.0
+GRAPH_BELOW_US = 1000.0
 # What benchmarks report (p20, p50, p80); sweeps and tables use the median.
 QUANTILES = (0.2, 0.5, 0.8)
 

@@ -288,10 +288,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="every config of each role's space not pruned (the other roles at their defaults)")
     parser.add_argument("--tables", action="store_true",
                         help="the shipped tuned configs of this variant (tuning_db/tables) instead of defaults")
+    parser.add_argument("--roles", default=None, help="comma-separated kernel roles to compile (default: all)")
     parser.add_argument("--json", action="store_true", help="print one JSON object per line")
     opts = parser.parse_args(argv)
 
     variant = _find_variant(opts.variant, opts.vendor)
+    roles = tuple(opts.roles.split(",")) if opts.roles else None
+    if roles is not None and not set(roles) <= set(variant.roles):
+        parser.error(f"--roles: {variant.name} has the roles {', '.join(variant.roles)}, got {opts.roles}")
     targets = [preset(name) for name in opts.target.split(",")]
     for target in targets:
         if target.vendor != variant.vendor:
@@ -316,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 configs = [default]
             for config in configs:
-                for report in check_variant(variant, key, config, target):
+                for report in check_variant(variant, key, config, target, roles):
                     all_fit &= report.fits
                     if opts.json:
                         row = {"target": target.key, "arch": target.arch, "key": key,

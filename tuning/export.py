@@ -5,6 +5,11 @@
 JSON files (`<device_key>__<op>.json`, the format of `tuning_db.store.TableFile`) are what
 `tuning_db/tables/` ships and what `python -m tuning.load` imports on another machine. Every file is
 written to a temporary name beside its target and renamed, so a reader never sees half a file.
+
+Names taken from the database become file names only through `file_name` (letters, digits, '.', '_'
+and '-'; no '..'), so every JSON file lands in the --out folder; a symbolic link, a device or anything
+else that is not a regular file at a target is refused, never replaced. Exporting only reads the
+database: a --db path that does not exist is an error, not a new file.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import io
 import json
 import os
 import re
+import stat
 import sys
 import tempfile
 from collections import Counter
@@ -28,6 +34,19 @@ from tuning_db.store import StoredDevice, TuningDatabaseError, TuningStore
 from tuning_db.table_files import TableFile
 
 _KEY_PATTERN = re.compile(r"[a-z0-9][a-z0-9._-]*")
+_UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
+
+
+class ExportError(ValueError):
+    """An export that would write somewhere it must not (outside --out, over a link or a device)."""
+
+
+def file_name(text: str) -> str:
+    """`text` made safe as one file name: every character but letters, digits, '.', '_' and '-' becomes
+    '_', and so does every run of dots and a leading '.' or '-' (never a path, a parent, a hidden file or
+    an option)."""
+    name = re.sub(r"\.{2,}", "_", _UNSAFE.sub("_", text))
+    return "_" + name[1:] if name.startswith((".", "-")) or not name else name
 
 
 def resolve_device(device: str) -> tuple[str, DeviceInfo | None]:
@@ -72,8 +91,18 @@ def tables(store: TuningStore, device_key: str, op: str | None = None) -> list[T
 
 
 def write_atomic(path: str | Path, text: str) -> Path:
-    """Write `text` to a temporary file beside `path`, then rename it over `path`."""
+    """Write `text` to a temporary file beside `path`, then rename it over `path`. A symbolic link or
+    anything but a regular file at `path` is refused (ExportError), not replaced."""
     path = Path(path)
+    try:
+        found = os.lstat(path)
+    except FileNotFoundError:
+        found = None
+    if found is not None and stat.S_ISLNK(found.st_mode):
+        raise ExportError(f"{path}: refusing to replace a symbolic link; remove it or choose another --out")
+    if found is not None and not stat.S_ISREG(found.st_mode):
+        raise ExportError(f"{path}: refusing to replace something that is not a regular file; "
+                          "choose another --out")
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
@@ -91,11 +120,17 @@ def write_atomic(path: str | Path, text: str) -> Path:
 
 def export_json(store: TuningStore, device_key: str, op: str | None = None,
                 out_dir: str | Path = ".") -> list[Path]:
-    """Write `<device_key>__<op>.json` into `out_dir` for each op tuned on the device; returns the paths."""
-    written = []
-    for table in tables(store, device_key, op):
-        written.append(write_atomic(Path(out_dir) / f"{table.device.key}__{table.op}.json", table.to_json()))
-    return written
+    """Write `<device_key>__<op>.json` (names made safe by `file_name`) into `out_dir` for each op tuned
+    on the device; returns the paths. Nothing is written when two tables would share a file."""
+    out = Path(out_dir)
+    found = tables(store, device_key, op)
+    targets: dict[str, TableFile] = {}
+    for table in found:
+        name = f"{file_name(table.device.key)}__{file_name(table.op)}.json"
+        if name in targets:
+            raise ExportError(f"ops {targets[name].op!r} and {table.op!r} would both be written to {out / name}")
+        targets[name] = table
+    return [write_atomic(out / name, table.to_json()) for name, table in targets.items()]
 
 
 def export_csv(store: TuningStore, device_key: str, op: str | None = None) -> str:
@@ -141,7 +176,7 @@ def _target(out: str | None, default_name: str) -> Path | None:
     if out is None:
         return None
     path = Path(out)
-    return path / default_name if path.is_dir() or out.endswith(os.sep) else path
+    return path / file_name(default_name) if path.is_dir() or out.endswith(os.sep) else path
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -156,6 +191,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         key, _ = resolve_device(args.device)
         store = TuningStore(args.db)
+        if not store.exists():
+            print(f"tuning.export: no tuning database at {store!r}: the file does not exist (check --db or "
+                  "KREG_TUNING_DB)", file=sys.stderr)
+            return 2
         if not store.tuned_rows(op=args.op, device_key=key):
             what = f" of {args.op}" if args.op else ""
             print(f"nothing tuned{what} for device {key} in {store!r}", file=sys.stderr)

@@ -2,9 +2,11 @@
 
     python -m tuning.load FILE [FILE ...] [--db URL]
 
-Every file is validated whole (`tuning_db.table_files.read_table`) before anything is written: one bad row
-rejects the file, and the error names the row (its index in "configs") and the field. A good file is
-imported in one transaction, upserting its entries for the device its table names.
+Every file is validated whole before anything is written: it must be a strict JSON tuned table
+(`tuning_db.table_files.read_table`) whose op and variants are registered and whose configs lie inside
+their variants' config spaces (`tuning_db.checks`). One bad row rejects the load, and the error names
+the file, the row (its index in "configs") and the field. All files are then imported in one
+transaction: every entry of every file, or nothing.
 """
 
 from __future__ import annotations
@@ -13,15 +15,54 @@ import argparse
 import sys
 from pathlib import Path
 
+from tuning_db.checks import check_table
 from tuning_db.store import TuningDatabaseError, TuningStore
-from tuning_db.table_files import TableError, read_table
+from tuning_db.table_files import TableError, TableFile, read_table
+
+
+def read_checked_table(path: str | Path) -> TableFile:
+    """The table file at `path`, read (`read_table`) and checked against the registered variants
+    (`check_table`); TableError names the file, the row and the problem."""
+    table = read_table(path)
+    check_table(table, path)
+    return table
+
+
+def _check_no_repeats(loaded: list[tuple[Path, TableFile]]) -> None:
+    # Two files with one (op, device, key) would leave the database holding whichever came last.
+    seen: dict[tuple, tuple[Path, int]] = {}
+    for path, table in loaded:
+        for i, tuned in enumerate(table.tuned()):
+            where = (table.op, table.device, tuned.tuning_key)
+            if where in seen:
+                first, row = seen[where]
+                raise TableError(f"{path}: row {i} (configs[{i}]): tuning key {tuned.tuning_key} of {table.op} on "
+                                 f"{table.device.key} is also row {row} of {first}")
+            seen[where] = (path, i)
+
+
+def _validated(paths: list[str | Path]) -> list[tuple[Path, TableFile]]:
+    loaded = [(Path(path), read_checked_table(path)) for path in paths]
+    _check_no_repeats(loaded)
+    return loaded
+
+
+def _import(loaded: list[tuple[Path, TableFile]], store: TuningStore) -> list[tuple[TableFile, int]]:
+    counts = store.import_tables([(table.tuned(), table.device) for _, table in loaded])
+    return [(table, count) for (_, table), count in zip(loaded, counts, strict=True)]
+
+
+def load_tables(paths: list[str | Path], store: TuningStore) -> list[tuple[TableFile, int]]:
+    """Validate every table file of `paths`, then import them all into `store` in one transaction;
+    returns (table, entries upserted) per file. Raises TableError (nothing imported) when any file is
+    not a valid table, TuningDatabaseError when the database refuses the write (nothing imported)."""
+    return _import(_validated(paths), store)
 
 
 def load_table(path: str | Path, store: TuningStore) -> int:
     """Validate the table file at `path` and import it into `store` in one transaction; returns how many
     entries it upserted. Raises TableError (nothing imported) when the file is not a valid table."""
-    table = read_table(path)
-    return store.import_tuned(table.tuned(), table.device)
+    return load_tables([path], store)[0][1]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,11 +72,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--db", help="SQLAlchemy URL (default: KREG_TUNING_DB or the user cache file)")
     args = parser.parse_args(argv)
     try:
-        # All files are checked before the first import, so a bad one leaves the database as it was.
-        loaded = [(path, read_table(path)) for path in args.files]
+        # Every file is checked before the database is opened: a bad one leaves it as it was.
+        loaded = _validated(args.files)
         store = TuningStore(args.db)
-        for path, table in loaded:
-            count = store.import_tuned(table.tuned(), table.device)
+        for path, (table, count) in zip(args.files, _import(loaded, store), strict=True):
             print(f"{path}: imported {count} tuned configs of {table.op} for {table.device.key} "
                   f"into {store!r}")
         return 0

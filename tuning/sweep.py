@@ -34,6 +34,7 @@ from registry.device import DeviceInfo, detect, preset
 from registry.ops._contract import DTYPE_NAMES, Op
 from tuning.space import INTERPRETER_DTYPE, KNOB_NAMES
 from tuning_db.records import CallConfig, LaunchConfig, TrialResult, TunedConfig, canonical_json, is_backward_role
+from tuning_db.store import TuningDatabaseError
 
 
 @dataclass
@@ -530,7 +531,9 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     try:
         return _main(args)
-    except UsageError as err:
+    except (UsageError, TuningDatabaseError) as err:
+        # A database failure mid-sweep loses nothing recorded so far (`--resume` continues); its message
+        # names the database without the URL's password.
         print(f"error: {err}", file=sys.stderr)
         return 2
 
@@ -562,13 +565,10 @@ def _main(args: argparse.Namespace) -> int:
 
     from registry.catalog import load_all
     from registry.ops import OPS
-    from tuning_db.store import TuningDatabaseError, TuningStore, default_url
+    from tuning_db.store import TuningStore, default_url
 
     console = Console(stderr=True)
-    try:
-        store = TuningStore(default_url())
-    except TuningDatabaseError as err:
-        raise UsageError(str(err)) from None
+    store = TuningStore(default_url())
     registry_variants = load_all()
     if args.stale:
         return _stale(store, registry_variants)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import Protocol
 
 from tuning_db.records import TunedConfig, canonical_json
@@ -54,28 +54,39 @@ def key_distance(want: Mapping[str, object], have: Mapping[str, object], length_
     return total
 
 
+# Whether a lookup may answer with an entry (dispatch passes over entries that do not fit their variant).
+Accept = Callable[[TunedConfig], bool]
+
+
+def _first_accepted(ranked: list[tuple[tuple, TunedConfig]], accept: Accept | None) -> TunedConfig | None:
+    # Stable: among equal ranks the candidates keep their order, as `min` would pick them.
+    ranked.sort(key=lambda item: item[0])
+    return next((tuned for _, tuned in ranked if accept is None or accept(tuned)), None)
+
+
 def _recency(tuned: TunedConfig) -> float:
     return tuned.updated_at.timestamp() if tuned.updated_at is not None else 0.0
 
 
 def pick_best(
-    want: DeviceIdentity, candidates: Iterable[tuple[DeviceIdentity, TunedConfig]]
+    want: DeviceIdentity, candidates: Iterable[tuple[DeviceIdentity, TunedConfig]], accept: Accept | None = None
 ) -> TunedConfig | None:
-    """The candidate of the most specific device match; among equals, the most recently updated."""
+    """The candidate of the most specific device match; among equals, the most recently updated. Only
+    candidates `accept` takes count (it is asked in rank order, and only until one is taken)."""
     ranked = []
     for have, tuned in candidates:
         level = match_level(want, have)
         if level is not None:
             ranked.append(((level, -_recency(tuned)), tuned))
-    return min(ranked, key=lambda item: item[0])[1] if ranked else None
+    return _first_accepted(ranked, accept)
 
 
 def pick_nearest(
     want: DeviceIdentity, dims: Mapping[str, object], candidates: Iterable[tuple[DeviceIdentity, TunedConfig]],
-    length_dims: Collection[str],
+    length_dims: Collection[str], accept: Accept | None = None,
 ) -> TunedConfig | None:
     """At the most specific device level that has a comparable key, the key nearest to `dims` in
-    its length dims (see `key_distance`)."""
+    its length dims (see `key_distance`); `accept` as in `pick_best`."""
     scored = []
     for have, tuned in candidates:
         level = match_level(want, have)
@@ -84,7 +95,7 @@ def pick_nearest(
         distance = key_distance(dims, json.loads(tuned.tuning_key), length_dims)
         if distance is not None:
             scored.append(((level, distance, -_recency(tuned), tuned.tuning_key), tuned))
-    return min(scored, key=lambda item: item[0])[1] if scored else None
+    return _first_accepted(scored, accept)
 
 
 def canonical_key(tuning_key: str | Mapping[str, object], name: str = "tuning_key") -> str:

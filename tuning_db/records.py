@@ -205,8 +205,8 @@ class TunedConfig(BaseModel):
     vendor: str | None = None
     source_hash: str
     config: CallConfig
-    time_ms: float | None = Field(default=None, ge=0)
-    backward_ms: float | None = Field(default=None, ge=0)
+    time_ms: float | None = Field(default=None, ge=0, allow_inf_nan=False)
+    backward_ms: float | None = Field(default=None, ge=0, allow_inf_nan=False)
     triton_version: str
     torch_version: str
     updated_at: datetime | None = None

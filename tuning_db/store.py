@@ -7,16 +7,25 @@ the lock instead of failing halfway, and each trial is committed on its own, so 
 nothing it already recorded. A database written before kernel roles existed is migrated in place
 the first time it is opened (its rows kept).
 
+Reading never creates anything: a SQLite file (or its folder) that does not exist yet, or a database
+without the store's tables, reads as empty and is made by the first write. A read-only file can be
+read. A damaged row is skipped with a warning (once per row), never raised from every read. No message
+holds the URL's password (`safe_url`, `redact`).
+
 Which entry answers a lookup is `tuning_db.matching`'s job; table files are `tuning_db.table_files`'.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import os
+import re
 import sqlite3
+import threading
 import time
-from collections.abc import Callable, Collection, Mapping
+import warnings
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -24,10 +33,11 @@ from typing import TypeVar
 
 from sqlalchemy import and_, create_engine, event, inspect, or_, select, text, update
 from sqlalchemy import exc as sa_exc
-from sqlalchemy.engine import Engine
+from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.orm import Session
+from sqlalchemy.pool import StaticPool
 
-from tuning_db.matching import DeviceIdentity, canonical_key, check_device, pick_best, pick_nearest
+from tuning_db.matching import Accept, DeviceIdentity, canonical_key, check_device, pick_best, pick_nearest
 from tuning_db.models import RUN_STATUSES, Base, DeviceRow, SweepRun, TrialRow, TunedRow, utcnow
 from tuning_db.records import TRIAL_STATUSES, CallConfig, TrialResult, TunedConfig, canonical_json
 
@@ -38,8 +48,10 @@ BUSY_TIMEOUT_S = 30.0
 _LOCK_RETRIES = 5
 
 
-class TuningDatabaseError(RuntimeError):
-    """The tuning database cannot be opened or read (a damaged file, a file that is not a database)."""
+class TuningDatabaseError(RuntimeError, ValueError):
+    """The tuning database cannot be used: a URL that does not parse or whose driver is missing, a damaged
+    file or one that is not a database, a read-only file written to, a server that refuses. The message
+    names the database without its password."""
 
 
 @dataclass(frozen=True)
@@ -57,13 +69,45 @@ class StoredDevice:
 
 def default_url() -> str:
     """`KREG_TUNING_DB` (any SQLAlchemy URL), else a SQLite file `kreg/tuning.db` in the user cache dir
-    (`$XDG_CACHE_HOME` or `~/.cache`), whose folder is created."""
+    (`$XDG_CACHE_HOME` or `~/.cache`). Nothing is created here: the store makes the folder on its first
+    write."""
     url = os.environ.get("KREG_TUNING_DB")
     if url:
         return url
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kreg"
-    cache.mkdir(parents=True, exist_ok=True)
     return f"sqlite:///{cache.resolve() / 'tuning.db'}"
+
+
+# ----------------------------------------------------------------------------- passwords
+# The user part of a URL: from the scheme's "://" (or the start) to the last "@". For a URL that does
+# not parse, this is all we can tell apart.
+_USER_INFO = re.compile(r"^(?P<scheme>[A-Za-z0-9+.-]*://)?(?P<user>.*)@")
+
+
+def safe_url(url: str) -> str:
+    """`url` as it may be shown: SQLAlchemy's rendering with the password hidden, or, for a URL that does
+    not parse, the whole user part replaced by ***."""
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except (sa_exc.ArgumentError, ValueError, TypeError):
+        return _USER_INFO.sub(lambda m: f"{m['scheme'] or ''}***@", str(url), count=1)
+
+
+def redact(text: str, url: str) -> str:
+    """`text` (an error message, say) with every spelling of `url`'s password replaced by ***."""
+    secrets = set()
+    try:
+        password = make_url(url).password
+        if password:
+            secrets.add(str(password))
+    except (sa_exc.ArgumentError, ValueError, TypeError):
+        pass
+    found = _USER_INFO.match(str(url))
+    if found and ":" in found["user"]:
+        secrets.add(found["user"].split(":", 1)[1])
+    for secret in sorted(secrets - {""}, key=len, reverse=True):
+        text = text.replace(secret, "***")
+    return text
 
 
 def installed_version(*distributions: str) -> str:
@@ -104,6 +148,10 @@ def _tuned_record(row: TunedRow, device: DeviceRow) -> TunedConfig:
         backward_ms=row.backward_ms, triton_version=row.triton_version, torch_version=row.torch_version,
         updated_at=_aware(row.updated_at),
     )
+
+
+def _tuned_pair(row: TunedRow, device: DeviceRow) -> tuple[StoredDevice, TunedConfig]:
+    return _stored_device(device), _tuned_record(row, device)
 
 
 def _trial_record(row: TrialRow, device: DeviceRow) -> TrialResult:
@@ -164,38 +212,82 @@ def _is_locked(err: BaseException) -> bool:
     return "locked" in text or "busy" in text
 
 
+# Reads of a database that does not exist yet run against one in-memory database with the store's
+# tables and no rows; it has one connection, so its users take turns.
+_EMPTY_LOCK = threading.Lock()
+
+
+@functools.lru_cache(maxsize=1)
+def _empty_engine() -> Engine:
+    engine = create_engine("sqlite://", poolclass=StaticPool, connect_args={"check_same_thread": False})
+    Base.metadata.create_all(engine)
+    return engine
+
+
+def _one_line(err: BaseException) -> str:
+    # pydantic's messages span lines and end with a link; a warning keeps what went wrong.
+    lines = [line.strip() for line in str(err).splitlines()]
+    text = " ".join(line for line in lines if line and not line.startswith("For further information"))
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
 # ----------------------------------------------------------------------------- the store
 class TuningStore:
-    """Trials, sweep runs and tuned winners in one SQLAlchemy database (default: `default_url()`)."""
+    """Trials, sweep runs and tuned winners in one SQLAlchemy database (default: `default_url()`).
+
+    Opening checks an existing database (a damaged file fails here, an older schema is migrated) and
+    creates nothing; the first write creates a missing SQLite file, its folder and the tables."""
 
     def __init__(self, url: str | None = None) -> None:
         self.url = url or default_url()
+        self._warned_rows: set[tuple[str, int]] = set()
         try:
-            self.engine: Engine = create_engine(self.url)
-        except (sa_exc.ArgumentError, ImportError) as err:
-            raise TuningDatabaseError(f"tuning database URL {self.url!r} cannot be used: {err}. "
-                                      "Set KREG_TUNING_DB (or --db) to a SQLAlchemy URL.") from err
+            parsed = make_url(self.url)
+        except (sa_exc.ArgumentError, ValueError, TypeError) as err:
+            raise self._url_error("does not parse", err) from None
+        try:
+            self.engine: Engine = create_engine(parsed)
+        except sa_exc.NoSuchModuleError as err:
+            raise self._url_error(f"names an unknown database dialect {parsed.drivername!r}", err) from None
+        except ImportError as err:
+            raise self._url_error("needs a database driver that is not installed (PostgreSQL: "
+                                  "pip install 'kreg[postgres]')", err) from None
+        except sa_exc.ArgumentError as err:
+            raise self._url_error("cannot be used", err) from None
         self._sqlite_path: Path | None = None
+        # Whether the database holds the current schema; until then reads see no rows.
+        self._ready = False
         if self.engine.dialect.name == "sqlite":
             self._setup_sqlite()
-        self._ensure_schema()
+        if self.exists():
+            self._open()
 
     def __repr__(self) -> str:
-        return f"TuningStore({self.engine.url.render_as_string(hide_password=True)!r})"
+        return f"TuningStore({safe_url(self.url)!r})"
 
     def close(self) -> None:
         """Close pooled connections (the store opens new ones if used again)."""
         self.engine.dispose()
 
+    def exists(self) -> bool:
+        """Whether the database is there: False only for a SQLite file not created yet (by a first write)."""
+        return self._sqlite_path is None or self._sqlite_path.exists()
+
     # -- plumbing
+    def _url_error(self, what: str, err: BaseException) -> TuningDatabaseError:
+        return TuningDatabaseError(
+            f"tuning database URL {safe_url(self.url)!r} {what}: {redact(_one_line(err), self.url)}. Set "
+            "KREG_TUNING_DB (or --db) to a SQLAlchemy URL such as sqlite:////path/to/tuning.db or "
+            "postgresql+psycopg://user:password@host:5432/kreg.")
+
     def _setup_sqlite(self) -> None:
-        database = self.engine.url.database
-        if database and database != ":memory:" and not database.startswith("file:"):
+        url = self.engine.url
+        database = url.database or ""
+        if database.startswith("file:") and url.query.get("uri") == "true":
+            # SQLite URI form (`sqlite:///file:/path/x.db?mode=ro&uri=true`): the file is the URI's path.
+            database = "" if url.query.get("mode") == "memory" else database.removeprefix("file:")
+        if database and not database.startswith(":memory:"):
             self._sqlite_path = Path(database).expanduser().resolve()
-            try:
-                self._sqlite_path.parent.mkdir(parents=True, exist_ok=True)
-            except OSError as err:
-                raise self._error(err) from err
 
         @event.listens_for(self.engine, "connect")
         def _on_connect(dbapi_connection, _record) -> None:
@@ -205,10 +297,15 @@ class TuningStore:
             try:
                 cursor.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")
                 cursor.execute("PRAGMA foreign_keys = ON")
-                # The first query that reads the file: a damaged file fails here.
+                # The first query that reads the file: a damaged file fails here. An empty file stays
+                # empty until the first write (`_create` sets WAL then); a read-only one keeps its mode.
                 mode = cursor.execute("PRAGMA journal_mode").fetchone()[0]
-                if mode.lower() not in ("wal", "memory"):
-                    cursor.execute("PRAGMA journal_mode = WAL")
+                if mode.lower() not in ("wal", "memory") and cursor.execute("PRAGMA page_count").fetchone()[0]:
+                    try:
+                        cursor.execute("PRAGMA journal_mode = WAL")
+                    except sqlite3.OperationalError as err:
+                        if "readonly" not in str(err).lower():
+                            raise
                 # In WAL mode NORMAL keeps every commit across a process crash (not a power cut).
                 cursor.execute("PRAGMA synchronous = NORMAL")
             finally:
@@ -222,16 +319,51 @@ class TuningStore:
             connection.exec_driver_sql("BEGIN IMMEDIATE" if write else "BEGIN")
 
     def _error(self, err: BaseException) -> TuningDatabaseError:
-        where = self.engine.url.render_as_string(hide_password=True)
-        cause = getattr(err, "orig", None) or err
-        if self._sqlite_path is not None:
+        where = safe_url(self.url)
+        cause = redact(_one_line(getattr(err, "orig", None) or err), self.url)
+        if "readonly" in cause.lower().replace("-", "").replace(" ", ""):
+            fix = ("write to another database: set KREG_TUNING_DB (or --db) to a writable one; reading this "
+                   "one still works")
+        elif self._sqlite_path is not None:
             fix = (f"move the file {self._sqlite_path} away (a new one is made) or set KREG_TUNING_DB to "
                    "another database URL")
         else:
             fix = "check the database or set KREG_TUNING_DB to another database URL"
         return TuningDatabaseError(f"tuning database {where} cannot be used: {cause}. To fix it, {fix}.")
 
+    def _warn_damaged(self, table: str, row_id: int, err: BaseException) -> None:
+        if (table, row_id) in self._warned_rows:
+            return
+        self._warned_rows.add((table, row_id))
+        warnings.warn(f"kreg: tuning database {safe_url(self.url)}: {table} row {row_id} is damaged and "
+                      f"ignored ({redact(_one_line(err), self.url)}); the next sweep or tuning.load of its "
+                      "key replaces it", RuntimeWarning, stacklevel=4)
+
+    def _convert(self, table: str, rows, convert: Callable[..., T]) -> list[T]:
+        """`convert(*row)` of each row; a row that does not convert (bad JSON, a value its record rejects)
+        is skipped with a warning, once per row."""
+        out = []
+        for row in rows:
+            try:
+                out.append(convert(*row))
+            except (ValueError, TypeError, RecursionError) as err:
+                self._warn_damaged(table, row[0].id, err)
+        return out
+
     def _run(self, fn: Callable[[Session], T], *, write: bool = False) -> T:
+        """Run `fn(session)` in one transaction (see `_transact`). Before the database exists, or holds
+        the store's tables, a read runs against an empty database and a write creates it first."""
+        if not self._ready:
+            if write:
+                self._create()
+            elif self.exists():
+                self._open()  # another process may have created it since
+            if not self._ready:
+                with _EMPTY_LOCK, _empty_engine().connect() as conn, Session(bind=conn) as session:
+                    return fn(session)
+        return self._transact(fn, write=write)
+
+    def _transact(self, fn: Callable[[Session], T], *, write: bool = False) -> T:
         """Run `fn(session)` in one transaction (committed when `write`). It is retried when the
         database stays locked, and writes once on a unique-key race with another process (`fn` reads first,
         so the retry sees the other process's row); database failures become TuningDatabaseError."""
@@ -251,15 +383,39 @@ class TuningStore:
                 if integrity_retries == 0:
                     raise
                 integrity_retries -= 1
-            except (sa_exc.DatabaseError, sqlite3.DatabaseError) as err:
+            except (sa_exc.DBAPIError, sqlite3.Error) as err:
                 if not _is_locked(err) or attempt >= _LOCK_RETRIES:
-                    raise self._error(err) from err
+                    raise self._error(err) from None
                 time.sleep(0.05 * 2**attempt)
                 attempt += 1
 
-    def _ensure_schema(self) -> None:
-        if self._run(lambda session: _schema_changes(session.connection())):
-            self._run(lambda session: _migrate(session.connection()), write=True)
+    def _open(self) -> None:
+        """Check an existing database's schema: an older kreg's is migrated (every row kept); one
+        without any of the store's tables (an empty file) is left alone until the first write."""
+        changes = self._transact(lambda session: _schema_changes(session.connection()))
+        if changes and all(f"table {name}" in changes for name in Base.metadata.tables):
+            return
+        if changes:
+            self._transact(lambda session: _migrate(session.connection()), write=True)
+        self._ready = True
+
+    def _create(self) -> None:
+        """Make the database a write needs: the SQLite file's folder, the file, the tables."""
+        if self._sqlite_path is not None:
+            try:
+                self._sqlite_path.parent.mkdir(parents=True, exist_ok=True)
+            except OSError as err:
+                raise self._error(err) from None
+        if self._transact(lambda session: _schema_changes(session.connection())):
+            self._transact(lambda session: _migrate(session.connection()), write=True)
+        if self.engine.dialect.name == "sqlite":
+            try:
+                # Outside any transaction (SQLite refuses it inside one): the raw connection autocommits.
+                with self.engine.connect() as conn:
+                    conn.connection.dbapi_connection.execute("PRAGMA journal_mode = WAL")
+            except (sa_exc.DBAPIError, sqlite3.Error) as err:
+                raise self._error(err) from None
+        self._ready = True
 
     @staticmethod
     def _find_device(session: Session, device: DeviceIdentity) -> DeviceRow | None:
@@ -401,7 +557,7 @@ class TuningStore:
             if value is not None:
                 stmt = stmt.where(column == value)
         stmt = stmt.order_by(TrialRow.id)
-        return self._run(lambda s: [_trial_record(t, d) for t, d in s.execute(stmt)])
+        return self._run(lambda s: self._convert("trials", s.execute(stmt), _trial_record))
 
     # -- tuned winners
     @staticmethod
@@ -435,16 +591,25 @@ class TuningStore:
 
     def import_tuned(self, rows: list[TunedConfig], device: DeviceIdentity) -> int:
         """Upsert every row for `device` in one transaction (all or nothing); returns how many."""
-        check_device(device)
-        rows = list(rows)
-        for i, tuned in enumerate(rows):
-            self._check_tuned(tuned, device, f"rows[{i}]")
+        return self.import_tables([(rows, device)])[0]
 
-        def fn(session: Session) -> int:
-            device_id = self._get_or_create_device(session, device).id
-            for tuned in rows:
-                self._upsert(session, device_id, tuned)
-            return len(rows)
+    def import_tables(self, tables: Iterable[tuple[Iterable[TunedConfig], DeviceIdentity]]) -> list[int]:
+        """Upsert the rows of several tables, each `(rows, device)`, in one transaction: all of them or
+        nothing (`tuning.load` of several files). Returns how many rows each table upserted."""
+        checked = []
+        for t, (rows, device) in enumerate(tables):
+            check_device(device)
+            rows = list(rows)
+            for i, tuned in enumerate(rows):
+                self._check_tuned(tuned, device, f"rows[{i}]" if t == 0 else f"tables[{t}] rows[{i}]")
+            checked.append((rows, device))
+
+        def fn(session: Session) -> list[int]:
+            for rows, device in checked:
+                device_id = self._get_or_create_device(session, device).id
+                for tuned in rows:
+                    self._upsert(session, device_id, tuned)
+            return [len(rows) for rows, _ in checked]
 
         return self._run(fn, write=True)
 
@@ -453,23 +618,25 @@ class TuningStore:
                 .where(TunedRow.op == op, self._matching_devices(device)).order_by(TunedRow.id))
         if tuning_key is not None:
             stmt = stmt.where(TunedRow.tuning_key == tuning_key)
-        return self._run(lambda s: [(_stored_device(d), _tuned_record(t, d)) for t, d in s.execute(stmt)])
+        return self._run(lambda s: self._convert("tuned_configs", s.execute(stmt), _tuned_pair))
 
-    def best(self, op: str, device: DeviceIdentity, tuning_key: str) -> TunedConfig | None:
+    def best(self, op: str, device: DeviceIdentity, tuning_key: str, accept: Accept | None = None
+             ) -> TunedConfig | None:
         """The tuned winner for exactly this key, from the most specific device match: same key, PCI id
-        and SM count; then same key; then same vendor and arch. Its device_key says where it was tuned."""
+        and SM count; then same key; then same vendor and arch. Its device_key says where it was tuned.
+        With `accept`, entries it refuses are passed over (dispatch: entries outside their space)."""
         check_device(device)
-        return pick_best(device, self._candidates(op, device, canonical_key(tuning_key)))
+        return pick_best(device, self._candidates(op, device, canonical_key(tuning_key)), accept)
 
     def nearest(self, op: str, device: DeviceIdentity, dims: Mapping[str, object],
-                length_dims: Collection[str]) -> TunedConfig | None:
+                length_dims: Collection[str], accept: Accept | None = None) -> TunedConfig | None:
         """The tuned key of `op` on this device (same matching order as `best`) whose dims equal `dims`
         except the length dims (the op's `length_dims`), nearest in sum of |log2| length ratios; None
-        if there is none."""
+        if there is none. `accept` as in `best`."""
         check_device(device)
         if not isinstance(dims, Mapping):
             raise TypeError(f"dims: expected a dict of tuning-key dims, got {type(dims).__name__}")
-        return pick_nearest(device, dims, self._candidates(op, device), length_dims)
+        return pick_nearest(device, dims, self._candidates(op, device), length_dims, accept)
 
     def tuned_rows(self, *, op: str | None = None, device_key: str | None = None
                    ) -> list[tuple[StoredDevice, TunedConfig]]:
@@ -480,7 +647,7 @@ class TuningStore:
         if device_key is not None:
             stmt = stmt.where(DeviceRow.key == device_key)
         stmt = stmt.order_by(TunedRow.op, DeviceRow.key, DeviceRow.id, TunedRow.tuning_key)
-        return self._run(lambda s: [(_stored_device(d), _tuned_record(t, d)) for t, d in s.execute(stmt)])
+        return self._run(lambda s: self._convert("tuned_configs", s.execute(stmt), _tuned_pair))
 
     def tuned(self, *, op: str | None = None, device_key: str | None = None) -> list[TunedConfig]:
         """Tuned winners, filtered by op and device key."""

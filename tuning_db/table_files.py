@@ -4,22 +4,32 @@ lookups from the shipped folder like the database does.
 
 Format 2 entries hold a call config (one launch config per kernel role) and the variant's vendor;
 format 1 files, written before roles existed, still load: their one config is the forward's.
+
+A file is strict JSON: a repeated key in an object, NaN or Infinity, a number out of range (1e999, an
+integer past 64 bits), nesting too deep or bytes that are not UTF-8 make it a `TableError`, never a
+traceback. Whether its ops, variants and configs exist is `tuning_db.checks`' question.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import threading
+import warnings
 from collections.abc import Collection, Iterable, Mapping
 from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from tuning_db.matching import DeviceIdentity, canonical_key, check_device, pick_best, pick_nearest
+from tuning_db.matching import Accept, DeviceIdentity, canonical_key, check_device, pick_best, pick_nearest
 from tuning_db.records import CallConfig, TunedConfig, canonical_json
 
 SHIPPED_TABLES = Path(__file__).parent / "tables"
+# The shipped tables are tens of KiB; a file past this is not a table (or is /dev/zero).
+MAX_TABLE_BYTES = 64 << 20
+# Integers a table may hold: 64-bit, what every database column takes.
+_INT_LIMIT = 1 << 63
 
 
 class TableError(ValueError):
@@ -34,12 +44,13 @@ class DeviceDescriptor(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    key: str = Field(min_length=1)
-    vendor: str = Field(min_length=1)
-    arch: str = Field(min_length=1)
-    name: str
-    pci_device_id: int | None = None
-    num_sms: int = Field(ge=1)
+    # Lengths and ranges are the database columns' (models.DeviceRow).
+    key: str = Field(min_length=1, max_length=64)
+    vendor: str = Field(min_length=1, max_length=16)
+    arch: str = Field(min_length=1, max_length=32)
+    name: str = Field(max_length=128)
+    pci_device_id: int | None = Field(default=None, ge=0, lt=1 << 31)
+    num_sms: int = Field(ge=1, lt=1 << 31)
 
     @classmethod
     def of(cls, device: DeviceIdentity) -> DeviceDescriptor:
@@ -55,14 +66,14 @@ class TableEntry(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     tuning_key: dict[str, KeyValue]
-    variant: str = Field(min_length=1)
-    vendor: str | None = None
-    source_hash: str = Field(min_length=1)
+    variant: str = Field(min_length=1, max_length=128)
+    vendor: str | None = Field(default=None, max_length=16)
+    source_hash: str = Field(min_length=1, max_length=128)
     config: CallConfig
-    time_ms: float | None = Field(default=None, ge=0)
-    backward_ms: float | None = Field(default=None, ge=0)
-    triton_version: str
-    torch_version: str
+    time_ms: float | None = Field(default=None, ge=0, allow_inf_nan=False)
+    backward_ms: float | None = Field(default=None, ge=0, allow_inf_nan=False)
+    triton_version: str = Field(max_length=64)
+    torch_version: str = Field(max_length=64)
 
 
 class TableFile(BaseModel):
@@ -72,7 +83,7 @@ class TableFile(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     format: Literal[1, 2]
-    op: str = Field(min_length=1)
+    op: str = Field(min_length=1, max_length=64)
     device: DeviceDescriptor
     triton_version: str | None = None
     torch_version: str | None = None
@@ -139,17 +150,60 @@ def _describe_errors(err: ValidationError) -> str:
     return "; ".join(lines)
 
 
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    out: dict[str, object] = {}
+    for name, value in pairs:
+        if name in out:
+            raise ValueError(f"key {name!r} appears twice in one object")
+        out[name] = value
+    return out
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"number {text[:40]} is out of range")
+    return value
+
+
+def _bounded_int(text: str) -> int:
+    # Checked on the digits before converting: a 5000-digit integer must not cost a conversion.
+    if len(text.lstrip("-")) > 19 or not -_INT_LIMIT <= int(text) < _INT_LIMIT:
+        raise ValueError(f"integer {text[:40]}{'...' if len(text) > 40 else ''} is out of the 64-bit range")
+    return int(text)
+
+
+def _no_constant(name: str) -> object:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def strict_json(text: str) -> object:
+    """`json.loads` that refuses what JSON files from a program never hold: a key twice in one object,
+    NaN and Infinity, numbers out of range. Raises ValueError (RecursionError for deep nesting)."""
+    return json.loads(text, object_pairs_hook=_unique_keys, parse_float=_finite, parse_int=_bounded_int,
+                      parse_constant=_no_constant)
+
+
 def read_table(path: str | Path) -> TableFile:
     """Read and validate a whole table file; any problem raises TableError naming the file, the row and
     the field."""
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as err:
+        with path.open("rb") as handle:
+            data = handle.read(MAX_TABLE_BYTES + 1)
+    except OSError as err:
         raise TableError(f"{path}: cannot read tuned table: {err}") from None
+    if len(data) > MAX_TABLE_BYTES:
+        raise TableError(f"{path}: not a tuned table: larger than {MAX_TABLE_BYTES >> 20} MiB")
     try:
-        json.loads(text)
-    except json.JSONDecodeError as err:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise TableError(f"{path}: cannot read tuned table: not UTF-8 text ({err})") from None
+    try:
+        strict_json(text)
+    except RecursionError:
+        raise TableError(f"{path}: not a JSON tuned table: nested too deeply") from None
+    except ValueError as err:
         raise TableError(f"{path}: not a JSON tuned table: {err}") from None
     try:
         # Strict: a table is written by a program, so "4" where 4 belongs is a broken file, not a guess.
@@ -161,7 +215,9 @@ def read_table(path: str | Path) -> TableFile:
 class ShippedTables:
     """The tuned tables shipped in a folder (default `tuning_db/tables/`), read on the first lookup.
 
-    Lookups match devices like `TuningStore.best`, through the device descriptor each table carries.
+    Lookups match devices like `TuningStore.best`, through the device descriptor each table carries. A
+    file that is not a valid table is left out with a RuntimeWarning naming it (once: files are read
+    once); the other files still answer.
     """
 
     def __init__(self, folder: str | Path | None = None) -> None:
@@ -176,24 +232,30 @@ class ShippedTables:
                     by_op: dict[str, list[tuple[DeviceDescriptor, TunedConfig]]] = {}
                     paths = sorted(self.folder.glob("*.json")) if self.folder.is_dir() else []
                     for path in paths:
-                        table = read_table(path)
+                        try:
+                            table = read_table(path)
+                        except TableError as err:
+                            warnings.warn(f"kreg: shipped tuned table left out: {err}", RuntimeWarning,
+                                          stacklevel=4)
+                            continue
                         by_op.setdefault(table.op, []).extend((table.device, t) for t in table.tuned())
                     self._by_op = by_op
         return self._by_op.get(op, [])
 
-    def best(self, op: str, device: DeviceIdentity, tuning_key: str) -> TunedConfig | None:
-        """The shipped winner for exactly this key (device matching as `TuningStore.best`)."""
+    def best(self, op: str, device: DeviceIdentity, tuning_key: str, accept: Accept | None = None
+             ) -> TunedConfig | None:
+        """The shipped winner for exactly this key (device matching and `accept` as `TuningStore.best`)."""
         check_device(device)
         key = canonical_key(tuning_key)
-        return pick_best(device, ((d, t) for d, t in self._entries(op) if t.tuning_key == key))
+        return pick_best(device, ((d, t) for d, t in self._entries(op) if t.tuning_key == key), accept)
 
     def nearest(self, op: str, device: DeviceIdentity, dims: Mapping[str, object],
-                length_dims: Collection[str]) -> TunedConfig | None:
+                length_dims: Collection[str], accept: Accept | None = None) -> TunedConfig | None:
         """The shipped key nearest to `dims` in its length dims (as `TuningStore.nearest`)."""
         check_device(device)
         if not isinstance(dims, Mapping):
             raise TypeError(f"dims: expected a dict of tuning-key dims, got {type(dims).__name__}")
-        return pick_nearest(device, dims, self._entries(op), length_dims)
+        return pick_nearest(device, dims, self._entries(op), length_dims, accept)
 
     def tuned(self, op: str | None = None) -> list[TunedConfig]:
         """Every shipped entry (of `op` when given)."""

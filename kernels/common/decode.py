@@ -28,9 +28,10 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from kernels.base import CompileSpec
-from kernels.common.tiles import cdiv, dot_block
+from kernels.common.tiles import cdiv, dot_block, next_pow2
 from tuning.space import ConfigSpace
 from tuning_db.records import CallConfig, LaunchConfig
 
@@ -51,7 +52,7 @@ def _decode_split_kernel(
     stride_ob, stride_os, stride_oh, stride_op,
     stride_lb, stride_ls, stride_lh,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PAGED: tl.constexpr, PAGE: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    PAGED: tl.constexpr, PAGE: tl.constexpr, HAS_WINDOW: tl.constexpr, PDL: tl.constexpr,
 ):
     """One program: split `program_id(1)` of the keys of one (sequence, kv head), for all its
     `s_q * group` query rows (row r: token r // group, query head kv_head * group + r % group).
@@ -120,6 +121,8 @@ def _decode_split_kernel(
         + split * stride_op + offs_d[None, :]
     tl.store(o_ptr, out, mask=row_ok[:, None] & d_ok[None, :])
     tl.store(LSE_PART + b.to(tl.int64) * stride_lb + token * stride_ls + head * stride_lh + split, lse, mask=row_ok)
+    if PDL:
+        gdc_launch_dependents()  # the combine may start launching; it waits for this grid's writes
 
 
 @triton.jit
@@ -130,25 +133,31 @@ def _decode_combine_kernel(
     stride_lb, stride_ls, stride_lh,
     stride_outb, stride_outs, stride_outh,
     stride_rb, stride_rh, stride_rs,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr, HAS_SINK: tl.constexpr,
-    RETURN_LSE: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr, SPLITS: tl.constexpr,
+    CHUNK: tl.constexpr, HAS_SINK: tl.constexpr, RETURN_LSE: tl.constexpr, PDL: tl.constexpr,
 ):
     """One program: ROWS (sequence, token, head) rows. L = logsumexp of the partial lse over the
     splits, L' = logaddexp(L, sink[h]) (or L), out = sum_s exp(lse_s - L') * o_s; the returned lse is L,
-    +inf with out 0 where every split was empty (whatever the sink)."""
+    +inf with out 0 where every split was empty (whatever the sink).
+
+    Every split's lse is read as one [ROWS, SPLITS] tile (SPLITS: num_splits rounded up to a power of
+    two), and the partial outputs CHUNK splits at a time, so a long list of splits costs a few wide
+    loads, not a chain of dependent ones. With PDL (Hopper's programmatic dependent launch) it is
+    launched while the split grid drains and waits here for its writes."""
+    if PDL:
+        gdc_wait()
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_ok = r < rows
     b = (r // (s_q * h_q)).to(tl.int64)
     token = (r // h_q) % s_q
     head = r % h_q
     lse_row = LSE_PART + b * stride_lb + token * stride_ls + head * stride_lh
-    m = tl.full([ROWS], float("-inf"), tl.float32)
-    for s in range(0, num_splits):
-        m = tl.maximum(m, tl.load(lse_row + s, mask=row_ok, other=float("-inf")))
+    offs_s = tl.arange(0, SPLITS)
+    lse_all = tl.load(lse_row[:, None] + offs_s[None, :], mask=row_ok[:, None] & (offs_s[None, :] < num_splits),
+                      other=float("-inf"))
+    m = tl.max(lse_all, 1)
     shift = tl.where(m == float("-inf"), 0.0, m)
-    total = tl.zeros([ROWS], tl.float32)
-    for s in range(0, num_splits):
-        total += tl.math.exp2((tl.load(lse_row + s, mask=row_ok, other=float("-inf")) - shift) * LOG2E)
+    total = tl.sum(tl.math.exp2((lse_all - shift[:, None]) * LOG2E), 1)
     empty = total == 0.0
     lse = tl.where(empty, float("-inf"), shift + tl.log(tl.where(empty, 1.0, total)))
     lse_out = lse
@@ -163,16 +172,22 @@ def _decode_combine_kernel(
                            hi_safe + tl.log(tl.exp(finite - hi_safe) + tl.exp(sink - hi_safe)))
     lse_out = tl.where(empty, 0.0, lse_out)
     offs_d = tl.arange(0, BLOCK_D)
-    d_mask = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
-    o_row = O_PART + b[:, None] * stride_ob + token[:, None] * stride_os + head[:, None] * stride_oh + offs_d[None, :]
+    offs_c = tl.arange(0, CHUNK)
+    d_ok = offs_d < HEAD_DIM
+    o_row = O_PART + b * stride_ob + token * stride_os + head * stride_oh
     acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
-    for s in range(0, num_splits):
-        weight = tl.math.exp2((tl.load(lse_row + s, mask=row_ok, other=float("-inf")) - lse_out) * LOG2E)
-        weight = tl.where(empty, 0.0, weight)
-        acc += weight[:, None] * tl.load(o_row + s * stride_op, mask=d_mask, other=0.0)
+    for s0 in range(0, num_splits, CHUNK):
+        split = s0 + offs_c
+        split_ok = row_ok[:, None] & (split[None, :] < num_splits)
+        weight = tl.math.exp2((tl.load(lse_row[:, None] + split[None, :], mask=split_ok, other=float("-inf"))
+                               - lse_out[:, None]) * LOG2E)
+        weight = tl.where(empty[:, None], 0.0, weight)
+        o = tl.load(o_row[:, None, None] + split[None, :, None] * stride_op + offs_d[None, None, :],
+                    mask=split_ok[:, :, None] & d_ok[None, None, :], other=0.0)
+        acc += tl.sum(weight[:, :, None] * o, 1)
     out_ptr = OUT + b[:, None] * stride_outb + token[:, None] * stride_outs + head[:, None] * stride_outh \
         + offs_d[None, :]
-    tl.store(out_ptr, acc.to(OUT.dtype.element_ty), mask=d_mask)
+    tl.store(out_ptr, acc.to(OUT.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
     if RETURN_LSE:
         tl.store(LSE + b * stride_rb + head * stride_rh + token * stride_rs, tl.where(empty, float("inf"), lse),
                  mask=row_ok)
@@ -205,6 +220,13 @@ def _sm_count(device_index: int) -> int:
     return detect(torch.device("cuda", device_index) if device_index >= 0 else "cpu").num_sms
 
 
+@functools.cache
+def programmatic_launch(device: torch.device) -> bool:
+    """Whether the combine is launched as a programmatic dependent of the split (NVIDIA sm_90 and
+    later): its launch then overlaps the split grid's tail."""
+    return device.type == "cuda" and torch.version.hip is None and torch.cuda.get_device_capability(device)[0] >= 9
+
+
 @dataclass(frozen=True)
 class DecodePlan:
     """What a call config fixes for every launch: both roles' tiles and launch knobs, read out of the
@@ -213,14 +235,15 @@ class DecodePlan:
     block_n: int
     waves: int
     rows: int
+    chunk: int
     split_knobs: dict
     combine_knobs: dict
 
     @classmethod
     def of(cls, config: CallConfig) -> DecodePlan:
         split, combine = config["split"], config["combine"]
-        return cls(split.blocks["BLOCK_N"], split.blocks["WAVES"], combine.blocks["ROWS"], split.knobs(),
-                   combine.knobs())
+        return cls(split.blocks["BLOCK_N"], split.blocks["WAVES"], combine.blocks["ROWS"], combine.blocks["CHUNK"],
+                   split.knobs(), combine.knobs())
 
 
 def decode_forward(args: dict, plan: DecodePlan):
@@ -248,13 +271,14 @@ def decode_forward(args: dict, plan: DecodePlan):
     o_part = torch.empty((b, s_q, h_q, splits, d), device=q.device, dtype=torch.float32)
     lse_part = torch.empty((b, s_q, h_q, splits), device=q.device, dtype=torch.float32)
     block_d = dot_block(d)
+    pdl = programmatic_launch(q.device)
     _decode_split_kernel[(b * h_kv, splits)](
         q, k_cache, v_cache, args["cache_seqlens"], table if paged else args["cache_seqlens"], o_part, lse_part,
         float(args["sm_scale"]) * LOG2E.value, window or 0, capacity, k_cache.shape[0], s_q, group, h_kv, split_len,
         *q_strides, *k_cache.stride()[:3], *v_cache.stride()[:3], table.stride(0) if paged else 0,
         *o_part.stride()[:4], *lse_part.stride()[:3],
         HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=rows_block(s_q, group), BLOCK_N=block_n, PAGED=paged, PAGE=page,
-        HAS_WINDOW=window is not None, **plan.split_knobs,
+        HAS_WINDOW=window is not None, PDL=pdl, **plan.split_knobs,
     )
     out = torch.empty(q.shape, device=q.device, dtype=q.dtype)
     lse = None
@@ -269,15 +293,17 @@ def decode_forward(args: dict, plan: DecodePlan):
         o_part, lse_part, sinks if sinks is not None else lse_part, out, lse if lse is not None else lse_part,
         rows, s_q, h_q, splits,
         *o_part.stride()[:4], *lse_part.stride()[:3], *out_strides, *lse_strides,
-        HEAD_DIM=d, BLOCK_D=block_d, ROWS=per_program, HAS_SINK=sinks is not None, RETURN_LSE=lse is not None,
+        HEAD_DIM=d, BLOCK_D=block_d, ROWS=per_program, SPLITS=next_pow2(splits), CHUNK=plan.chunk,
+        HAS_SINK=sinks is not None, RETURN_LSE=lse is not None, PDL=pdl, **({"launch_pdl": True} if pdl else {}),
         **plan.combine_knobs,
     )
     return (out, lse) if lse is not None else out
 
 
 # ----------------------------------------------------------------------------- offline compiles
-def decode_compile_specs(key: dict, config: CallConfig, dtype: str = "fp16") -> list[CompileSpec]:
-    """Both kernels as a call with this key launches them (with sinks and lse, the heavier combine)."""
+def decode_compile_specs(key: dict, config: CallConfig, dtype: str = "fp16", pdl: bool = False) -> list[CompileSpec]:
+    """Both kernels as a call with this key launches them (with sinks and lse, the heavier combine;
+    `pdl`: with the programmatic-dependent-launch instructions NVIDIA's Hopper build carries)."""
     elem = f"*{key.get('dtype', dtype)}"
     group = key["h_q"] // key["h_kv"]
     split = config["split"].blocks
@@ -287,14 +313,16 @@ def decode_compile_specs(key: dict, config: CallConfig, dtype: str = "fp16") -> 
                 "LSE_PART": "*fp32"}
     constexprs = {"HEAD_DIM": key["d"], "BLOCK_D": dot_block(key["d"]), "BLOCK_M": rows_block(key["s_q"], group),
                   "BLOCK_N": split["BLOCK_N"], "PAGED": bool(key["paged"]), "PAGE": key["block_size"] or 1,
-                  "HAS_WINDOW": key["window"] is not None}
+                  "HAS_WINDOW": key["window"] is not None, "PDL": pdl}
     signature = {n: pointers.get(n, "fp32" if n in floats else "i32") for n in names if n not in constexprs}
     split_spec = CompileSpec("split", _decode_split_kernel, signature, constexprs,
                              values={"s_q": key["s_q"], "group": group, "h_kv": key["h_kv"]})
     names = _decode_combine_kernel.arg_names
     pointers = {"O_PART": "*fp32", "LSE_PART": "*fp32", "SINK": "*fp32", "OUT": elem, "LSE": "*fp32"}
-    constexprs = {"HEAD_DIM": key["d"], "BLOCK_D": dot_block(key["d"]), "ROWS": config["combine"].blocks["ROWS"],
-                  "HAS_SINK": True, "RETURN_LSE": True}
+    combine = config["combine"].blocks
+    constexprs = {"HEAD_DIM": key["d"], "BLOCK_D": dot_block(key["d"]), "ROWS": combine["ROWS"],
+                  "SPLITS": MAX_SPLITS, "CHUNK": combine["CHUNK"], "HAS_SINK": True, "RETURN_LSE": True,
+                  "PDL": pdl}
     signature = {n: pointers.get(n, "i32") for n in names if n not in constexprs}
     combine_spec = CompileSpec("combine", _decode_combine_kernel, signature, constexprs,
                                values={"s_q": key["s_q"], "h_q": key["h_q"]})
@@ -306,17 +334,17 @@ def decode_compile_specs(key: dict, config: CallConfig, dtype: str = "fp16") -> 
 INTERPRETER_SPLIT = ({"BLOCK_N": 16, "WAVES": 2}, {"BLOCK_N": 32, "WAVES": 1})
 # The combine kernel is a few hundred bytes per row on either vendor: one space for both.
 COMBINE_SPACE = ConfigSpace(
-    blocks={"ROWS": (1, 4, 16)},
+    blocks={"ROWS": (1, 2, 4), "CHUNK": (4, 8, 16)},
     knobs={"num_warps": (1, 2, 4)},
-    defaults={"*": {"ROWS": 4, "num_warps": 2}},
-    interpreter=({"ROWS": 4}, {"ROWS": 1}),
+    defaults={"*": {"ROWS": 1, "CHUNK": 8, "num_warps": 2}},
+    interpreter=({"ROWS": 2, "CHUNK": 4}, {"ROWS": 1, "CHUNK": 8}),
 )
 
 
 class DecodeSplitKVBase:
     """The split-KV variant's logic; each vendor file subclasses it with `Variant` and sets `spaces`:
     "split" (blocks BLOCK_N, the key tile, and WAVES, the split programs per SM that num_splits aims
-    for) and "combine" (COMBINE_SPACE: block ROWS, the rows per program)."""
+    for) and "combine" (COMBINE_SPACE: blocks ROWS, the rows per program, and CHUNK, the splits per load)."""
 
     op = "decode"
     name = "decode_splitkv"
@@ -344,4 +372,4 @@ class DecodeSplitKVBase:
         return lambda args: decode_forward(args, plan)
 
     def compile_specs(self, key: dict, config: CallConfig, dtype: str = "fp16") -> list[CompileSpec]:
-        return decode_compile_specs(key, config, dtype)
+        return decode_compile_specs(key, config, dtype, pdl=self.vendor == "nvidia")

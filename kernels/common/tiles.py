@@ -10,7 +10,12 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def next_pow2(n: int) -> int:
+    """The smallest power of two >= n, for n >= 1."""
+    return 1 << (int(n) - 1).bit_length()
+
+
 def dot_block(n: int) -> int:
     """A tile dimension covering `n`: the next power of two, at least 16 (the smallest M, N and K of
     tl.dot)."""
-    return max(16, 1 << (int(n) - 1).bit_length())
+    return max(16, next_pow2(n))

@@ -16,9 +16,9 @@ class DecodeSplitKVNvidia(DecodeSplitKVBase, Variant):
     vendor = "nvidia"
     spaces = {
         "split": ConfigSpace(
-            blocks={"BLOCK_N": (32, 64, 128), "WAVES": (1, 2, 4)},
+            blocks={"BLOCK_N": (64, 128, 256), "WAVES": (1, 2, 4, 8)},
             knobs={"num_warps": (2, 4, 8), "num_stages": (2, 3, 4)},
-            defaults={"*": {"BLOCK_N": 64, "WAVES": 2, "num_warps": 4, "num_stages": 3}},
+            defaults={"*": {"BLOCK_N": 128, "WAVES": 2, "num_warps": 4, "num_stages": 3}},
             interpreter=INTERPRETER_SPLIT,
         ),
         "combine": COMBINE_SPACE,

@@ -1,41 +1,90 @@
-"""flash_attention on NVIDIA Hopper (H100/H200): the shared tiled kernel with NVIDIA's config space.
+"""flash_attention on NVIDIA Hopper (H100/H200): the shared attention kernel family
+(kernels/common/attention.py) with NVIDIA's config spaces. sink_attention's NVIDIA variant
+(kernels/nvidia/sink_attention.py) takes the same data: a sink adds O(rows) work to O(rows * keys).
 
-Triton pipelines K and V through shared memory with `num_stages` buffers each, next to the Q tile, so
-deep pipelines fit the 227 KiB only with narrow key tiles. Measured with tuning.compile_check (sm_90,
-bf16, causal): d 128 needs 8 warps for BLOCK_M 128 (4 warps spill), d 256 needs 8 warps at BLOCK_M 128.
-8 warps are two warpgroups of 64 query rows each (wgmma's M), which is why BLOCK_M 64 keeps 4.
+Triton pipelines the streamed tiles through shared memory with `num_stages` buffers each, next to the
+resident ones (the forward's and dQ's K and V stream past a resident Q tile; dK/dV's Q and dO stream
+past resident K and V), so deep pipelines fit the 227 KiB only with narrow streamed tiles. 8 warps are
+two warpgroups of 64 rows each (wgmma's M): a tile with fewer rows than 128 gives the second one
+nothing to split, which is what `two_warpgroups_need_128_rows` keeps out.
 """
 
 from kernels.base import Variant
-from kernels.common.flash_attention import INTERPRETER_TILES, FlashAttentionTiledBase
+from kernels.common.attention import INTERPRETER_TILES, AttentionTiledBase
 from registry.catalog import register
 from tuning.space import ConfigSpace
 from tuning_db.records import LaunchConfig
 
+# The block that is the rows (wgmma's M) of each role's main products: the forward's and dQ's query
+# rows, dK/dV's key rows (it works transposed).
+_ROWS = {"fwd": "BLOCK_M", "bwd_dq": "BLOCK_M", "bwd_dkv": "BLOCK_N"}
 
-def two_warpgroups_need_128_rows(config: LaunchConfig, key: dict) -> bool:
-    """Keep: 8 warps are two warpgroups of 64 query rows each; with BLOCK_M 64 they only split the keys."""
-    return not (config.num_warps == 8 and config.blocks["BLOCK_M"] < 128)
+
+def _two_warpgroups(rows: str):
+    def two_warpgroups_need_128_rows(config: LaunchConfig, key: dict) -> bool:
+        """Keep: 8 warps are two warpgroups of 64 rows each; with fewer than 128 rows they only split
+        the other dimension."""
+        return not (config.num_warps == 8 and config.blocks[rows] < 128)
+
+    return two_warpgroups_need_128_rows
+
+
+def _space(role: str, blocks: dict, defaults: dict) -> ConfigSpace:
+    return ConfigSpace(blocks=blocks, knobs={"num_warps": (4, 8), "num_stages": (2, 3, 4)},
+                       keep=_two_warpgroups(_ROWS[role]), defaults={"*": defaults},
+                       interpreter=INTERPRETER_TILES[role])
+
+
+class AttentionNvidia:
+    """NVIDIA's data for the attention family's variants (both ops)."""
+
+    vendor = "nvidia"
+    spaces = {
+        "fwd": ConfigSpace(
+            blocks={"BLOCK_M": (64, 128), "BLOCK_N": (32, 64, 128)},
+            knobs={"num_warps": (4, 8), "num_stages": (2, 3, 4, 5)},
+            keep=_two_warpgroups("BLOCK_M"),
+            defaults={"*": {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}},
+            interpreter=INTERPRETER_TILES["fwd"],
+        ),
+        # One pass over dO and O: no loop to pipeline, only the row tile and the warps.
+        "bwd_pre": ConfigSpace(
+            blocks={"BLOCK_M": (32, 64, 128)},
+            knobs={"num_warps": (4, 8)},
+            defaults={"*": {"BLOCK_M": 64, "num_warps": 4}},
+            interpreter=INTERPRETER_TILES["bwd_pre"],
+        ),
+        "bwd_dkv": _space("bwd_dkv", {"BLOCK_M": (16, 32, 64, 128), "BLOCK_N": (32, 64, 128)},
+                          {"BLOCK_M": 32, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3}),
+        "bwd_dq": _space("bwd_dq", {"BLOCK_M": (32, 64, 128), "BLOCK_N": (16, 32, 64, 128)},
+                         {"BLOCK_M": 128, "BLOCK_N": 32, "num_warps": 8, "num_stages": 3}),
+    }
+    # Forward, measured on an H100/H200 at s 8192, bf16 (2026-11): d 64 128x64 with 8 warps (405 TFLOP/s
+    # causal vs 370 with 4). d 128: 128x128 w8 is ~4% faster (459 vs 442) but sits at 255 registers and
+    # spills under varlen, so the default stays 128x64 (d 64 and 128 alike). d 256 spills under varlen
+    # with 32-key tiles or 2 stages: its default takes 16-key tiles and num_stages 1, outside the space.
+    # Backward (untimed; sm_90 compiles, bf16, sinks, windows and varlen, no spills): dK/dV keeps 128 key
+    # rows for two warpgroups and narrows its query tile as d grows (32, then 16 at d 128: 255
+    # registers; d 256 fits only 16x32 with 4 warps); dQ 128x32 up to d 128, 128x16 at d 256.
+    HEAD_DIM_DEFAULTS = {
+        "fwd": ((128, {}), (256, {"BLOCK_N": 16, "num_stages": 1})),
+        "bwd_dkv": ((64, {}), (128, {"BLOCK_M": 16, "num_stages": 2}),
+                    (256, {"BLOCK_M": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1})),
+        "bwd_dq": ((128, {}), (256, {"BLOCK_N": 16, "num_stages": 2})),
+    }
+
+    def shared_bytes(self, role: str, config: LaunchConfig, block_d: int, elem: int) -> int:
+        """The resident tiles plus `num_stages` buffers of the two streamed ones (the forward's
+        estimate matches sm_90 compiles exactly)."""
+        blocks, stages = config.blocks, config.num_stages
+        if role == "bwd_pre":
+            return 0
+        resident, streamed = ("BLOCK_N", "BLOCK_M") if role == "bwd_dkv" else ("BLOCK_M", "BLOCK_N")
+        tiles = 1 if role == "fwd" else 2  # Q; Q and dO; K and V
+        return elem * block_d * (tiles * blocks[resident] + 2 * stages * blocks[streamed])
 
 
 @register
-class FlashAttentionTiledNvidia(FlashAttentionTiledBase, Variant):
-    vendor = "nvidia"
-    spaces = {"fwd": ConfigSpace(
-        blocks={"BLOCK_M": (64, 128), "BLOCK_N": (32, 64, 128)},
-        knobs={"num_warps": (4, 8), "num_stages": (2, 3, 4, 5)},
-        keep=two_warpgroups_need_128_rows,
-        defaults={"*": {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}},
-        interpreter=INTERPRETER_TILES,
-    )}
-    # Measured on an H100/H200 at s 8192, bf16 (2026-11): d 64 128x64 with 8 warps (405 TFLOP/s causal
-    # vs 370 with 4). d 128: 128x128 w8 is ~4% faster (459 vs 442) but sits at 255 registers and spills
-    # under varlen, so the default stays 128x64 (d 64 and 128 alike). d 256 spills at num_stages 2 under
-    # varlen or a window: its default takes num_stages 1, outside the sweep's space.
-    HEAD_DIM_DEFAULTS = ((128, {}), (256, {"BLOCK_N": 32, "num_stages": 1}))
-
-    @staticmethod
-    def shared_bytes(config: LaunchConfig, block_d: int, elem: int) -> int:
-        """The Q tile plus `num_stages` buffers of the K and V tiles (matches sm_90 compiles exactly)."""
-        blocks = config.blocks
-        return elem * block_d * (blocks["BLOCK_M"] + 2 * config.num_stages * blocks["BLOCK_N"])
+class FlashAttentionTiledNvidia(AttentionNvidia, AttentionTiledBase, Variant):
+    op = "flash_attention"
+    name = "flash_attention_tiled"

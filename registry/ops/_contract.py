@@ -187,11 +187,15 @@ def resolve_scale(name: str, sm_scale: Any, head_dim: int) -> float:
     return scale
 
 
+INT32_MAX = 2**31 - 1
+
+
 def require_window(window: Any, causal: bool) -> None:
     if window is None:
         return
-    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-        raise ValueError(f"window: expected a positive int or None, got {window!r}")
+    # Kernels take the window as an int32 argument.
+    if isinstance(window, bool) or not isinstance(window, int) or not 1 <= window <= INT32_MAX:
+        raise ValueError(f"window: expected a positive int up to 2**31 - 1 (int32) or None, got {window!r}")
     if not causal:
         raise ValueError("window: a sliding window needs causal=True, got causal=False")
 

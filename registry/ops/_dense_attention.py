@@ -196,10 +196,12 @@ def allowed_pairs(s_q: int, s_k: int, causal: bool, window: int | None) -> int:
 
 # ----------------------------------------------------------------------------- shared contract parts
 def check_dense_args(
-    q, k, v, causal, sm_scale, window, return_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
+    q, k, v, causal, sm_scale, window, return_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+    deterministic=False,
 ) -> tuple[float, tuple]:
     """The argument checks flash_attention and sink_attention share; returns the resolved sm_scale
-    and the raw dispatch key (`Args.key`): everything `dense_tuning_key` reads, unprocessed.
+    and the raw dispatch key (`Args.key`): everything `dense_tuning_key` reads, unprocessed
+    (`deterministic` picks no config: it is not in the key).
 
     Shape reads and dtype/device compares only: no tensor values are read (no host sync).
     """
@@ -250,6 +252,8 @@ def check_dense_args(
         raise TypeError(f"causal: expected a bool, got {type(causal).__name__}")
     if return_lse is not True and return_lse is not False:
         raise TypeError(f"return_lse: expected a bool, got {type(return_lse).__name__}")
+    if deterministic is not True and deterministic is not False:
+        raise TypeError(f"deterministic: expected a bool, got {type(deterministic).__name__}")
     if window is not None:
         require_window(window, causal)
     key = (qs, ks, dtype, causal, window, cu_seqlens_q is None, max_seqlen_q, max_seqlen_k)
@@ -283,6 +287,10 @@ def _check_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
         raise ValueError(f"q: expected shape [total_q, h_q, d] with cu_seqlens_q, got {list(q.shape)}")
     if k.dim() != 3:
         raise ValueError(f"k: expected shape [total_k, h_kv, d] with cu_seqlens_k, got {list(k.shape)}")
+    # No sequence is longer than the packed rows (empty tensors are reported by the caller).
+    for name, value, rows in (("max_seqlen_q", max_seqlen_q, q.shape[0]), ("max_seqlen_k", max_seqlen_k, k.shape[0])):
+        if rows and value > rows:
+            raise ValueError(f"{name}: expected at most the {rows} packed rows, got {value}")
 
 
 def check_sinks(sinks, h_q: int, q: torch.Tensor) -> None:

@@ -345,20 +345,33 @@ def _shape(b, h_q, h_kv, d, n, block_size=None, s_q=1, sinks=True, window=None, 
             "sinks": sinks, "window": window, "ragged": ragged}
 
 
+# The targets: (b 8, h 64/8, d 64, n 32768), (b 1, same heads, n 131072), (b 32, h 32/8, d 128, n 8192),
+# each contiguous and paged with blocks of 16 and 64, sinks on; and the gpt-oss window-128 layers.
+_TARGETS = [
+    _shape(b, h_q, h_kv, d, n, block_size=bs)
+    for b, h_q, h_kv, d, n in ((8, 64, 8, 64, 32768), (1, 64, 8, 64, 131072), (32, 32, 8, 128, 8192))
+    for bs in (None, 16, 64)
+] + [_shape(8, 64, 8, 64, 32768, block_size=bs, window=128) for bs in (None, 16, 64)]
+# What a serving batch looks like between those: batch 1..128 and caches 2K..128K (each key a bucket; at
+# most 2M cached tokens, so every shape fits an 80 GB card next to its copies), d 64 (h 64/8) and 128
+# (h 32/8), contiguous (and paged 16 at d 64); and 4 speculative tokens.
+_SERVING_GRID = [
+    _shape(b, h_q, 8, d, n, block_size=bs)
+    for h_q, d, bs in ((64, 64, None), (64, 64, 16), (32, 128, None))
+    for b in (1, 8, 32, 128)
+    for n in (2048, 16384, 131072)
+    if b * n <= 1 << 21 and (b, n, d) != (1, 131072, 64)  # that one is a target
+] + [_shape(8, 64, 8, 64, 32768, s_q=4)]
+
 presets = {
     "tiny": [
         _shape(3, 4, 2, 64, 37, ragged=True),
         _shape(3, 8, 1, 64, 70, block_size=16, ragged=True),
         _shape(2, 4, 4, 128, 50, block_size=32, s_q=3, sinks=False, window=16, ragged=True),
     ],
-    # The targets' shapes: (b 8, h 64/8, d 64, n 32768), (b 1, same heads, n 131072), (b 32, h 32/8, d 128, n 8192),
-    # each contiguous and paged with blocks of 16 and 64, sinks on; and the gpt-oss window-128 layers.
-    "full": [
-        _shape(b, h_q, h_kv, d, n, block_size=bs)
-        for b, h_q, h_kv, d, n in ((8, 64, 8, 64, 32768), (1, 64, 8, 64, 131072), (32, 32, 8, 128, 8192))
-        for bs in (None, 16, 64)
-    ]
-    + [_shape(8, 64, 8, 64, 32768, block_size=bs, window=128) for bs in (None, 16, 64)],
+    # The targets' shapes (docs/performance.md), then the serving grid the tables cover (below).
+    "targets": _TARGETS,
+    "full": _TARGETS + _SERVING_GRID,
 }
 
 OP = Op(

@@ -30,9 +30,11 @@ def validate(
     cu_seqlens_k: torch.Tensor | None = None,
     max_seqlen_q: int | None = None,
     max_seqlen_k: int | None = None,
+    deterministic: bool = False,
 ) -> dict:
     """flash_attention(q, k, v, causal=False, sm_scale=None, window=None, return_lse=False,
-    cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None) -> out | (out, lse)
+    cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, deterministic=False)
+    -> out | (out, lse)
 
     Dense attention `out_i = sum_j softmax_j(z_ij) v_j` with `z_ij = sm_scale * q_i . k_j`.
 
@@ -42,7 +44,11 @@ def validate(
       `cu_seqlens_k` int32 `[b + 1]` (sequence i owns rows `cu[i]:cu[i + 1]`), and `max_seqlen_q`,
       `max_seqlen_k` REQUIRED (the longest sequence of each, as FlashAttention's varlen API takes them:
       reading cu_seqlens on the host would be a device sync). Rows outside every sequence are
-      left to the implementation (the reference returns 0 and lse +inf there).
+      left to the implementation (the reference and the kernels return 0 and lse +inf there).
+      Offsets are not checked on the host: kernels clamp each sequence into the packed rows, so
+      offsets past the end, negative or decreasing never make them touch memory outside the
+      tensors (the results for such offsets are unspecified); a max_seqlen shorter than a sequence
+      only costs speed, never rows.
     q, k, v share one dtype (fp16, bf16 or fp32) and device; any strides, but the last dimension
     must be contiguous. `d` in 1..256; GQA needs `h_q % h_kv == 0` and query head h reads kv head
     `h // (h_q // h_kv)`.
@@ -54,14 +60,18 @@ def validate(
 
     Returns `out` like q (q's dtype), or `(out, lse)` when `return_lse`: lse fp32 natural-log
     `[b, h_q, s_q]` (varlen: `[h_q, total_q]`). A row with no allowed key (causal with s_q > s_k)
-    returns out 0 and lse +inf. Differentiable for q, k and v.
+    returns out 0 and lse +inf. Differentiable for q, k and v (through `out`; the returned lse is not
+    differentiable, as in FlashAttention). `deterministic=True` asks for a backward without atomics,
+    bitwise identical from run to run; the kernels' backward never uses atomics, so it costs nothing.
 
     Raises ValueError/TypeError naming the argument for wrong ranks, shapes, dtypes or devices, a
     non-contiguous last dimension, h_q not divisible by h_kv, an empty batch, a window without
-    causal, or varlen without max_seqlen_q/max_seqlen_k.
+    causal or beyond int32, a non-bool flag, or varlen without max_seqlen_q/max_seqlen_k or with a
+    max_seqlen larger than the packed rows.
     """
     scale, key = check_dense_args(
-        q, k, v, causal, sm_scale, window, return_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
+        q, k, v, causal, sm_scale, window, return_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+        deterministic,
     )
     args = Args(
         q=q,
@@ -75,6 +85,7 @@ def validate(
         cu_seqlens_k=cu_seqlens_k,
         max_seqlen_q=max_seqlen_q,
         max_seqlen_k=max_seqlen_k,
+        deterministic=deterministic,
     )
     args.key = key
     return args
@@ -92,8 +103,10 @@ def reference(
     cu_seqlens_k: torch.Tensor | None = None,
     max_seqlen_q: int | None = None,
     max_seqlen_k: int | None = None,
+    deterministic: bool = False,
 ):
-    """The semantics in PyTorch (fp32 math, chunked over queries); takes `validate`'s dict."""
+    """The semantics in PyTorch (fp32 math, chunked over queries); takes `validate`'s dict
+    (`deterministic` changes nothing here)."""
     return run_dense(
         q, k, v, causal=causal, sm_scale=sm_scale, window=window, return_lse=return_lse,
         cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
@@ -129,7 +142,7 @@ def _shape(b, s, h, d, causal, s_k=None, h_kv=None, window=None):
 
 presets = {
     "tiny": [
-        _shape(2, 37, 4, 64, True, h_kv=2),
+        _shape(1, 37, 4, 64, True, h_kv=2),
         _shape(1, 19, 2, 128, False),
         _shape(2, 13, 4, 64, True, s_k=29, h_kv=1),
     ],

@@ -32,9 +32,11 @@ def validate(
     cu_seqlens_k: torch.Tensor | None = None,
     max_seqlen_q: int | None = None,
     max_seqlen_k: int | None = None,
+    deterministic: bool = False,
 ) -> dict:
     """sink_attention(q, k, v, sinks=None, window=None, causal=True, sm_scale=None, return_lse=False,
-    cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None) -> out | (out, lse)
+    cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, deterministic=False)
+    -> out | (out, lse)
 
     gpt-oss attention: softmax attention where each head also has a sink, a raw logit (not multiplied
     by sm_scale, never masked, no value vector) that takes a share of the softmax:
@@ -44,7 +46,8 @@ def validate(
     Layouts, masks and defaults as flash_attention, except `causal=True` by default:
     - batched: `q [b, s_q, h_q, d]`, `k, v [b, s_k, h_kv, d]`;
     - varlen: `q [total_q, h_q, d]`, `k, v [total_k, h_kv, d]`, `cu_seqlens_q`, `cu_seqlens_k` int32
-      `[b + 1]` and REQUIRED `max_seqlen_q`, `max_seqlen_k` (no host read of cu_seqlens);
+      `[b + 1]` and REQUIRED `max_seqlen_q`, `max_seqlen_k` (no host read of cu_seqlens: kernels clamp
+      each sequence into the packed rows, whatever the offsets hold);
     - query i sits at `p_i = s_k - s_q + i` (bottom-right, per sequence); causal allows `j <= p_i`;
       `window=W` (needs causal) allows `0 <= p_i - j <= W - 1`; `sm_scale` defaults to `d ** -0.5`;
     - one dtype (fp16, bf16, fp32) and device for q, k, v; last dimension contiguous; d in 1..256;
@@ -54,16 +57,20 @@ def validate(
     `[h_q, total_q]`) over the keys only (the sink is never inside lse). A row with no allowed key
     returns out 0 and lse +inf whatever the sink (±inf included).
 
-    Differentiable for q, k, v and sinks. With `lse_tot = logaddexp(lse, sinks[h])`,
-    `P = exp(z - lse_tot)` and `Delta = rowsum(dO * O)`, the backward is FlashAttention-2's and
-    `d sinks[h] = -sum_{b,i} exp(sinks[h] - lse_tot) * Delta`.
+    Differentiable for q, k, v and sinks (through `out`; the returned lse is not differentiable). With
+    `lse_tot = logaddexp(lse, sinks[h])`, `P = exp(z - lse_tot)` and `Delta = rowsum(dO * O)`, the
+    backward is FlashAttention-2's and `d sinks[h] = -sum_{b,i} exp(sinks[h] - lse_tot) * Delta`.
+    `deterministic=True` asks for a backward without atomics, bitwise identical from run to run (the
+    kernels' backward never uses atomics: d sinks is a fixed-order sum of per-block partials).
 
     Raises ValueError/TypeError naming the argument for wrong ranks, shapes, dtypes (sinks must be
     fp32) or devices, a non-contiguous last dimension, h_q not divisible by h_kv, an empty batch, a
-    window without causal, or varlen without max_seqlen_q/max_seqlen_k.
+    window without causal or beyond int32, a non-bool flag, or varlen without
+    max_seqlen_q/max_seqlen_k or with a max_seqlen larger than the packed rows.
     """
     scale, key = check_dense_args(
-        q, k, v, causal, sm_scale, window, return_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
+        q, k, v, causal, sm_scale, window, return_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+        deterministic,
     )
     if sinks is not None:
         check_sinks(sinks, q.shape[-2], q)
@@ -80,6 +87,7 @@ def validate(
         cu_seqlens_k=cu_seqlens_k,
         max_seqlen_q=max_seqlen_q,
         max_seqlen_k=max_seqlen_k,
+        deterministic=deterministic,
     )
     args.key = (*key, sinks is None)
     return args
@@ -98,8 +106,10 @@ def reference(
     cu_seqlens_k: torch.Tensor | None = None,
     max_seqlen_q: int | None = None,
     max_seqlen_k: int | None = None,
+    deterministic: bool = False,
 ):
-    """The semantics in PyTorch (fp32 math, chunked over queries); takes `validate`'s dict."""
+    """The semantics in PyTorch (fp32 math, chunked over queries); takes `validate`'s dict
+    (`deterministic` changes nothing here)."""
     return run_dense(
         q, k, v, causal=causal, sm_scale=sm_scale, window=window, return_lse=return_lse,
         cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,

@@ -1,0 +1,917 @@
+"""Dense attention (FlashAttention-2) with sinks, sliding windows, GQA and varlen packing: the Triton
+kernel family that flash_attention and sink_attention share, forward and backward, on both vendors.
+
+A call launches up to four kernels, four roles of one tuned entry:
+
+- `fwd` (`_attention_fwd_kernel`): one program per (query block, query head, sequence); online
+  softmax over the keys the block may see, the sink applied once at the end
+  (`out = out_nosink * sigmoid(lse - sink)`); writes out and the lse without the sink.
+- `bwd_pre` (`_attention_bwd_pre_kernel`): one program per (row block, query head, sequence); reads
+  dO and O once, writes `Delta = rowsum(dO * O)` and the row's total lse (the sink included, in log2
+  units, for the two kernels below), and each program's partial sum of
+  `d sink = -sigmoid(sink - lse) * Delta` (fixed-order sums, no atomics).
+- `bwd_dkv` (`_attention_bwd_dkv_kernel`): one program per (key block, kv head, sequence); loops over
+  the GQA group's query heads and the query blocks that may see its keys, so the group's sum happens
+  in registers and K/V are never expanded; writes dK and dV once.
+- `bwd_dq` (`_attention_bwd_dq_kernel`): the forward's program layout; recomputes P and dS over the
+  same key range and writes dQ.
+
+No kernel uses atomics, so gradients are bitwise reproducible (`deterministic=True` changes nothing
+here). Sinks, windows, causal masks and varlen are constexpr switches of every kernel.
+
+Masking in stages (Triton's fused-attention tutorial): for one query block the key range [lo, hi) that
+holds any allowed key is cut into an unmasked middle [mid_lo, mid_hi), whose key blocks every row of
+the block fully sees, and masked edges (the window's start, the causal diagonal, the partial last
+block), so mask arithmetic runs only where a block needs it; key blocks outside [lo, hi) are never
+visited, so a window's cost grows with s * W, not s^2. The dK/dV kernel cuts the query range of a key
+block the same way.
+
+Varlen memory safety: sequence bounds read from cu_seqlens are clamped into the packed tensors inside
+the kernels (a sequence past the end, a decreasing or negative offset touches only rows that exist),
+and programs stride over query (key) blocks, so a max_seqlen smaller than a real sequence still
+covers every row. No value is read on the host.
+
+Reads top-down: helpers, forward kernels, backward kernels, launchers, the autograd Function, the
+entry point (`attention_call`), offline compile specs, the variant logic. Semantics:
+`registry.ops.flash_attention.reference` and `registry.ops.sink_attention.reference`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.base import CompileSpec
+from kernels.common.tiles import dot_block
+from tuning_db.records import CallConfig, LaunchConfig
+
+# Kernels can only read globals that are constexprs.
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
+
+
+# ----------------------------------------------------------------------------- shared helpers
+@triton.jit
+def _sequence(cu_seqlens, off_b, rows):
+    """(first row, length) of sequence `off_b`, clamped into the `rows` rows of the packed tensor."""
+    start = tl.load(cu_seqlens + off_b)
+    end = tl.load(cu_seqlens + off_b + 1)
+    start = tl.minimum(tl.maximum(start, 0), rows)
+    end = tl.minimum(tl.maximum(end, start), rows)
+    return start, end - start
+
+
+@triton.jit
+def _block_order(i, n_blocks, IS_CAUSAL: tl.constexpr):
+    """The query block the i-th program of a varlen sequence takes: causal ones take the longest (last)
+    blocks first, so the short ones fill the tail."""
+    if IS_CAUSAL:
+        return n_blocks - 1 - i
+    return i
+
+
+@triton.jit
+def _key_range(m0, seqlen_q, seqlen_k, window,
+               IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(lo, mid_lo, mid_hi, hi): the keys query rows [m0, m0 + BLOCK_M) may see are [lo, hi); key
+    blocks in [mid_lo, mid_hi) are fully allowed for every valid row. lo, mid_lo and mid_hi sit on
+    BLOCK_N boundaries. Every division below is of a non-negative value (Triton's `//` truncates)."""
+    diag = seqlen_k - seqlen_q
+    p_first = diag + m0
+    p_last = diag + tl.minimum(m0 + BLOCK_M, seqlen_q) - 1
+    hi = seqlen_k
+    if IS_CAUSAL:
+        hi = tl.minimum(hi, tl.maximum(p_last + 1, 0))
+    lo = 0
+    if HAS_WINDOW:
+        lo = tl.maximum(p_first - window + 1, 0) // BLOCK_N * BLOCK_N
+    lo = tl.minimum(lo, hi)
+    mid_lo = lo
+    if HAS_WINDOW:
+        mid_lo = tl.maximum(p_last - window + 1, 0)
+        mid_lo = tl.minimum((mid_lo + BLOCK_N - 1) // BLOCK_N * BLOCK_N, hi)
+    mid_hi = seqlen_k // BLOCK_N * BLOCK_N
+    if IS_CAUSAL:
+        mid_hi = tl.minimum(mid_hi, tl.maximum(p_first + 1, 0) // BLOCK_N * BLOCK_N)
+    mid_hi = tl.maximum(tl.minimum(mid_hi, hi), mid_lo)
+    return lo, mid_lo, mid_hi, hi
+
+
+@triton.jit
+def _query_range(n0, seqlen_q, seqlen_k, window,
+                 IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(lo, mid_lo, mid_hi, hi): the query rows that may see a key of block [n0, n0 + BLOCK_N) are
+    [lo, hi); query blocks in [mid_lo, mid_hi) (BLOCK_M steps from lo) see every key of the block. A
+    partial key block (past seqlen_k) has no unmasked middle."""
+    diag = seqlen_k - seqlen_q
+    n_last = tl.minimum(n0 + BLOCK_N, seqlen_k) - 1
+    lo = 0
+    if IS_CAUSAL:
+        lo = tl.maximum(n0 - diag, 0)  # p_i >= n0
+    hi = seqlen_q
+    if HAS_WINDOW:
+        hi = tl.minimum(hi, tl.maximum(n_last + window - diag, 0))  # p_i - n_last <= W - 1
+    lo = tl.minimum(lo, hi)
+    full_lo = lo
+    if IS_CAUSAL:
+        full_lo = tl.maximum(n0 + BLOCK_N - 1 - diag, 0)  # p_i >= the block's last key
+    full_hi = seqlen_q
+    if HAS_WINDOW:
+        full_hi = tl.minimum(full_hi, tl.maximum(n0 + window - diag, 0))  # p_i - n0 <= W - 1
+    mid_lo = tl.minimum(lo + (tl.maximum(full_lo - lo, 0) + BLOCK_M - 1) // BLOCK_M * BLOCK_M, hi)
+    mid_hi = mid_lo + tl.maximum(full_hi - mid_lo, 0) // BLOCK_M * BLOCK_M
+    mid_hi = tl.where(n0 + BLOCK_N <= seqlen_k, mid_hi, mid_lo)
+    return lo, mid_lo, mid_hi, hi
+
+
+# ----------------------------------------------------------------------------- forward
+@triton.jit
+def _attention_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, start, end,
+                         pos_m, seqlen_k, window, qk_scale,
+                         MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                         HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Fold key blocks [start, end) into the online-softmax state (acc, l_i, m_i) of one query block.
+
+    `k_base`/`v_base` point at key 0 of this (sequence, kv head). Scores are kept in log2 units
+    (`qk_scale` = sm_scale * log2(e)), so exp2 replaces exp. MASKED applies the key-length, causal and
+    window masks; the unmasked stage is only called on blocks where every key is allowed.
+    """
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    k_offs = offs_n[:, None] * stride_kn + offs_d[None, :]
+    v_offs = offs_n[:, None] * stride_vn + offs_d[None, :]
+    # Scalar block pointers advance in 64-bit: start * stride can pass 2**31 on long sequences.
+    k_blk = k_base + tl.cast(start, tl.int64) * stride_kn
+    v_blk = v_base + tl.cast(start, tl.int64) * stride_vn
+    for start_n in range(start, end, BLOCK_N):
+        cols = start_n + offs_n
+        if MASKED:
+            # other=0 also keeps garbage (inf/NaN) past the sequence out of the P @ V product.
+            kv_mask = (cols[:, None] < seqlen_k) & (offs_d[None, :] < HEAD_DIM)
+            k = tl.load(k_blk + k_offs, mask=kv_mask, other=0.0)
+            v = tl.load(v_blk + v_offs, mask=kv_mask, other=0.0)
+        elif HEAD_DIM < BLOCK_D:
+            k = tl.load(k_blk + k_offs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+            v = tl.load(v_blk + v_offs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+        else:
+            k = tl.load(k_blk + k_offs)
+            v = tl.load(v_blk + v_offs)
+        qk = tl.dot(q, tl.trans(k)) * qk_scale
+        if MASKED:
+            allowed = cols[None, :] < seqlen_k
+            if IS_CAUSAL:
+                allowed = allowed & (cols[None, :] <= pos_m[:, None])
+            if HAS_WINDOW:
+                allowed = allowed & (pos_m[:, None] - cols[None, :] < window)
+            qk = tl.where(allowed, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        if MASKED:
+            # A row with no allowed key so far keeps m = -inf; it shifts by 0 so exp2 gives 0, not NaN
+            # (m itself stays -inf, so a later block's scores are never shifted by a made-up maximum).
+            m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_shift = m_new
+        p = tl.math.exp2(qk - m_shift[:, None])
+        alpha = tl.math.exp2(m_i - m_shift)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+        k_blk += BLOCK_N * stride_kn
+        v_blk += BLOCK_N * stride_vn
+    return acc, l_i, m_i
+
+
+def _attention_fwd_block_body(q_base, k_base, v_base, o_base, lse_base, start_m, seqlen_q, seqlen_k, window,
+                              qk_scale, sink, stride_qm, stride_kn, stride_vn, stride_om,
+                              IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
+                              RETURN_LSE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Query block `start_m` of one (sequence, head): out rows (and lse) from the three key stages."""
+    m0 = start_m * BLOCK_M
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    row_ok = offs_m < seqlen_q
+    tile_ok = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
+    q_ptrs = q_base + m0.to(tl.int64) * stride_qm + tl.arange(0, BLOCK_M)[:, None] * stride_qm + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=tile_ok, other=0.0)
+    pos_m = seqlen_k - seqlen_q + offs_m
+    lo, mid_lo, mid_hi, hi = _key_range(m0, seqlen_q, seqlen_k, window, IS_CAUSAL, HAS_WINDOW, BLOCK_M, BLOCK_N)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    # Stage 1: the window's leading edge; stage 2: fully allowed blocks; stage 3: diagonal and tail.
+    acc, l_i, m_i = _attention_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, lo, mid_lo,
+                                         pos_m, seqlen_k, window, qk_scale, True, IS_CAUSAL, HAS_WINDOW,
+                                         HEAD_DIM, BLOCK_N, BLOCK_D)
+    acc, l_i, m_i = _attention_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, mid_lo, mid_hi,
+                                         pos_m, seqlen_k, window, qk_scale, False, IS_CAUSAL, HAS_WINDOW,
+                                         HEAD_DIM, BLOCK_N, BLOCK_D)
+    acc, l_i, m_i = _attention_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, mid_hi, hi,
+                                         pos_m, seqlen_k, window, qk_scale, True, IS_CAUSAL, HAS_WINDOW,
+                                         HEAD_DIM, BLOCK_N, BLOCK_D)
+
+    empty = l_i == 0.0
+    lse2 = m_i + tl.math.log2(tl.where(empty, 1.0, l_i))  # log2 units
+    scale = 1.0 / tl.where(empty, 1.0, l_i)
+    if HAS_SINKS:
+        # sigmoid(lse - sink), the sink's share taken out; `sink` is in log2 units too.
+        scale = scale / (1.0 + tl.math.exp2(sink - tl.where(empty, 0.0, lse2)))
+    out = acc * tl.where(empty, 0.0, scale)[:, None]  # a row with no key: 0 whatever the sink
+    o_ptrs = o_base + m0.to(tl.int64) * stride_om + tl.arange(0, BLOCK_M)[:, None] * stride_om + offs_d[None, :]
+    tl.store(o_ptrs, out.to(o_base.dtype.element_ty), mask=tile_ok)
+    if RETURN_LSE:
+        tl.store(lse_base + offs_m, tl.where(empty, float("inf"), lse2 * LN2), mask=row_ok)
+
+
+_attention_fwd_block = triton.jit(_attention_fwd_block_body)
+# The same block as a called function, for varlen programs, which loop over blocks (a max_seqlen_q
+# shorter than a sequence still covers it): inlined inside that loop the block holds ~60 more registers
+# live on sm_90; called, about what the padded kernel holds.
+_attention_fwd_block_called = triton.jit(noinline=True)(_attention_fwd_block_body)
+
+
+@triton.jit
+def _attention_fwd_kernel(
+        Q, K, V, Sinks, Out, Lse, cu_seqlens_q, cu_seqlens_k,
+        qk_scale, rows_q, rows_k, window, group,
+        stride_qb, stride_qm, stride_qh,
+        stride_kb, stride_kn, stride_kh,
+        stride_vb, stride_vn, stride_vh,
+        stride_ob, stride_om, stride_oh,
+        stride_lb, stride_lh,
+        IS_VARLEN: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
+        RETURN_LSE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One program: BLOCK_M queries of one query head of one sequence (grid: query blocks, h_q, batch).
+
+    Writes those rows of `Out` (and their natural-log lse, without the sink, when RETURN_LSE), in fp32
+    online softmax over the allowed keys only. Query i sits at p_i = seqlen_k - seqlen_q + i; causal
+    allows keys j <= p_i, a window W keys with p_i - j < W. A row with no allowed key gets out 0 and lse
+    +inf. Head h reads kv head h // group. `rows_q`/`rows_k` are the rows per batch entry (padded) or
+    the packed totals (varlen): varlen sequences start at cu_seqlens clamped into them (batch strides
+    unused), and a program strides over the sequence's query blocks, whatever the grid's size.
+    """
+    off_h = tl.program_id(1)
+    off_b = tl.program_id(2)
+    off_hk = off_h // group
+    sink = 0.0
+    if HAS_SINKS:
+        sink = tl.load(Sinks + off_h) * LOG2E
+    # Base pointers in int64: batch, head and row offsets can exceed 2**31 elements.
+    if IS_VARLEN:
+        q_start, seqlen_q = _sequence(cu_seqlens_q, off_b, rows_q)
+        k_start, seqlen_k = _sequence(cu_seqlens_k, off_b, rows_k)
+        q_base = Q + q_start.to(tl.int64) * stride_qm + off_h.to(tl.int64) * stride_qh
+        o_base = Out + q_start.to(tl.int64) * stride_om + off_h.to(tl.int64) * stride_oh
+        k_base = K + k_start.to(tl.int64) * stride_kn + off_hk.to(tl.int64) * stride_kh
+        v_base = V + k_start.to(tl.int64) * stride_vn + off_hk.to(tl.int64) * stride_vh
+        lse_base = Lse + off_h.to(tl.int64) * stride_lh + q_start
+        n_blocks = (seqlen_q + BLOCK_M - 1) // BLOCK_M
+        for i in range(tl.program_id(0), n_blocks, tl.num_programs(0)):
+            _attention_fwd_block_called(q_base, k_base, v_base, o_base, lse_base, _block_order(i, n_blocks, IS_CAUSAL),
+                                        seqlen_q, seqlen_k, window, qk_scale, sink, stride_qm, stride_kn, stride_vn,
+                                        stride_om, IS_CAUSAL, HAS_WINDOW, HAS_SINKS, RETURN_LSE, HEAD_DIM, BLOCK_D,
+                                        BLOCK_M, BLOCK_N)
+    else:
+        q_base = Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh
+        o_base = Out + off_b.to(tl.int64) * stride_ob + off_h.to(tl.int64) * stride_oh
+        k_base = K + off_b.to(tl.int64) * stride_kb + off_hk.to(tl.int64) * stride_kh
+        v_base = V + off_b.to(tl.int64) * stride_vb + off_hk.to(tl.int64) * stride_vh
+        lse_base = Lse + off_b.to(tl.int64) * stride_lb + off_h.to(tl.int64) * stride_lh
+        start_m = tl.program_id(0)
+        if IS_CAUSAL:
+            # The last query blocks see the most keys: launch them first, so the short ones fill the tail.
+            start_m = tl.num_programs(0) - 1 - start_m
+        _attention_fwd_block(q_base, k_base, v_base, o_base, lse_base, start_m, rows_q, rows_k, window,
+                             qk_scale, sink, stride_qm, stride_kn, stride_vn, stride_om, IS_CAUSAL, HAS_WINDOW,
+                             HAS_SINKS, RETURN_LSE, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N)
+
+
+# ----------------------------------------------------------------------------- backward
+@triton.jit
+def _attention_bwd_pre_kernel(
+        Out, DOut, Lse, Sinks, Delta, Lse2, DSinks,
+        rows,
+        stride_ob, stride_om, stride_oh,
+        stride_dob, stride_dom, stride_doh,
+        stride_lb, stride_lh,
+        HAS_SINKS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
+    """One program: BLOCK_M rows of one query head of one batch entry (varlen: of the packed rows,
+    which need no sequence bounds here). Grid: (row blocks, h_q, batch).
+
+    Writes Delta = rowsum(dO * O) (fp32, from the stored O) and Lse2 = logaddexp(lse, sink) * log2(e)
+    (+inf for a row with no key, so its P is 0 downstream), both laid out like Lse; with sinks, the
+    program's sum of -sigmoid(sink - lse) * Delta over its rows to DSinks[h, batch * row blocks], one
+    slot per program, for a fixed-order sum on the host.
+    """
+    start_m = tl.program_id(0)
+    off_h = tl.program_id(1)
+    off_b = tl.program_id(2)
+    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    row_ok = offs_m < rows
+    tile_ok = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
+    rows64 = offs_m.to(tl.int64)[:, None]
+    o = tl.load(Out + off_b.to(tl.int64) * stride_ob + off_h.to(tl.int64) * stride_oh + rows64 * stride_om
+                + offs_d[None, :], mask=tile_ok, other=0.0)
+    do = tl.load(DOut + off_b.to(tl.int64) * stride_dob + off_h.to(tl.int64) * stride_doh + rows64 * stride_dom
+                 + offs_d[None, :], mask=tile_ok, other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    l_offs = off_b.to(tl.int64) * stride_lb + off_h.to(tl.int64) * stride_lh + offs_m
+    lse = tl.load(Lse + l_offs, mask=row_ok, other=float("inf"))
+    empty = lse == float("inf")
+    lse_tot = lse
+    if HAS_SINKS:
+        sink = tl.load(Sinks + off_h)
+        lse_f = tl.where(empty, 0.0, lse)
+        # logaddexp and sigmoid in forms that stay exact for sinks of +-inf.
+        lse_tot = tl.maximum(lse_f, sink) + tl.log(1.0 + tl.exp(-tl.abs(lse_f - sink)))
+        lse_tot = tl.where(empty, float("inf"), lse_tot)
+        p_sink = 1.0 / (1.0 + tl.exp(lse_f - sink))
+        dsink = tl.where(empty | ~row_ok, 0.0, -p_sink * delta)
+        part = off_h * tl.num_programs(2) * tl.num_programs(0) + off_b * tl.num_programs(0) + start_m
+        tl.store(DSinks + part, tl.sum(dsink, 0))
+    tl.store(Delta + l_offs, delta, mask=row_ok)
+    tl.store(Lse2 + l_offs, lse_tot * LOG2E, mask=row_ok)
+
+
+@triton.jit
+def _attention_bwd_dkv_inner(dk, dv, k, v, q_head, do_head, lse2_head, delta_head, stride_qm, stride_dom,
+                             start, end, offs_n, seqlen_q, seqlen_k, window, qk_scale,
+                             MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                             HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Add query blocks [start, end) of one query head to the key block's dK (unscaled) and dV.
+
+    Works transposed (keys as rows): P^T = exp2(K Q^T * qk_scale - Lse2), dV += P^T dO,
+    dS^T = P^T * (V dO^T - Delta), dK += dS^T Q. MASKED applies the row-length, causal, window and
+    key-length masks; the unmasked stage only runs on blocks every key of the block is allowed for.
+    """
+    offs_r = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    q_blk = q_head + tl.cast(start, tl.int64) * stride_qm
+    do_blk = do_head + tl.cast(start, tl.int64) * stride_dom
+    q_offs = offs_r[:, None] * stride_qm + offs_d[None, :]
+    do_offs = offs_r[:, None] * stride_dom + offs_d[None, :]
+    diag = seqlen_k - seqlen_q
+    # The masked edges are a few blocks each: pipelining them only costs registers (sm_90 compiles).
+    for start_m in tl.range(start, end, BLOCK_M, num_stages=1 if MASKED else None):
+        rows = start_m + offs_r
+        if MASKED:
+            row_ok = rows < seqlen_q
+            tile_ok = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
+            q = tl.load(q_blk + q_offs, mask=tile_ok, other=0.0)
+            do = tl.load(do_blk + do_offs, mask=tile_ok, other=0.0)
+            lse2 = tl.load(lse2_head + rows, mask=row_ok, other=float("inf"))
+            delta = tl.load(delta_head + rows, mask=row_ok, other=0.0)
+        elif HEAD_DIM < BLOCK_D:
+            q = tl.load(q_blk + q_offs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+            do = tl.load(do_blk + do_offs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+            lse2 = tl.load(lse2_head + rows)
+            delta = tl.load(delta_head + rows)
+        else:
+            q = tl.load(q_blk + q_offs)
+            do = tl.load(do_blk + do_offs)
+            lse2 = tl.load(lse2_head + rows)
+            delta = tl.load(delta_head + rows)
+        p_t = tl.math.exp2(tl.dot(k, tl.trans(q)) * qk_scale - lse2[None, :])
+        if MASKED:
+            pos = diag + rows
+            allowed = (offs_n[:, None] < seqlen_k) & row_ok[None, :]
+            if IS_CAUSAL:
+                allowed = allowed & (offs_n[:, None] <= pos[None, :])
+            if HAS_WINDOW:
+                allowed = allowed & (pos[None, :] - offs_n[:, None] < window)
+            p_t = tl.where(allowed, p_t, 0.0)
+        dv += tl.dot(p_t.to(do.dtype), do)
+        ds_t = p_t * (tl.dot(v, tl.trans(do)) - delta[None, :])
+        dk += tl.dot(ds_t.to(q.dtype), q)
+        q_blk += BLOCK_M * stride_qm
+        do_blk += BLOCK_M * stride_dom
+    return dk, dv
+
+
+def _attention_bwd_dkv_block_body(q_base, k_base, v_base, do_base, dk_base, dv_base, lse2_base, delta_base,
+                                  start_n, seqlen_q, seqlen_k, window, group, off_hk, qk_scale, sm_scale,
+                                  stride_qm, stride_qh, stride_kn, stride_vn, stride_dom, stride_doh,
+                                  stride_dkn, stride_dvn, stride_lh,
+                                  IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HEAD_DIM: tl.constexpr,
+                                  BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Key block `start_n` of one (sequence, kv head): dK and dV summed over the group's query heads."""
+    n0 = start_n * BLOCK_N
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    tile_ok = (offs_n < seqlen_k)[:, None] & (offs_d[None, :] < HEAD_DIM)
+    rows = tl.arange(0, BLOCK_N)[:, None]
+    k = tl.load(k_base + n0.to(tl.int64) * stride_kn + rows * stride_kn + offs_d[None, :], mask=tile_ok, other=0.0)
+    v = tl.load(v_base + n0.to(tl.int64) * stride_vn + rows * stride_vn + offs_d[None, :], mask=tile_ok, other=0.0)
+    lo, mid_lo, mid_hi, hi = _query_range(n0, seqlen_q, seqlen_k, window, IS_CAUSAL, HAS_WINDOW, BLOCK_M, BLOCK_N)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    for g in tl.range(group, disable_licm=True):
+        off_h = (off_hk * group + g).to(tl.int64)
+        q_head = q_base + off_h * stride_qh
+        do_head = do_base + off_h * stride_doh
+        lse2_head = lse2_base + off_h * stride_lh
+        delta_head = delta_base + off_h * stride_lh
+        # Stage 1: the causal diagonal; stage 2: rows that see the whole block; stage 3: the window's
+        # far edge and the tail.
+        dk, dv = _attention_bwd_dkv_inner(dk, dv, k, v, q_head, do_head, lse2_head, delta_head, stride_qm,
+                                          stride_dom, lo, mid_lo, offs_n, seqlen_q, seqlen_k, window, qk_scale,
+                                          True, IS_CAUSAL, HAS_WINDOW, HEAD_DIM, BLOCK_M, BLOCK_D)
+        dk, dv = _attention_bwd_dkv_inner(dk, dv, k, v, q_head, do_head, lse2_head, delta_head, stride_qm,
+                                          stride_dom, mid_lo, mid_hi, offs_n, seqlen_q, seqlen_k, window, qk_scale,
+                                          False, IS_CAUSAL, HAS_WINDOW, HEAD_DIM, BLOCK_M, BLOCK_D)
+        dk, dv = _attention_bwd_dkv_inner(dk, dv, k, v, q_head, do_head, lse2_head, delta_head, stride_qm,
+                                          stride_dom, mid_hi, hi, offs_n, seqlen_q, seqlen_k, window, qk_scale,
+                                          True, IS_CAUSAL, HAS_WINDOW, HEAD_DIM, BLOCK_M, BLOCK_D)
+    dk_ptrs = dk_base + n0.to(tl.int64) * stride_dkn + rows * stride_dkn + offs_d[None, :]
+    dv_ptrs = dv_base + n0.to(tl.int64) * stride_dvn + rows * stride_dvn + offs_d[None, :]
+    tl.store(dk_ptrs, (dk * sm_scale).to(dk_base.dtype.element_ty), mask=tile_ok)
+    tl.store(dv_ptrs, dv.to(dv_base.dtype.element_ty), mask=tile_ok)
+
+
+_attention_bwd_dkv_block = triton.jit(_attention_bwd_dkv_block_body)
+_attention_bwd_dkv_block_called = triton.jit(noinline=True)(_attention_bwd_dkv_block_body)  # see the forward's
+
+
+@triton.jit
+def _attention_bwd_dkv_kernel(
+        Q, K, V, DOut, Lse2, Delta, DK, DV, cu_seqlens_q, cu_seqlens_k,
+        qk_scale, sm_scale, rows_q, rows_k, window, group,
+        stride_qb, stride_qm, stride_qh,
+        stride_kb, stride_kn, stride_kh,
+        stride_vb, stride_vn, stride_vh,
+        stride_dob, stride_dom, stride_doh,
+        stride_dkb, stride_dkn, stride_dkh,
+        stride_dvb, stride_dvn, stride_dvh,
+        stride_lb, stride_lh,
+        IS_VARLEN: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One program: dK and dV of BLOCK_N keys of one kv head of one sequence (grid: key blocks, h_kv,
+    batch), summed over the `group` query heads that read it and over every query block that may see
+    those keys; written once, no atomics. Lse2 and Delta come from the pre kernel (laid out like lse).
+    Varlen bounds as in the forward; a program strides over the sequence's key blocks.
+    """
+    off_hk = tl.program_id(1)
+    off_b = tl.program_id(2)
+    if IS_VARLEN:
+        q_start, seqlen_q = _sequence(cu_seqlens_q, off_b, rows_q)
+        k_start, seqlen_k = _sequence(cu_seqlens_k, off_b, rows_k)
+        q_base = Q + q_start.to(tl.int64) * stride_qm
+        do_base = DOut + q_start.to(tl.int64) * stride_dom
+        lse2_base = Lse2 + q_start
+        delta_base = Delta + q_start
+        k_base = K + k_start.to(tl.int64) * stride_kn + off_hk.to(tl.int64) * stride_kh
+        v_base = V + k_start.to(tl.int64) * stride_vn + off_hk.to(tl.int64) * stride_vh
+        dk_base = DK + k_start.to(tl.int64) * stride_dkn + off_hk.to(tl.int64) * stride_dkh
+        dv_base = DV + k_start.to(tl.int64) * stride_dvn + off_hk.to(tl.int64) * stride_dvh
+        n_blocks = (seqlen_k + BLOCK_N - 1) // BLOCK_N
+        for start_n in range(tl.program_id(0), n_blocks, tl.num_programs(0)):
+            _attention_bwd_dkv_block_called(q_base, k_base, v_base, do_base, dk_base, dv_base, lse2_base,
+                                            delta_base, start_n, seqlen_q, seqlen_k, window, group, off_hk,
+                                            qk_scale, sm_scale, stride_qm, stride_qh, stride_kn, stride_vn,
+                                            stride_dom, stride_doh, stride_dkn, stride_dvn, stride_lh,
+                                            IS_CAUSAL, HAS_WINDOW, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N)
+    else:
+        b64 = off_b.to(tl.int64)
+        q_base = Q + b64 * stride_qb
+        do_base = DOut + b64 * stride_dob
+        lse2_base = Lse2 + b64 * stride_lb
+        delta_base = Delta + b64 * stride_lb
+        k_base = K + b64 * stride_kb + off_hk.to(tl.int64) * stride_kh
+        v_base = V + b64 * stride_vb + off_hk.to(tl.int64) * stride_vh
+        dk_base = DK + b64 * stride_dkb + off_hk.to(tl.int64) * stride_dkh
+        dv_base = DV + b64 * stride_dvb + off_hk.to(tl.int64) * stride_dvh
+        _attention_bwd_dkv_block(q_base, k_base, v_base, do_base, dk_base, dv_base, lse2_base, delta_base,
+                                 tl.program_id(0), rows_q, rows_k, window, group, off_hk, qk_scale, sm_scale,
+                                 stride_qm, stride_qh, stride_kn, stride_vn, stride_dom, stride_doh,
+                                 stride_dkn, stride_dvn, stride_lh,
+                                 IS_CAUSAL, HAS_WINDOW, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N)
+
+
+@triton.jit
+def _attention_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, start, end,
+                            pos_m, seqlen_k, window, qk_scale,
+                            MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                            HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Add key blocks [start, end) to one query block's dQ (unscaled): P = exp2(Q K^T * qk_scale -
+    Lse2), dS = P * (dO V^T - Delta), dQ += dS K. Masks as in the forward's inner loop."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    k_offs = offs_n[:, None] * stride_kn + offs_d[None, :]
+    v_offs = offs_n[:, None] * stride_vn + offs_d[None, :]
+    k_blk = k_base + tl.cast(start, tl.int64) * stride_kn
+    v_blk = v_base + tl.cast(start, tl.int64) * stride_vn
+    for start_n in range(start, end, BLOCK_N):
+        cols = start_n + offs_n
+        if MASKED:
+            kv_mask = (cols[:, None] < seqlen_k) & (offs_d[None, :] < HEAD_DIM)
+            k = tl.load(k_blk + k_offs, mask=kv_mask, other=0.0)
+            v = tl.load(v_blk + v_offs, mask=kv_mask, other=0.0)
+        elif HEAD_DIM < BLOCK_D:
+            k = tl.load(k_blk + k_offs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+            v = tl.load(v_blk + v_offs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+        else:
+            k = tl.load(k_blk + k_offs)
+            v = tl.load(v_blk + v_offs)
+        p = tl.math.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse2[:, None])
+        if MASKED:
+            allowed = cols[None, :] < seqlen_k
+            if IS_CAUSAL:
+                allowed = allowed & (cols[None, :] <= pos_m[:, None])
+            if HAS_WINDOW:
+                allowed = allowed & (pos_m[:, None] - cols[None, :] < window)
+            p = tl.where(allowed, p, 0.0)
+        ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
+        dq += tl.dot(ds.to(k.dtype), k)
+        k_blk += BLOCK_N * stride_kn
+        v_blk += BLOCK_N * stride_vn
+    return dq
+
+
+def _attention_bwd_dq_block_body(q_base, k_base, v_base, do_base, dq_base, lse2_base, delta_base, start_m,
+                                 seqlen_q, seqlen_k, window, qk_scale, sm_scale,
+                                 stride_qm, stride_kn, stride_vn, stride_dom, stride_dqm,
+                                 IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HEAD_DIM: tl.constexpr,
+                                 BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Query block `start_m` of one (sequence, head): dQ over the forward's three key stages."""
+    m0 = start_m * BLOCK_M
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    row_ok = offs_m < seqlen_q
+    tile_ok = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
+    rows = tl.arange(0, BLOCK_M)[:, None]
+    q = tl.load(q_base + m0.to(tl.int64) * stride_qm + rows * stride_qm + offs_d[None, :], mask=tile_ok, other=0.0)
+    do = tl.load(do_base + m0.to(tl.int64) * stride_dom + rows * stride_dom + offs_d[None, :], mask=tile_ok,
+                 other=0.0)
+    lse2 = tl.load(lse2_base + offs_m, mask=row_ok, other=float("inf"))
+    delta = tl.load(delta_base + offs_m, mask=row_ok, other=0.0)
+    pos_m = seqlen_k - seqlen_q + offs_m
+    lo, mid_lo, mid_hi, hi = _key_range(m0, seqlen_q, seqlen_k, window, IS_CAUSAL, HAS_WINDOW, BLOCK_M, BLOCK_N)
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    dq = _attention_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, lo, mid_lo, pos_m,
+                                 seqlen_k, window, qk_scale, True, IS_CAUSAL, HAS_WINDOW, HEAD_DIM, BLOCK_N, BLOCK_D)
+    dq = _attention_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, mid_lo, mid_hi,
+                                 pos_m, seqlen_k, window, qk_scale, False, IS_CAUSAL, HAS_WINDOW, HEAD_DIM, BLOCK_N,
+                                 BLOCK_D)
+    dq = _attention_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, mid_hi, hi, pos_m,
+                                 seqlen_k, window, qk_scale, True, IS_CAUSAL, HAS_WINDOW, HEAD_DIM, BLOCK_N, BLOCK_D)
+    dq_ptrs = dq_base + m0.to(tl.int64) * stride_dqm + rows * stride_dqm + offs_d[None, :]
+    tl.store(dq_ptrs, (dq * sm_scale).to(dq_base.dtype.element_ty), mask=tile_ok)
+
+
+_attention_bwd_dq_block = triton.jit(_attention_bwd_dq_block_body)
+_attention_bwd_dq_block_called = triton.jit(noinline=True)(_attention_bwd_dq_block_body)  # see the forward's
+
+
+@triton.jit
+def _attention_bwd_dq_kernel(
+        Q, K, V, DOut, Lse2, Delta, DQ, cu_seqlens_q, cu_seqlens_k,
+        qk_scale, sm_scale, rows_q, rows_k, window, group,
+        stride_qb, stride_qm, stride_qh,
+        stride_kb, stride_kn, stride_kh,
+        stride_vb, stride_vn, stride_vh,
+        stride_dob, stride_dom, stride_doh,
+        stride_dqb, stride_dqm, stride_dqh,
+        stride_lb, stride_lh,
+        IS_VARLEN: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One program: dQ of BLOCK_M queries of one query head of one sequence (the forward's grid and
+    key ranges), from Lse2 and Delta of the pre kernel. Varlen bounds and striding as in the forward.
+    """
+    off_h = tl.program_id(1)
+    off_b = tl.program_id(2)
+    off_hk = off_h // group
+    h64 = off_h.to(tl.int64)
+    if IS_VARLEN:
+        q_start, seqlen_q = _sequence(cu_seqlens_q, off_b, rows_q)
+        k_start, seqlen_k = _sequence(cu_seqlens_k, off_b, rows_k)
+        q_base = Q + q_start.to(tl.int64) * stride_qm + h64 * stride_qh
+        do_base = DOut + q_start.to(tl.int64) * stride_dom + h64 * stride_doh
+        dq_base = DQ + q_start.to(tl.int64) * stride_dqm + h64 * stride_dqh
+        lse2_base = Lse2 + h64 * stride_lh + q_start
+        delta_base = Delta + h64 * stride_lh + q_start
+        k_base = K + k_start.to(tl.int64) * stride_kn + off_hk.to(tl.int64) * stride_kh
+        v_base = V + k_start.to(tl.int64) * stride_vn + off_hk.to(tl.int64) * stride_vh
+        n_blocks = (seqlen_q + BLOCK_M - 1) // BLOCK_M
+        for i in range(tl.program_id(0), n_blocks, tl.num_programs(0)):
+            _attention_bwd_dq_block_called(q_base, k_base, v_base, do_base, dq_base, lse2_base, delta_base,
+                                           _block_order(i, n_blocks, IS_CAUSAL), seqlen_q, seqlen_k, window,
+                                           qk_scale, sm_scale, stride_qm, stride_kn, stride_vn, stride_dom,
+                                           stride_dqm, IS_CAUSAL, HAS_WINDOW, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N)
+    else:
+        b64 = off_b.to(tl.int64)
+        q_base = Q + b64 * stride_qb + h64 * stride_qh
+        do_base = DOut + b64 * stride_dob + h64 * stride_doh
+        dq_base = DQ + b64 * stride_dqb + h64 * stride_dqh
+        lse2_base = Lse2 + b64 * stride_lb + h64 * stride_lh
+        delta_base = Delta + b64 * stride_lb + h64 * stride_lh
+        k_base = K + b64 * stride_kb + off_hk.to(tl.int64) * stride_kh
+        v_base = V + b64 * stride_vb + off_hk.to(tl.int64) * stride_vh
+        start_m = tl.program_id(0)
+        if IS_CAUSAL:
+            start_m = tl.num_programs(0) - 1 - start_m
+        _attention_bwd_dq_block(q_base, k_base, v_base, do_base, dq_base, lse2_base, delta_base, start_m,
+                                rows_q, rows_k, window, qk_scale, sm_scale,
+                                stride_qm, stride_kn, stride_vn, stride_dom, stride_dqm,
+                                IS_CAUSAL, HAS_WINDOW, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N)
+
+
+# ----------------------------------------------------------------------------- launchers
+def _strides(t: torch.Tensor, varlen: bool) -> tuple[int, int, int]:
+    """(batch, row, head) strides of q/k/v-like tensors; packed (varlen) tensors have no batch dim."""
+    return (0, t.stride(0), t.stride(1)) if varlen else (t.stride(0), t.stride(1), t.stride(2))
+
+
+def _lse_strides(lse: torch.Tensor, varlen: bool) -> tuple[int, int]:
+    """(batch, head) strides of lse-like tensors: [b, h, s], or [h, total] for varlen (rows contiguous)."""
+    return (0, lse.stride(0)) if varlen else (lse.stride(0), lse.stride(1))
+
+
+def _geometry(args: Mapping) -> tuple[bool, int, int, int, int, int]:
+    """(varlen, batch, rows_q, rows_k, span_q, span_k): rows per batch entry (padded) or the packed
+    totals, and the lengths the grid covers (max_seqlen for varlen; programs stride past them)."""
+    q, k = args["q"], args["k"]
+    if args["cu_seqlens_q"] is not None:
+        return (True, args["cu_seqlens_q"].shape[0] - 1, q.shape[0], k.shape[0],
+                args["max_seqlen_q"], args["max_seqlen_k"])
+    return False, q.shape[0], q.shape[1], k.shape[1], q.shape[1], k.shape[1]
+
+
+def _masks(args: Mapping, rows_k: int) -> dict:
+    """The mask constexprs and the window argument. A window of at least rows_k keys allows what
+    causal allows, so it is capped there: positions stay far from int32 overflow."""
+    window = args["window"]
+    return {"window": min(window, rows_k) if window is not None else 0,
+            "IS_CAUSAL": bool(args["causal"]), "HAS_WINDOW": window is not None}
+
+
+def _forward(args: Mapping, config: LaunchConfig, keep_lse: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Allocate out (and lse, when returned or kept for a backward) and run the forward kernel. The
+    grid comes from shapes and max_seqlen_q only: no tensor value is read on the host, so this can be
+    captured in a CUDA graph."""
+    q, k, v = args["q"], args["k"], args["v"]
+    sinks = args.get("sinks")
+    varlen, batch, rows_q, rows_k, span_q, _ = _geometry(args)
+    h_q, h_kv, d = q.shape[-2], k.shape[-2], q.shape[-1]
+    # Varlen rows outside every sequence belong to no program: they keep out 0 and lse +inf from here.
+    out = (torch.zeros if varlen else torch.empty)(q.shape, dtype=q.dtype, device=q.device)
+    lse = None
+    if keep_lse or args["return_lse"]:
+        shape = (h_q, rows_q) if varlen else (batch, h_q, rows_q)
+        lse = torch.full(shape, float("inf"), dtype=torch.float32, device=q.device) if varlen else \
+            torch.empty(shape, dtype=torch.float32, device=q.device)
+    masks = _masks(args, rows_k)
+    window = masks.pop("window")
+    cu_q, cu_k = (args["cu_seqlens_q"], args["cu_seqlens_k"]) if varlen else (q, q)  # q: unused placeholder
+    block_m, block_n = config.blocks["BLOCK_M"], config.blocks["BLOCK_N"]
+    _attention_fwd_kernel[(triton.cdiv(span_q, block_m), h_q, batch)](
+        q, k, v, sinks, out, lse if lse is not None else out, cu_q, cu_k,
+        float(args["sm_scale"]) * LOG2E.value, rows_q, rows_k, window, h_q // h_kv,
+        *_strides(q, varlen), *_strides(k, varlen), *_strides(v, varlen), *_strides(out, varlen),
+        *(_lse_strides(lse, varlen) if lse is not None else (0, 0)),
+        IS_VARLEN=varlen, HAS_SINKS=sinks is not None, RETURN_LSE=lse is not None, HEAD_DIM=d,
+        BLOCK_D=dot_block(d), BLOCK_M=block_m, BLOCK_N=block_n, **masks, **config.knobs())
+    return out, lse
+
+
+def _backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None, out: torch.Tensor,
+              lse: torch.Tensor, dout: torch.Tensor, args: Mapping, config: CallConfig):
+    """Run the pre, dK/dV and dQ kernels; returns (dq, dk, dv, dsinks or None). `args` holds the
+    call's non-tensor arguments and cu_seqlens."""
+    varlen, batch, rows_q, rows_k, span_q, span_k = _geometry({**args, "q": q, "k": k})
+    h_q, h_kv, d = q.shape[-2], k.shape[-2], q.shape[-1]
+    # The kernels read dO through q's element type with a unit last stride.
+    dout = dout.to(q.dtype)
+    dout = dout if dout.stride(-1) == 1 else dout.contiguous()
+    delta, lse2 = torch.empty_like(lse), torch.empty_like(lse)
+    lse_strides = _lse_strides(lse, varlen)
+    block_d = dot_block(d)
+
+    pre = config["bwd_pre"]
+    pre_batch = 1 if varlen else batch  # packed rows need no sequence bounds here
+    pre_grid = (triton.cdiv(rows_q, pre.blocks["BLOCK_M"]), h_q, pre_batch)
+    dsink_parts = None
+    if sinks is not None:
+        dsink_parts = torch.empty((h_q, pre_batch * pre_grid[0]), dtype=torch.float32, device=q.device)
+    _attention_bwd_pre_kernel[pre_grid](
+        out, dout, lse, sinks, delta, lse2, dsink_parts, rows_q,
+        *_strides(out, varlen), *_strides(dout, varlen), *lse_strides,
+        HAS_SINKS=sinks is not None, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=pre.blocks["BLOCK_M"], **pre.knobs())
+
+    # Varlen rows outside every sequence get no program: their gradients are the zeros allocated here.
+    alloc = torch.zeros if varlen else torch.empty
+    dq, dk, dv = (alloc(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+    cu_q, cu_k = (args["cu_seqlens_q"], args["cu_seqlens_k"]) if varlen else (q, q)
+    masks = _masks(args, rows_k)
+    window = masks.pop("window")
+    sm_scale = float(args["sm_scale"])
+    common = (sm_scale * LOG2E.value, sm_scale, rows_q, rows_k, window, h_q // h_kv,
+              *_strides(q, varlen), *_strides(k, varlen), *_strides(v, varlen), *_strides(dout, varlen))
+    constexprs = {"IS_VARLEN": varlen, "HEAD_DIM": d, "BLOCK_D": block_d, **masks}
+
+    dkv = config["bwd_dkv"]
+    _attention_bwd_dkv_kernel[(triton.cdiv(span_k, dkv.blocks["BLOCK_N"]), h_kv, batch)](
+        q, k, v, dout, lse2, delta, dk, dv, cu_q, cu_k, *common,
+        *_strides(dk, varlen), *_strides(dv, varlen), *lse_strides,
+        **constexprs, **dkv.blocks, **dkv.knobs())
+    dq_config = config["bwd_dq"]
+    _attention_bwd_dq_kernel[(triton.cdiv(span_q, dq_config.blocks["BLOCK_M"]), h_q, batch)](
+        q, k, v, dout, lse2, delta, dq, cu_q, cu_k, *common, *_strides(dq, varlen), *lse_strides,
+        **constexprs, **dq_config.blocks, **dq_config.knobs())
+    # One slot per pre program, summed in a fixed order: no atomics, the same bits every run.
+    dsinks = dsink_parts.sum(dim=1) if dsink_parts is not None else None
+    return dq, dk, dv, dsinks
+
+
+class _AttentionFunction(torch.autograd.Function):
+    """Autograd for the family: the forward kernel keeps lse for the backward's three kernels. The
+    returned lse is not differentiable (as in FlashAttention); gradients flow from `out` to q, k, v
+    and sinks. No atomics anywhere, so gradients are bitwise reproducible."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, sinks, args: Mapping, config: CallConfig):
+        out, lse = _forward(args, config["fwd"], keep_lse=True)
+        ctx.save_for_backward(q, k, v, sinks, out, lse)
+        ctx.rest = {name: value for name, value in args.items() if name not in ("q", "k", "v", "sinks")}
+        ctx.config = config
+        ctx.mark_non_differentiable(lse)
+        return (out, lse) if args["return_lse"] else out
+
+    @staticmethod
+    def backward(ctx, dout, *_lse_grad):
+        q, k, v, sinks, out, lse = ctx.saved_tensors
+        dq, dk, dv, dsinks = _backward(q, k, v, sinks, out, lse, dout, ctx.rest, ctx.config)
+        return dq, dk, dv, dsinks, None, None
+
+
+def attention_call(args: Mapping, config: CallConfig):
+    """flash_attention or sink_attention on the op contract's validated args (sink_attention's carry
+    `sinks`): `out`, or `(out, lse)` with `return_lse`.
+
+    The forward runs with the "fwd" role's config; when grad is enabled and an input requires grad it
+    runs under `_AttentionFunction`, whose backward launches the "bwd_pre", "bwd_dkv" and "bwd_dq"
+    roles' configs. `deterministic` needs nothing: no kernel here uses atomics.
+    """
+    q, k, v = args["q"], args["k"], args["v"]
+    sinks = args.get("sinks")
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, sinks)):
+        return _AttentionFunction.apply(q, k, v, sinks, args, config)
+    out, lse = _forward(args, config["fwd"], keep_lse=False)
+    return (out, lse) if args["return_lse"] else out
+
+
+# ----------------------------------------------------------------------------- offline compiles
+_ELEMENT_POINTERS = ("Q", "K", "V", "Out", "DOut", "DQ", "DK", "DV")
+_FP32_POINTERS = ("Lse", "Sinks", "Delta", "Lse2", "DSinks")
+_FLOATS = ("qk_scale", "sm_scale")
+_ROLE_KERNELS = {"fwd": _attention_fwd_kernel, "bwd_pre": _attention_bwd_pre_kernel,
+                 "bwd_dkv": _attention_bwd_dkv_kernel, "bwd_dq": _attention_bwd_dq_kernel}
+
+
+def attention_compile_specs(key: dict, config: CallConfig, roles: tuple[str, ...], dtype: str = "fp16"
+                            ) -> list[CompileSpec]:
+    """The kernels of `roles` a call with this tuning key and call config may launch, typed as the JIT
+    would type them: padded and packed (varlen) inputs share a key, so the forward, dK/dV and dQ
+    kernels are checked both ways (the pre kernel does not depend on it).
+
+    `key["dtype"]` picks the element type when present (`dtype` otherwise); sinks are on when the key
+    says so (sink_attention's keys do); the forward compiles with RETURN_LSE on (the heavier of the
+    two, and what a backward needs); the GQA group's value lets the check specialize it.
+    """
+    elem = key.get("dtype", dtype)
+    if elem not in ("fp16", "bf16", "fp32"):
+        raise ValueError(f"dtype: expected fp16, bf16 or fp32, got {elem!r}")
+    group = int(key["h_q"]) // int(key["h_kv"])
+    specs = []
+    for role in roles:
+        fn = _ROLE_KERNELS[role]
+        blocks = config[role].blocks
+        for varlen in ((False,) if role == "bwd_pre" else (False, True)):
+            constexprs = {"IS_VARLEN": varlen, "IS_CAUSAL": bool(key["causal"]),
+                          "HAS_WINDOW": key["window"] is not None, "HAS_SINKS": bool(key.get("sinks", False)),
+                          "RETURN_LSE": True, "HEAD_DIM": int(key["d"]), "BLOCK_D": dot_block(key["d"]), **blocks}
+            constexprs = {name: value for name, value in constexprs.items() if name in fn.arg_names}
+            pointers = {name: f"*{elem}" for name in _ELEMENT_POINTERS}
+            pointers.update({name: "*fp32" for name in _FP32_POINTERS})
+            pointers.update({name: "*i32" if varlen else f"*{elem}" for name in ("cu_seqlens_q", "cu_seqlens_k")})
+            signature = {name: pointers.get(name, "fp32" if name in _FLOATS else "i32")
+                         for name in fn.arg_names if name not in constexprs}
+            values = {"group": group} if "group" in signature else {}
+            specs.append(CompileSpec(role, fn, signature, constexprs, values=values))
+    return specs
+
+
+# ----------------------------------------------------------------------------- the variants
+# The interpreter's tiles per role, its default first. Every extra tile is another interpreted run of
+# each tiny preset in the conformance test (a backward one, a backward too), so the backward roles
+# have one each; tests/test_attention_kernel.py runs the other tile shapes.
+INTERPRETER_TILES = {
+    "fwd": ({"BLOCK_M": 32, "BLOCK_N": 32}, {"BLOCK_M": 16, "BLOCK_N": 16}),
+    "bwd_pre": ({"BLOCK_M": 32},),
+    "bwd_dkv": ({"BLOCK_M": 16, "BLOCK_N": 32},),
+    "bwd_dq": ({"BLOCK_M": 32, "BLOCK_N": 16},),
+}
+# Which block a role's sequence-length dim bounds, and which block streams through the pipeline (the
+# one to narrow when shared memory runs short).
+_BLOCK_DIMS = {"BLOCK_M": "s_q", "BLOCK_N": "s_k"}
+_STREAMED = {"fwd": "BLOCK_N", "bwd_dkv": "BLOCK_M", "bwd_dq": "BLOCK_N"}
+
+
+class AttentionTiledBase:
+    """The tiled family's variant logic; each (vendor, op) file subclasses it with `Variant` and sets:
+
+    op, name: flash_attention's "flash_attention_tiled", sink_attention's "sink_attention_flash";
+    spaces: a ConfigSpace per role: "fwd", "bwd_dkv" and "bwd_dq" (blocks BLOCK_M, BLOCK_N), "bwd_pre"
+        (BLOCK_M), each with the vendor's knobs, keep rule and d 128 default;
+    HEAD_DIM_DEFAULTS: per role, (largest head dim, fields) rows: the first row whose head dim fits
+        changes those fields of the space's default;
+    shared_bytes(role, config, block_d, elem): shared memory/LDS estimate, calibrated on real compiles.
+    fp32 inputs are not supported (`supports` is False): dispatch sends them to the reference.
+    """
+
+    kernels = dict(_ROLE_KERNELS)
+    HEAD_DIM_DEFAULTS: Mapping[str, tuple[tuple[int, dict], ...]] = {}
+
+    def shared_bytes(self, role: str, config: LaunchConfig, block_d: int, elem: int) -> int:
+        raise NotImplementedError
+
+    def supports(self, key: dict, device) -> bool:
+        return key["dtype"] in ("fp16", "bf16") and key["d"] <= 256
+
+    def prune_reason(self, role: str, config: LaunchConfig, key: dict, device) -> str | None:
+        blocks = config.blocks
+        expected = set(self.spaces[role].blocks)
+        if set(blocks) != expected:
+            return f"blocks must be {sorted(expected)}, got {sorted(blocks)}"
+        if role != "bwd_pre" and min(blocks.values()) < 16:
+            return f"tl.dot needs tiles of at least 16, got {blocks}"
+        # A tile longer than the (bucketed) sequence only computes masked rows or keys, unless no
+        # smaller tile exists to take its place.
+        smallest = self._smallest_blocks(role, device)
+        for block, size in blocks.items():
+            dim = _BLOCK_DIMS[block]
+            if size > key[dim] and size > smallest[block]:
+                return f"{block}={size} is longer than the {dim} bucket {key[dim]}"
+        if device.key == "cpu":
+            return None
+        elem = 4 if key["dtype"] == "fp32" else 2
+        need = self.shared_bytes(role, config, dot_block(key["d"]), elem)
+        if need > device.shared_mem_bytes:
+            return f"needs ~{need} B of shared memory/LDS (> {device.shared_mem_bytes} B)"
+        return None
+
+    def _smallest_blocks(self, role: str, device) -> dict[str, int]:
+        return {name: min(values) for name, values in self.spaces[role].block_values(device).items()}
+
+    def role_default(self, role: str, key: dict, device) -> LaunchConfig:
+        space = self.spaces[role]
+        if device.key == "cpu":
+            return space.default(device)
+        base = space.default(device)
+        fields = {**base.blocks, **base.knobs()}
+        rows = self.HEAD_DIM_DEFAULTS.get(role, ())
+        fields.update(next((row for d_max, row in rows if key["d"] <= d_max), {}))
+        smallest = self._smallest_blocks(role, device)
+        # Short sequences: no tile longer than its bucket (down to the space's smallest tile; a default
+        # below that one stays).
+        blocks = {name: min(fields.pop(name), max(smallest[name], key[_BLOCK_DIMS[name]])) for name in space.blocks}
+        config = LaunchConfig(blocks=blocks, **fields)
+        if space.keep is not None and not space.keep(config, key):
+            config = config.model_copy(update={"num_warps": 4})
+        # A device with less shared memory than the table assumes: fewer stages, then a narrower
+        # streamed tile.
+        streamed = _STREAMED.get(role)
+        while self.prune_reason(role, config, key, device) is not None:
+            if config.num_stages > 1:
+                config = config.model_copy(update={"num_stages": config.num_stages - 1})
+            elif streamed is not None and config.blocks[streamed] > 16:
+                blocks = {**config.blocks, streamed: config.blocks[streamed] // 2}
+                config = config.model_copy(update={"blocks": LaunchConfig(blocks=blocks).blocks})
+            else:
+                break
+        return config
+
+    def launch(self, args: dict, config: CallConfig):
+        return attention_call(args, config)
+
+    def bind(self, config: CallConfig):
+        return lambda args: attention_call(args, config)
+
+    def backward(self, args: dict, config: CallConfig, outputs: tuple, grad: torch.Tensor) -> dict:
+        """The backward kernels on the forward's saved out and lse (registry/library.py's custom op);
+        a call that returned no lse runs the forward again to keep it."""
+        out, lse = outputs[0], outputs[1]
+        if not lse.numel():
+            out, lse = _forward(args, config["fwd"], keep_lse=True)
+        sinks = args.get("sinks")
+        dq, dk, dv, dsinks = _backward(args["q"], args["k"], args["v"], sinks, out, lse, grad, args, config)
+        return {"q": dq, "k": dk, "v": dv, "sinks": dsinks}
+
+    def compile_specs(self, key: dict, config: CallConfig, dtype: str = "fp16") -> list[CompileSpec]:
+        """The kernels of the roles `config` names (a forward-only config: the forward's)."""
+        return attention_compile_specs(key, config, tuple(r for r in self.roles if r in config), dtype)

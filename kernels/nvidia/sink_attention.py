@@ -1,0 +1,14 @@
+"""sink_attention on NVIDIA Hopper: the attention kernel family (kernels/common/attention.py) with
+its sink switch on, and flash_attention's NVIDIA spaces and defaults (a sink is O(rows) work next to
+the O(rows * keys) of the products, so the best tiles are the same)."""
+
+from kernels.base import Variant
+from kernels.common.attention import AttentionTiledBase
+from kernels.nvidia.flash_attention import AttentionNvidia
+from registry.catalog import register
+
+
+@register
+class SinkAttentionFlashNvidia(AttentionNvidia, AttentionTiledBase, Variant):
+    op = "sink_attention"
+    name = "sink_attention_flash"
