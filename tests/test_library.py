@@ -180,7 +180,7 @@ def test_hot_path_resolves_each_raw_key_once():
 # ----------------------------------------------------------------------------- GPU
 @gpu
 @pytest.mark.parametrize("name", KERNEL_OPS)
-def test_inductor_fullgraph_matches_eager(name):
+def test_compile_inductor_fullgraph_matches_eager(name):
     block = _Block(name)
     for kw in _calls(name):
         torch._dynamo.reset()  # one compile per shape, under the recompile limit
