@@ -45,7 +45,7 @@ import triton
 import triton.language as tl
 
 from kernels.base import CompileSpec
-from kernels.common.tiles import dot_block
+from kernels.common.tiles import cdiv, dot_block
 from tuning_db.records import CallConfig, LaunchConfig
 
 # Kernels can only read globals that are constexprs.
@@ -669,7 +669,7 @@ def _forward(args: Mapping, config: LaunchConfig, keep_lse: bool) -> tuple[torch
     window = masks.pop("window")
     cu_q, cu_k = (args["cu_seqlens_q"], args["cu_seqlens_k"]) if varlen else (q, q)  # q: unused placeholder
     block_m, block_n = config.blocks["BLOCK_M"], config.blocks["BLOCK_N"]
-    _attention_fwd_kernel[(triton.cdiv(span_q, block_m), h_q, batch)](
+    _attention_fwd_kernel[(cdiv(span_q, block_m), h_q, batch)](
         q, k, v, sinks, out, lse if lse is not None else out, cu_q, cu_k,
         float(args["sm_scale"]) * LOG2E.value, rows_q, rows_k, window, h_q // h_kv,
         *_strides(q, varlen), *_strides(k, varlen), *_strides(v, varlen), *_strides(out, varlen),
@@ -694,7 +694,7 @@ def _backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Te
 
     pre = config["bwd_pre"]
     pre_batch = 1 if varlen else batch  # packed rows need no sequence bounds here
-    pre_grid = (triton.cdiv(rows_q, pre.blocks["BLOCK_M"]), h_q, pre_batch)
+    pre_grid = (cdiv(rows_q, pre.blocks["BLOCK_M"]), h_q, pre_batch)
     dsink_parts = None
     if sinks is not None:
         dsink_parts = torch.empty((h_q, pre_batch * pre_grid[0]), dtype=torch.float32, device=q.device)
@@ -715,12 +715,12 @@ def _backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Te
     constexprs = {"IS_VARLEN": varlen, "HEAD_DIM": d, "BLOCK_D": block_d, **masks}
 
     dkv = config["bwd_dkv"]
-    _attention_bwd_dkv_kernel[(triton.cdiv(span_k, dkv.blocks["BLOCK_N"]), h_kv, batch)](
+    _attention_bwd_dkv_kernel[(cdiv(span_k, dkv.blocks["BLOCK_N"]), h_kv, batch)](
         q, k, v, dout, lse2, delta, dk, dv, cu_q, cu_k, *common,
         *_strides(dk, varlen), *_strides(dv, varlen), *lse_strides,
         **constexprs, **dkv.blocks, **dkv.knobs())
     dq_config = config["bwd_dq"]
-    _attention_bwd_dq_kernel[(triton.cdiv(span_q, dq_config.blocks["BLOCK_M"]), h_q, batch)](
+    _attention_bwd_dq_kernel[(cdiv(span_q, dq_config.blocks["BLOCK_M"]), h_q, batch)](
         q, k, v, dout, lse2, delta, dq, cu_q, cu_k, *common, *_strides(dq, varlen), *lse_strides,
         **constexprs, **dq_config.blocks, **dq_config.knobs())
     # One slot per pre program, summed in a fixed order: no atomics, the same bits every run.
