@@ -18,9 +18,10 @@ from registry.catalog import load_all
 from registry.device import CPU, detect
 from registry.ops import OPS
 from registry.ops._contract import random_normal
-from registry.testing import TOLERANCE, output_error
+from registry.testing import GRAD_TOLERANCE, TOLERANCE, gradient_error, output_error
 
 from .conftest import HAS_GPU, gpu
+from .test_ref_gsa import attention_case
 
 DTYPE = torch.bfloat16 if HAS_GPU else torch.float16
 TOL = TOLERANCE[DTYPE]
@@ -157,3 +158,99 @@ def test_topk_never_allocates_the_score_matrix():
     variant.launch(args, config)
     torch.cuda.synchronize()
     assert torch.cuda.max_memory_allocated() - before < 8192 * 8192 * 4 // 4
+
+
+# ----------------------------------------------------------------------------- gsa_sparse_attention
+def _attention_runs(args: dict) -> list:
+    """(variant, call config) pairs for the forward and backward: on a GPU, each variant's default and
+    two more configs of every role; in the interpreter the default on one vendor and every role's other
+    block shape on the other (knobs are ignored there, both vendors share the shapes)."""
+    op = OPS["gsa_sparse_attention"]
+    key = dict(op.tuning_key(op.validate(**args)))
+    runs = []
+    for n, variant in enumerate(_variants("gsa_sparse_attention")):
+        default = variant.default_config(key, INFO)
+        others = {role: [c for c in configs if c != default[role]
+                         and variant.prune_reason(role, c, key, INFO) is None]
+                  for role, configs in variant.space(key, INFO).items()}
+        if HAS_GPU:
+            runs.append((variant, default))
+            for i in (1, 2):
+                config = default
+                for role, configs in others.items():
+                    config = config.replace(role, configs[i * len(configs) // 3]) if configs else config
+                runs.append((variant, config))
+        elif n == 0:
+            runs.append((variant, default))
+        else:
+            config = default
+            for role, configs in others.items():
+                config = config.replace(role, configs[0])
+            runs.append((variant, config))
+    return runs
+
+
+def _check_attention(args: dict) -> None:
+    op = OPS["gsa_sparse_attention"]
+    args = op.validate(**args)
+    expected = op.reference(**args)
+    for variant, config in _attention_runs(args):
+        call = lambda a, c=config, v=variant: v.launch(a, c)  # noqa: E731
+        err = output_error(op, call(args), expected, args)
+        assert err <= TOL, f"{variant.vendor} {config}: error {err:.3g}"
+        grad_err = gradient_error(op, call, args)
+        assert grad_err <= GRAD_TOLERANCE[DTYPE], f"{variant.vendor} {config}: gradient error {grad_err:.3g}"
+
+
+def _on(device, args: dict) -> dict:
+    return {n: x.to(device=device, dtype=DTYPE if x.is_floating_point() else x.dtype) for n, x in args.items()}
+
+
+# Each case holds every kind of invalid index (-1, -7, t, 2**31 - 1), duplicate slots and one query
+# whose slots are all invalid (tests.test_ref_gsa.attention_case).
+ATTENTION_CASES = {
+    "gqa4-lengths": dict(b=2, t=11, h_q=8, h_kv=2, d=16, topk=7, lengths=True),
+    "gqa16-two-head-blocks": dict(b=1, t=6, h_q=16, h_kv=1, d=8, topk=5),
+    "mha-odd-heads-dims-topk-gt-t": dict(b=1, t=7, h_q=3, h_kv=3, d=24, topk=9, lengths=True),
+}
+
+
+@pytest.mark.parametrize("case", ATTENTION_CASES.values(), ids=ATTENTION_CASES.keys())
+def test_sparse_attention_and_gradients(device, case):
+    args = _on(device, attention_case(**case, seed=case["t"]))
+    _check_attention(args)
+
+
+def test_sparse_attention_strided_inputs(device):
+    args = _on(device, attention_case(2, 6, 4, 2, 16, 5, lengths=True, seed=9))
+    args["q"] = torch.stack([args["q"], -args["q"]], 3)[..., 0, :]
+    args["v"] = args["v"].transpose(1, 2).contiguous().transpose(1, 2)
+    args["indices"] = torch.cat([args["indices"]] * 2, -1)[..., :5]
+    assert not (args["q"].is_contiguous() or args["v"].is_contiguous() or args["indices"].is_contiguous())
+    _check_attention(args)
+
+
+def test_sparse_attention_empty_rows_give_zero_and_no_gradient(device):
+    """No valid slot anywhere: out is 0 and every gradient 0 (never NaN)."""
+    args = _on(device, attention_case(1, 5, 4, 2, 16, 3, seed=2))
+    args["indices"] = torch.tensor([-1, 5, -7], dtype=torch.int32, device=device).expand(1, 5, 3).contiguous()
+    op = OPS["gsa_sparse_attention"]
+    for variant, config in _attention_runs(args)[:1]:
+        leaves = {n: args[n].clone().requires_grad_() for n in "qkv"}
+        out = variant.launch(op.validate(**{**args, **leaves}), config)
+        assert torch.equal(out, torch.zeros_like(out))
+        out.float().sum().backward()
+        assert all(torch.equal(x.grad, torch.zeros_like(x)) for x in leaves.values())
+
+
+def test_sparse_attention_backward_is_deterministic(device):
+    """The backward has no atomics: two runs give the same bits."""
+    args = _on(device, attention_case(1, 9, 4, 1, 16, 6, seed=4))
+    op = OPS["gsa_sparse_attention"]
+    variant, config = _attention_runs(args)[0]
+    grads = []
+    for _ in range(2):
+        leaves = {n: args[n].clone().requires_grad_() for n in "qkv"}
+        variant.launch(op.validate(**{**args, **leaves}), config).float().square().sum().backward()
+        grads.append([x.grad for x in leaves.values()])
+    assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))

@@ -1,3 +1,10 @@
 """NVIDIA variants (Hopper H100/H200). Importing this package registers them."""
 
-from kernels.nvidia import decode, flash_attention, gsa_indexer, gsa_topk, sparse_mla  # noqa: F401
+from kernels.nvidia import (  # noqa: F401
+    decode,
+    flash_attention,
+    gsa_indexer,
+    gsa_sparse_attention,
+    gsa_topk,
+    sparse_mla,
+)
