@@ -42,4 +42,4 @@ class GSASparseAttentionHeadBlockAmd(GSASparseAttentionHeadBlockBase, Variant):
             interpreter=INTERPRETER_DKV,
         ),
     }
-    TILE_REGS_LIMIT = 128
+    TILE_REGS_LIMIT = 256

@@ -44,10 +44,11 @@ LOG2E = tl.constexpr(1.4426950408889634)
 # ----------------------------------------------------------------------------- Triton kernels
 @triton.jit
 def _gather_columns(h0, h_q, group, stride_ah, stride_bh, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
-                    BLOCK_D: tl.constexpr):
+                    BLOCK_D: tl.constexpr, ROWS_I32: tl.constexpr):
     """Column offsets of one gathered row of heads h0... in two tensors (strides stride_ah, stride_bh
     between heads) and their mask, flattened head-major to [BLOCK_H * BLOCK_D]: column c is dim
-    c % BLOCK_D of query head h0 + c // BLOCK_D, which reads its kv head (h // group).
+    c % BLOCK_D of query head h0 + c // BLOCK_D, which reads its kv head (h // group). int32 when the
+    launcher proved every row offset fits (ROWS_I32), like the row offsets they are added to.
 
     Gathered tiles are loaded as [slots, BLOCK_H * BLOCK_D] (runs of BLOCK_D contiguous elements, so
     the threads spread over heads and dims and each keeps its slots in registers: the sums over slots
@@ -55,7 +56,9 @@ def _gather_columns(h0, h_q, group, stride_ah, stride_bh, HEAD_DIM: tl.constexpr
     cols = tl.arange(0, BLOCK_H * BLOCK_D)
     head = h0 + cols // BLOCK_D
     dim = cols % BLOCK_D
-    kv_head = (head // group).to(tl.int64)
+    kv_head = head // group
+    if not ROWS_I32:
+        kv_head = kv_head.to(tl.int64)
     return kv_head * stride_ah + dim, kv_head * stride_bh + dim, (head < h_q) & (dim < HEAD_DIM)
 
 
@@ -86,7 +89,7 @@ def _gsa_sparse_attn_fwd_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     hd_ok = (heads < h_q)[:, None] & (offs_d < HEAD_DIM)[None, :]
     offs_t = tl.arange(0, BLOCK_TOPK)
-    k_cols, v_cols, col_ok = _gather_columns(h0, h_q, group, stride_kh, stride_vh, HEAD_DIM, BLOCK_H, BLOCK_D)
+    k_cols, v_cols, col_ok = _gather_columns(h0, h_q, group, stride_kh, stride_vh, HEAD_DIM, BLOCK_H, BLOCK_D, ROWS_I32)
 
     q_ptr = Q + b * stride_qb + i.to(tl.int64) * stride_qt + heads[:, None].to(tl.int64) * stride_qh + offs_d[None, :]
     q = tl.load(q_ptr, mask=hd_ok, other=0.0).to(tl.float32) * qk_scale
@@ -160,7 +163,7 @@ def _gsa_sparse_attn_bwd_dq_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     hd_ok = (heads < h_q)[:, None] & (offs_d < HEAD_DIM)[None, :]
     offs_t = tl.arange(0, BLOCK_TOPK)
-    k_cols, v_cols, col_ok = _gather_columns(h0, h_q, group, stride_kh, stride_vh, HEAD_DIM, BLOCK_H, BLOCK_D)
+    k_cols, v_cols, col_ok = _gather_columns(h0, h_q, group, stride_kh, stride_vh, HEAD_DIM, BLOCK_H, BLOCK_D, ROWS_I32)
     row = i.to(tl.int64)
     head_rows = heads[:, None].to(tl.int64)
 
@@ -234,7 +237,7 @@ def _gsa_sparse_attn_bwd_dkv_kernel(
     hd_ok = head_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
     offs_q = tl.arange(0, BLOCK_Q)
     # Query rows are gathered for the query heads themselves (group 1 in the column helper).
-    q_cols, do_cols, col_ok = _gather_columns(h0, h_q, 1, stride_qh, stride_doh, HEAD_DIM, BLOCK_H, BLOCK_D)
+    q_cols, do_cols, col_ok = _gather_columns(h0, h_q, 1, stride_qh, stride_doh, HEAD_DIM, BLOCK_H, BLOCK_D, ROWS_I32)
 
     k_ptr = K + b * stride_kb + j.to(tl.int64) * stride_kt + kv_heads[:, None].to(tl.int64) * stride_kh
     k = tl.load(k_ptr + offs_d[None, :], mask=hd_ok, other=0.0).to(tl.float32) * (sm_scale * LOG2E)
@@ -437,7 +440,7 @@ class GSASparseAttentionHeadBlockBase:
     name = "gsa_sparse_attention_headblock"
     kernels = {"fwd": _gsa_sparse_attn_fwd_kernel, "bwd_dq": _gsa_sparse_attn_bwd_dq_kernel,
                "bwd_dkv": _gsa_sparse_attn_bwd_dkv_kernel}
-    TILE_REGS_LIMIT = 64
+    TILE_REGS_LIMIT = 128
 
     def supports(self, key: dict, device) -> bool:
         return key["dtype"] in ("fp16", "bf16") and key["d"] <= 256
