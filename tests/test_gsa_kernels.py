@@ -209,7 +209,7 @@ def _on(device, args: dict) -> dict:
 # Each case holds every kind of invalid index (-1, -7, t, 2**31 - 1), duplicate slots and one query
 # whose slots are all invalid (tests.test_ref_gsa.attention_case).
 ATTENTION_CASES = {
-    "gqa4-lengths": dict(b=2, t=11, h_q=8, h_kv=2, d=16, topk=7, lengths=True),
+    "gqa4-lengths": dict(b=2, t=7, h_q=8, h_kv=2, d=16, topk=6, lengths=True),
     "gqa16-two-head-blocks": dict(b=1, t=6, h_q=16, h_kv=1, d=8, topk=5),
     "mha-odd-heads-dims-topk-gt-t": dict(b=1, t=7, h_q=3, h_kv=3, d=24, topk=9, lengths=True),
 }
