@@ -12,16 +12,27 @@ program keeps a per-query candidate list in a global workspace and a threshold t
   (positions from a prefix sum over the block, so a block is one masked scatter; a block with no
   candidate stores nothing). The list holds CAP >= n + BLOCK_K entries, n the query's count
   min(k, i + 1, topk_length[i]).
-- When a block would overflow some list, the lists are compacted: an exact radix select by bisection on
-  the key bits (each step counts the list entries >= a probe, 32 steps at most, fewer as the range
-  between the old threshold and the row maximum narrows) finds the n-th largest key v; the entries
-  above v and the first ties at v up to n are packed to the front, and tau becomes v. Everything
-  dropped is <= tau, and the list keeps n entries >= tau, so the top n of (list + keys still to come)
-  is the query's answer. Each compaction frees at least CAP - n >= BLOCK_K slots; the threshold is the
-  n-th best score so far, so on typical data few keys pass it once a few thousand have streamed by and
-  a query needs a few compactions; keys that keep getting better (scores rising with position) make it
-  one compaction per (CAP - n) / BLOCK_K blocks, still exact.
-- A last compaction leaves exactly n entries; their key ids go to the output, -1 after them.
+- When a block would overflow some list, the lists are compacted (`_compact`): a threshold search over
+  the int keys, each step counting per row the list entries >= its probe, finds a cut with between n
+  and CAP - BLOCK_K entries at or above it; they stay, packed to the front, and tau rises to just
+  below the cut. Everything dropped is <= tau and the list keeps at least n entries > tau, so the
+  top n of (list + keys still to come) is the query's answer. Probes interpolate where the count
+  would reach its aim inside that window (a step bisects instead when the last one did not halve the
+  range), so a mid-stream compaction usually costs one or two counting passes over the list. When
+  more than the window's worth of entries tie, the search closes on the tied key v: the entries > v
+  and the first ties at v up to n stay, and tau becomes v.
+- A mid-stream compaction leaves at most CAP - BLOCK_K entries, so the next block always fits, and
+  aims a quarter into the window, freeing most of the list (CAP = 2 * max(k', BLOCK_K), k' = min(k,
+  t)): on typical data few keys pass the threshold once a few thousand have streamed by, and a query
+  needs a few compactions; scores that keep rising with position make it one compaction every few
+  blocks, still exact.
+- A last compaction with the window [n, n] leaves exactly n entries (ties broken by list order); their
+  key ids go to the output, -1 after them.
+
+Why not a histogram of the scores first and a second streaming pass that emits what beats its
+threshold: the stream itself (a dot and two MUFU operations per index head and pair) is what costs, a
+second pass doubles it, and a threshold from bins still needs an exact select inside the boundary bin.
+The lists cost a few L2 reads per compaction instead.
 
 Memory is O(programs * BLOCK_Q * CAP): the grid is persistent (WAVES programs per SM, each reusing one
 workspace slot for query block after query block, heaviest blocks, the last ones, first), so the
@@ -164,9 +175,11 @@ def _gsa_topk_kernel(
         bot = tl.full([BLOCK_Q], KEY_MAX, tl.int32)
         top = tl.full([BLOCK_Q], KEY_MIN, tl.int32)
         cnt = tl.zeros([BLOCK_Q], tl.int32)
-        # Mid-stream compactions aim between n and the most a list can hold before the next block.
+        # Mid-stream compactions keep between n and the most a list can hold before the next block,
+        # aiming a quarter into that window: most of the list is freed, and a probe that misses the
+        # aim by a little still lands inside.
         limit = cap - BLOCK_K
-        target = (n + limit) // 2
+        target = n + (limit - n) // 4
 
         q, gate, bias2 = _load_index_queries(Q, W, BIAS, b, q0, t, h_i, d_i, stride_qb, stride_qt, stride_qh,
                                              stride_wb, stride_wt, BLOCK_Q, H_PAD, BLOCK_D)
