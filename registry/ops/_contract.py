@@ -52,6 +52,9 @@ class Op:
         and not, packed varlen, ...), all with one tuning key: a tuned config serves every layout.
     grad_inputs: the arguments gradients flow to, for a differentiable op (empty: not differentiable);
         a backward gets the gradient of its first output.
+    error(actual, expected, args) -> float: how far an output is from the reference's, on the scale of
+        `registry.testing.TOLERANCE`, for an op whose outputs cannot be compared element by element (an
+        unordered selection); None: `registry.testing.max_relative_error`.
     """
 
     name: str
@@ -68,6 +71,7 @@ class Op:
     length_dims: tuple[str, ...] = ()
     layouts: Callable[[dict], list[dict]] = field(default=lambda shape: [dict(shape)])
     grad_inputs: tuple[str, ...] = ()
+    error: Callable[[Any, Any, dict], float] | None = None
 
     @property
     def differentiable(self) -> bool:
