@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from registry.testing import GRAD_TOLERANCE, TOLERANCE, backward_call, gradient_error, max_relative_error
+from registry.testing import GRAD_TOLERANCE, TOLERANCE, backward_call, gradient_error, output_error
 from tuning.bench import time_gpu, time_gpu_quantiles
 from tuning_db.records import LaunchConfig
 
@@ -72,9 +72,10 @@ def measure(op: str, shape: str, provider: str, fn, work: float, unit: str, rel_
 
 
 def checked(op, args: dict, call) -> float:
-    """Relative error of `call(args)` against the op's reference; raises when over the budget."""
+    """Error of `call(args)` against the op's reference (`registry.testing.output_error`: relative error,
+    or the op's own measure); raises when over the budget."""
     dtype = args[next(iter(args))].dtype
-    err = max_relative_error(call(args), op.reference(**args))
+    err = output_error(op, call(args), op.reference(**args), args)
     if not err <= TOLERANCE[dtype]:
         raise AssertionError(f"{op.name}: relative error {err:.3g} > {TOLERANCE[dtype]:.3g}; not timing a wrong kernel")
     return err

@@ -45,6 +45,13 @@ def max_relative_error(actual, expected) -> float:
     return max((relative_error(a, e) for a, e in zip(outs, refs, strict=True)), default=0.0)
 
 
+def output_error(op, actual, expected, args: dict) -> float:
+    """How far `actual` is from the reference's `expected` outputs for the call `args`: the op's own
+    measure where it declares one (`Op.error`: gsa_topk compares selected score sets), else
+    `max_relative_error`."""
+    return max_relative_error(actual, expected) if op.error is None else op.error(actual, expected, args)
+
+
 def assert_close(actual, expected, rtol: float, what: str = "output") -> None:
     """Assert every output's relative error is at most `rtol` (see `relative_error`)."""
     outs, refs = _as_tensors(actual), _as_tensors(expected)

@@ -3,6 +3,8 @@ long-format rows any plot can read (timing itself needs a GPU: `python -m benchm
 
 import csv
 
+import pytest
+
 from benchmarks.common import CSV_FIELDS, Measurement, long_rows, write_csv
 from benchmarks.run import families, main
 
@@ -46,3 +48,44 @@ def test_dispatch_stub_timing_runs_without_a_gpu():
 
     validate_us, dispatch_us = stub_dispatch_us("decode", "cpu", torch.float16, "nvidia", iters=20, repeats=2)
     assert 0 < validate_us and 0 < dispatch_us
+
+
+def test_gsa_tool_without_a_gpu_and_its_arguments(capsys):
+    """`python -m benchmarks.gsa`: argument errors before anything runs, the no-GPU message, the
+    layer's FLOP count."""
+    from benchmarks import gsa
+
+    assert gsa.main([]) == 2
+    assert "need a CUDA or ROCm GPU" in capsys.readouterr().err
+    for bad in (["--profile", "--ncu"], ["--profile-ref-only", "--profile-opt-only"], ["--T", "0"],
+                ["--dtype", "int8"]):
+        with pytest.raises(SystemExit) as stop:
+            gsa.parse_args(bad)
+        assert stop.value.code == 2
+    args = gsa.parse_args(["--T", "256,512", "--profile", "--profile-T", "1024", "--profile-opt-only"])
+    assert args.T == [256, 512] and args.profile_T == 1024 and gsa._which(False, True) == ("registry",)
+    cfg = {**gsa.LAYER, "d_model": 8, "n_heads": 2, "n_kv_heads": 1, "head_dim": 4, "d_indexer": 2,
+           "n_indexer_heads": 3, "k": 2}
+    # t 3: projections 2*3*8*(3*2*4 + 3*1*4 + 3*2 + 2 + 3); scoring 2*3*6*2; attention 4*2*(1+2+2)*4.
+    assert gsa.layer_flops(1, 3, cfg) == 2 * 3 * 8 * 47 + 2 * 3 * 6 * 2 + 4 * 2 * 5 * 4
+
+
+def test_gsa_table_csv_and_plot_from_rows(tmp_path, capsys):
+    """The sweep's table, CSV rows and plot from measured rows, an OOM and a skipped reference among them."""
+    from benchmarks import gsa
+
+    rows = [{"T": 1024, "reference": ((9.0, 10.0, 11.0), 2**30), "registry": ((0.9, 1.0, 1.1), 2**26)},
+            {"T": 65536, "reference": "skipped", "registry": "OOM"}]
+    gsa.print_table(rows, 1)
+    table = capsys.readouterr().out
+    assert "10.0x" in table and "0.06x" in table and "skipped" in table and "OOM" in table
+    csv_rows = gsa.sweep_csv_rows(rows, 1, "NVIDIA H200")
+    assert [(r["provider"], r["metric"]) for r in csv_rows] == [
+        ("torch-reference", "time"), ("torch-reference", "throughput"), ("torch-reference", "peak_memory"),
+        ("kreg", "time"), ("kreg", "throughput"), ("kreg", "peak_memory")]
+    assert csv_rows[2]["p50"] == 1024.0 and csv_rows[5]["unit"] == "MiB"
+    path = tmp_path / "gsa.png"
+    drawn = gsa.plot(rows, 1, path, "test")
+    assert drawn == path.exists()
+    if not drawn:
+        assert "matplotlib is not installed" in capsys.readouterr().out

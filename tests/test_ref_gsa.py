@@ -381,3 +381,36 @@ def test_costs():
     gathered = 2 * (2 * 6 * 3 * 2 * 8) * 4
     assert ATTN.bytes_moved(s) == gathered + 2 * 6 * 3 * 4 + 2 * (2 * 6 * 4 * 8 * 4)
     assert ATTN.differentiable and not INDEXER.differentiable and not TOPK.differentiable
+
+
+def test_topk_selection_error_ignores_order_and_catches_contract_breaks():
+    """gsa_topk's Op.error: 0 for the reference's picks in any slot order; infinite for a repeated key,
+    a future key, a wrong count or a filler before a pick; for a worse pick, the largest gap between
+    the sorted picked scores over the largest picked score."""
+    args = gsa_topk.validate(**indexer_case(1, 12, 2, 8, seed=4), k=4)
+    want = gsa_topk.reference(**args)
+    assert TOPK.error is gsa_topk.selection_error
+    assert gsa_topk.selection_error(want.flip(-1).roll(1, 1).flip(-1).roll(-1, 1), want, args) == 0.0
+    shuffled = want.clone()
+    shuffled[0, 11] = want[0, 11].flip(0)
+    assert gsa_topk.selection_error(shuffled, want, args) == 0.0
+    breaks = {
+        "repeat": (11, 1, want[0, 11, 0]),
+        "future": (5, 0, 9),
+        "count": (2, 3, 0),  # row 2 holds 3 picks: one more is a wrong count
+        "filler_first": (11, 0, -1),
+    }
+    for name, (row, slot, value) in breaks.items():
+        bad = want.clone()
+        bad[0, row, slot] = value
+        assert gsa_topk.selection_error(bad, want, args) == float("inf"), name
+    scores = gsa_indexer.reference(**gsa_indexer.validate(*(args[n] for n in ("q_idx", "k_idx", "w", "bias"))))
+    worst = scores[0, 11].argmin().item()
+    bad = want.clone()
+    bad[0, 11, 0] = worst
+    got_sorted = scores[0, 11, bad[0, 11].long()].sort().values
+    want_sorted = scores[0, 11, want[0, 11].long()].sort().values
+    picked = scores[0].gather(-1, want[0].clamp(min=0).long())[want[0] >= 0]
+    expected = (got_sorted - want_sorted).abs().max() / picked.abs().max()
+    assert gsa_topk.selection_error(bad, want, args) == pytest.approx(expected.item(), rel=1e-5)
+    assert gsa_topk.selection_error(want[..., :3], want, args) == float("inf")

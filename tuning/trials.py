@@ -26,7 +26,7 @@ from registry.testing import (
     cotangent,
     first_output,
     gradient_error,
-    max_relative_error,
+    output_error,
     reference_gradients,
 )
 from tuning.bench import rotating, time_call
@@ -117,7 +117,7 @@ def run_trial(inputs: KeyInputs, variant, config: CallConfig, role: str) -> tupl
         else:
             out = launch(inputs.gate_args, config)
             _synchronize(device)
-            err, tol = max_relative_error(out, inputs.gate_ref), TOLERANCE[inputs.dtype]
+            err, tol = output_error(op, out, inputs.gate_ref, inputs.gate_args), TOLERANCE[inputs.dtype]
         if not err <= tol:
             return "wrong_result", None, f"relative error {err:.3g} > {tol:.3g}"
         if is_backward_role(role):

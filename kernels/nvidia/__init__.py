@@ -1,3 +1,11 @@
 """NVIDIA variants (Hopper H100/H200). Importing this package registers them."""
 
-from kernels.nvidia import decode, flash_attention, sink_attention, sparse_mla  # noqa: F401
+from kernels.nvidia import (  # noqa: F401
+    decode,
+    flash_attention,
+    gsa_indexer,
+    gsa_sparse_attention,
+    gsa_topk,
+    sink_attention,
+    sparse_mla,
+)

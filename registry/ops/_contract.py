@@ -70,6 +70,9 @@ class Op:
         tensor values). It is the op's fake implementation under torch.compile (registry/library.py);
         the tensors live on the device of the first argument and are contiguous. `args` has
         validate's parameters by name with defaults filled in but unvalidated (sm_scale may be None).
+    error(actual, expected, args) -> float: how far an output is from the reference's, on the scale of
+        `registry.testing.TOLERANCE`, for an op whose outputs cannot be compared element by element (an
+        unordered selection); None: `registry.testing.max_relative_error`.
     """
 
     name: str
@@ -87,6 +90,7 @@ class Op:
     layouts: Callable[[dict], list[dict]] = field(default=lambda shape: [dict(shape)])
     grad_inputs: tuple[str, ...] = ()
     output_specs: Callable[[dict], Any] | None = None
+    error: Callable[[Any, Any, dict], float] | None = None
 
     @property
     def differentiable(self) -> bool:

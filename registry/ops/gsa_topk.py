@@ -93,6 +93,43 @@ def reference(
     return indices
 
 
+def selection_error(actual: torch.Tensor, expected: torch.Tensor, args: dict) -> float:
+    """How far a selection is from the reference's, slot order and ties aside (the op's `Op.error`).
+
+    Infinite when `actual` breaks the contract: another shape or dtype, a row with another count of
+    valid slots than the reference's, valid slots not first, an index outside [0, i] other than the -1
+    filler, or a key picked twice. Otherwise max |got - want| / max |want| over every row's selected
+    scores sorted (the reference indexer's fp32 scores at the picked keys), so keys swapped between
+    equal or nearly equal scores cost as little as the scores differ.
+    """
+    if actual.shape != expected.shape or actual.dtype != torch.int32:
+        return float("inf")
+    got, want = actual.detach().cpu().long(), expected.detach().cpu().long()
+    b, t, k = got.shape
+    valid = got != -1
+    count = valid.sum(-1)
+    rows = torch.arange(t)[None, :, None]
+    if not torch.equal(count, (want != -1).sum(-1)) or not torch.equal(valid, torch.arange(k) < count[..., None]):
+        return float("inf")
+    if not ((got == -1) | ((got >= 0) & (got <= rows))).all():
+        return float("inf")
+    ordered = torch.where(valid, got, -1 - torch.arange(k)).sort(-1).values
+    if (ordered[..., 1:] == ordered[..., :-1]).any():
+        return float("inf")
+    names = ("q_idx", "k_idx", "w", "bias", "sm_scale")
+    worst, scale = 0.0, 0.0
+    for start, scores in gsa_indexer.score_chunks(*(args[n] for n in names)):
+        scores = scores.cpu()
+        rows_c = slice(start, start + scores.shape[1])
+        picked = [torch.where(x[:, rows_c] >= 0, scores.gather(-1, x[:, rows_c].clamp(min=0)), float("-inf"))
+                  .sort(-1, descending=True).values for x in (got, want)]
+        finite = torch.isfinite(picked[1])
+        if finite.any():
+            worst = max(worst, (picked[0][finite] - picked[1][finite]).abs().max().item())
+            scale = max(scale, picked[1][finite].abs().max().item())
+    return worst / scale if scale > 0 else worst
+
+
 def tuning_key(args: dict) -> tuple:
     """(name, value) pairs that pick a config; the sequence length is bucketed."""
     q = args["q_idx"]
@@ -163,4 +200,5 @@ OP = Op(
     outputs=("indices",),
     length_dims=("t",),
     output_specs=output_specs,
+    error=selection_error,
 )
