@@ -157,7 +157,9 @@ def test_topk_never_allocates_the_score_matrix():
     before = torch.cuda.memory_allocated()
     variant.launch(args, config)
     torch.cuda.synchronize()
-    assert torch.cuda.max_memory_allocated() - before < 8192 * 8192 * 4 // 4
+    # Measured on an H200: 84 MB (16 MB of output, the rest the programs' candidate lists, whose size
+    # follows the SM count and k, not t); the scores would be 256 MiB.
+    assert torch.cuda.max_memory_allocated() - before < 8192 * 8192 * 4 // 2
 
 
 # ----------------------------------------------------------------------------- gsa_sparse_attention
