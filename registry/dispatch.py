@@ -163,8 +163,13 @@ def resolve(op: Op, vendor: str, variant: str | None, key: tuple, device: Device
             return _bound(by_name[tuned.variant], tuned.config, source, dims, device)
     if os.environ.get("KREG_AUTOTUNE") == "1" and device.key != "cpu":
         from tuning.autotune import autotune_call
+        from tuning_db.store import TuningDatabaseError
 
-        tuned = autotune_call(op, pool, device, args, user_store())
+        try:
+            tuned = autotune_call(op, pool, device, args, user_store())
+        except TuningDatabaseError as err:  # an unwritable or damaged store: tune nothing, run the default
+            _warn_once(f"kreg: tuning on first use needs a writable tuning database; running defaults: {err}")
+            tuned = None
         if tuned is not None:
             return _bound(by_name[tuned.variant], tuned.config, "autotune", dims, device)
     chosen = pool[0]

@@ -586,3 +586,24 @@ def test_read_only_commands_create_nothing_on_a_mistyped_path(tmp_path, monkeypa
     empty = tmp_path / "empty.db"
     empty.touch()
     assert TuningStore(f"sqlite:///{empty}").tuned() == [] and empty.stat().st_size == 0
+
+
+def test_tuning_on_first_use_with_an_unusable_store_warns_and_runs_the_default(monkeypatch):
+    """KREG_AUTOTUNE=1 writes its result to the user store; a store that cannot be written must not
+    make the call fail: one warning, then the variant's default."""
+    import tuning.autotune
+    from registry.device import preset
+    from tuning_db.store import TuningDatabaseError
+
+    def unwritable(*args, **kwargs):
+        raise TuningDatabaseError("sqlite:////read-only/tuning.db: attempt to write a readonly database")
+
+    monkeypatch.setenv("KREG_AUTOTUNE", "1")
+    monkeypatch.setattr(tuning.autotune, "autotune_call", unwritable)
+    op = OPS["decode"]
+    shape = {**op.presets["tiny"][0], "n": 999}  # a key no table holds
+    args = op.validate(**op.make_inputs(shape, device="meta", dtype=torch.bfloat16, seed=0))
+    dispatch._warned.clear()
+    with pytest.warns(RuntimeWarning, match="writable tuning database"):
+        choice = dispatch.resolve(op, "nvidia", None, op.tuning_key(args), preset("h200"), args)
+    assert choice.source == "default"
