@@ -22,6 +22,8 @@ from registry.catalog import load_all
 from registry.ops import OPS
 from registry.testing import TOLERANCE, hostile_integers, output_error
 
+# A dev dependency (installed by `make test`); GPU machines without network may lack its wheel, and
+# there the property test is skipped anyway (below).
 hypothesis = pytest.importorskip("hypothesis")
 st = hypothesis.strategies
 

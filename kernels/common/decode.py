@@ -221,10 +221,11 @@ def _sm_count(device_index: int) -> int:
 
 
 @functools.cache
-def programmatic_launch(device: torch.device) -> bool:
-    """Whether the combine is launched as a programmatic dependent of the split (NVIDIA sm_90 and
-    later): its launch then overlaps the split grid's tail."""
-    return device.type == "cuda" and torch.version.hip is None and torch.cuda.get_device_capability(device)[0] >= 9
+def programmatic_launch(device_index: int) -> bool:
+    """Whether the combine is launched as a programmatic dependent of the split on GPU `device_index`
+    (NVIDIA sm_90 and later; never for -1, the CPU): its launch then overlaps the split grid's tail.
+    Keyed by index like `_sm_count`, so a call hashes an int, not a torch.device."""
+    return device_index >= 0 and torch.version.hip is None and torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
 @dataclass(frozen=True)
@@ -265,13 +266,14 @@ def decode_forward(args: dict, plan: DecodePlan):
     capacity = table.shape[1] * page if paged else k_cache.shape[1]
     window = args["window"]
     block_n = plan.block_n
+    device_index = q.get_device()
     splits = args["num_splits"] or choose_splits(
-        b, h_kv, capacity, s_q, window, _sm_count(q.get_device()), block_n, plan.waves)
+        b, h_kv, capacity, s_q, window, _sm_count(device_index), block_n, plan.waves)
     split_len = cdiv(cdiv(key_range(capacity, s_q, window), splits), block_n) * block_n
     o_part = torch.empty((b, s_q, h_q, splits, d), device=q.device, dtype=torch.float32)
     lse_part = torch.empty((b, s_q, h_q, splits), device=q.device, dtype=torch.float32)
     block_d = dot_block(d)
-    pdl = programmatic_launch(q.device)
+    pdl = programmatic_launch(device_index)
     _decode_split_kernel[(b * h_kv, splits)](
         q, k_cache, v_cache, args["cache_seqlens"], table if paged else args["cache_seqlens"], o_part, lse_part,
         float(args["sm_scale"]) * LOG2E.value, window or 0, capacity, k_cache.shape[0], s_q, group, h_kv, split_len,
