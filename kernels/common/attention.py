@@ -650,7 +650,7 @@ def _masks(args: Mapping, rows_k: int) -> dict:
             "IS_CAUSAL": bool(args["causal"]), "HAS_WINDOW": window is not None}
 
 
-def _forward(args: Mapping, config: LaunchConfig, keep_lse: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+def attention_forward(args: Mapping, config: LaunchConfig, keep_lse: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Allocate out (and lse, when returned or kept for a backward) and run the forward kernel. The
     grid comes from shapes and max_seqlen_q only: no tensor value is read on the host, so this can be
     captured in a CUDA graph."""
@@ -679,7 +679,7 @@ def _forward(args: Mapping, config: LaunchConfig, keep_lse: bool) -> tuple[torch
     return out, lse
 
 
-def _backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None, out: torch.Tensor,
+def attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None, out: torch.Tensor,
               lse: torch.Tensor, dout: torch.Tensor, args: Mapping, config: CallConfig):
     """Run the pre, dK/dV and dQ kernels; returns (dq, dk, dv, dsinks or None). `args` holds the
     call's non-tensor arguments and cu_seqlens."""
@@ -735,7 +735,7 @@ class _AttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, sinks, args: Mapping, config: CallConfig):
-        out, lse = _forward(args, config["fwd"], keep_lse=True)
+        out, lse = attention_forward(args, config["fwd"], keep_lse=True)
         ctx.save_for_backward(q, k, v, sinks, out, lse)
         ctx.rest = {name: value for name, value in args.items() if name not in ("q", "k", "v", "sinks")}
         ctx.config = config
@@ -745,7 +745,7 @@ class _AttentionFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, *_lse_grad):
         q, k, v, sinks, out, lse = ctx.saved_tensors
-        dq, dk, dv, dsinks = _backward(q, k, v, sinks, out, lse, dout, ctx.rest, ctx.config)
+        dq, dk, dv, dsinks = attention_backward(q, k, v, sinks, out, lse, dout, ctx.rest, ctx.config)
         return dq, dk, dv, dsinks, None, None
 
 
@@ -761,7 +761,7 @@ def attention_call(args: Mapping, config: CallConfig):
     sinks = args.get("sinks")
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, sinks)):
         return _AttentionFunction.apply(q, k, v, sinks, args, config)
-    out, lse = _forward(args, config["fwd"], keep_lse=False)
+    out, lse = attention_forward(args, config["fwd"], keep_lse=False)
     return (out, lse) if args["return_lse"] else out
 
 
@@ -907,9 +907,9 @@ class AttentionTiledBase:
         a call that returned no lse runs the forward again to keep it."""
         out, lse = outputs[0], outputs[1]
         if not lse.numel():
-            out, lse = _forward(args, config["fwd"], keep_lse=True)
+            out, lse = attention_forward(args, config["fwd"], keep_lse=True)
         sinks = args.get("sinks")
-        dq, dk, dv, dsinks = _backward(args["q"], args["k"], args["v"], sinks, out, lse, grad, args, config)
+        dq, dk, dv, dsinks = attention_backward(args["q"], args["k"], args["v"], sinks, out, lse, grad, args, config)
         return {"q": dq, "k": dk, "v": dv, "sinks": dsinks}
 
     def compile_specs(self, key: dict, config: CallConfig, dtype: str = "fp16") -> list[CompileSpec]:
