@@ -467,3 +467,22 @@ def test_compile_specs_type_every_kernel_argument():
         assert specs[0].signature["Q"] == "*bf16" and specs[0].values == {"group": key["h_q"] // key["h_kv"]}
     forward_only = variant.compile_specs(key, CallConfig({"fwd": config["fwd"]}))
     assert [s.role for s in forward_only] == ["fwd", "fwd"]
+
+
+def test_backward_with_a_strided_lse_matches_a_dense_one():
+    """attention_backward indexes its delta/lse2 workspaces with lse's strides: an lse that is a view
+    with gaps (another op keeping the family's lse inside a wider buffer) must give the same gradients."""
+    variant = _variant(F, "nvidia")
+    shape = {"b": 1, "s_q": 21, "s_k": 21, "h_q": 2, "h_kv": 1, "d": 16, "causal": True}
+    args = OPS[F].validate(**OPS[F].make_inputs(shape, device=DEVICE, dtype=DTYPE, seed=3))
+    config = variant.default_config(OPS[F].tuning_key(args), CPU)
+    out, lse = variant.launch({**args, "return_lse": True}, config)
+    wide = torch.full((*lse.shape[:-1], 2 * lse.shape[-1]), 7.0, dtype=lse.dtype, device=lse.device)
+    wide[..., ::2] = lse
+    dout = cotangent(out, seed=4)
+    dense = variant.backward(args, config, (out, lse), dout)
+    strided = variant.backward(args, config, (out, wide[..., ::2]), dout)
+    for name in ("q", "k", "v"):
+        assert torch.equal(dense[name], strided[name]), name
+    assert max_relative_error([dense[n].float() for n in ("q", "k", "v")],
+                              reference_gradients(OPS[F], args, dout)) <= GRAD_RTOL

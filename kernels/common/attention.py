@@ -688,6 +688,8 @@ def attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks:
     # The kernels read dO through q's element type with a unit last stride.
     dout = dout.to(q.dtype)
     dout = dout if dout.stride(-1) == 1 else dout.contiguous()
+    # delta and lse2 are indexed with lse's strides: a dense lse makes them match.
+    lse = lse.contiguous()
     delta, lse2 = torch.empty_like(lse), torch.empty_like(lse)
     lse_strides = _lse_strides(lse, varlen)
     block_d = dot_block(d)
