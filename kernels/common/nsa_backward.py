@@ -500,8 +500,9 @@ def nsa_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g_cmp: torch
         *g_cmp.stride()[:2], *g_slc.stride()[:2], *g_swa.stride()[:2], dg.stride(0), dg.stride(1), *_s3(do_swa),
         **dims, BLOCK_M=gate.blocks["BLOCK_M"], **gate.knobs())
 
-    # Window: the attention family's backward (its kernels read lse with a unit row stride).
-    lse_swa = lse_swa if lse_swa.stride(-1) == 1 else lse_swa.contiguous()
+    # Window: the attention family's backward. It indexes its Delta and Lse2 buffers (empty_like(lse),
+    # dense) with lse's strides, so lse must be dense.
+    lse_swa = lse_swa.contiguous()
     dq_swa, dk_swa, dv_swa, _ = attention_backward(q, k, v, None, o_swa, lse_swa, do_swa, _swa_args(window, sm_scale),
                                                    swa_config(config))
 
