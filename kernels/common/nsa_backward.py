@@ -376,12 +376,14 @@ def _nsa_bwd_slc_dkv_kernel(
     last = tl.load(Offsets + lst + 1)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    for r0 in range(first * group, last * group, BLOCK_M):
+    # Rows counted from the list's start fit in int32 (a list holds at most t * block_count entries).
+    n_rows = ((last - first) * group).to(tl.int32)
+    for r0 in range(0, n_rows, BLOCK_M):
         rows = r0 + offs_m
-        row_ok = rows < last * group
+        row_ok = rows < n_rows
         tile_ok = row_ok[:, None] & d_ok[None, :]
         # Listed tokens are in [0, t) by construction (positions of block_indices' rows).
-        token = tl.load(Tokens + rows // group, mask=row_ok, other=0)
+        token = tl.load(Tokens + first + rows // group, mask=row_ok, other=0)
         tok64, head64 = token.to(tl.int64), hk64 * group + rows % group
         q = tl.load(Q + b * stride_qb + (tok64 * stride_qt + head64 * stride_qh)[:, None] + offs_d[None, :],
                     mask=tile_ok, other=0.0)
