@@ -137,6 +137,8 @@ CASES = {
     "window1_gqa1": dict(b=1, t=21, h_q=3, h_kv=3, d=16, block_size=4, block_count=3, window=1),
     "window_over_t_gqa16": dict(b=1, t=19, h_q=16, h_kv=1, d=16, block_size=4, block_count=3, window=100),
     "gqa4_d24": dict(b=1, t=23, h_q=8, h_kv=2, d=24, block_size=5, block_count=3, window=6),
+    # Every token its own (compressed) block; d below the smallest tile.
+    "block1_d8": dict(b=1, t=9, h_q=4, h_kv=2, d=8, block_size=1, block_count=3, window=2),
     # A block of two key tiles (BLOCK_N 16), a partial last block.
     "block_over_tile": dict(b=1, t=45, h_q=4, h_kv=1, d=16, block_size=20, block_count=2, window=9),
 }

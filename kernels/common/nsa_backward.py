@@ -25,9 +25,9 @@ Roles (one LaunchConfig each in the call's CallConfig) and what one program of e
   one program per key tile would leave most of the GPU idle); writes its partial dK_cmp/dV_cmp in
   fp32 to its own slot, summed later in a fixed order (no atomics).
 - `bwd_slc_dq` (`_nsa_bwd_slc_dq_kernel`): one token and one kv head, the group's heads as rows
-  (padded to 16): walks the token's block_count slots (invalid ids masked, duplicates twice), BLOCK_N
-  keys at a time, recomputes P from lse_slc and adds dS K; writes dq = dq_acc + dq_slc once, in q's
-  dtype.
+  (padded to a power of two, at least 16): walks the token's block_count slots (invalid ids masked,
+  duplicates twice), BLOCK_N keys at a time, recomputes P from lse_slc and adds dS K; writes
+  dq = dq_acc + dq_slc once, in q's dtype.
 - `bwd_slc_dkv` (`_nsa_bwd_slc_dkv_kernel`): BLOCK_N keys of one selected block of one kv head, key
   major. The launcher sorts every valid (token, slot) pair by (batch, kv head, block) with one stable
   torch.sort on the device (`block_lists`; no host sync, a duplicate appears twice, tokens in
@@ -45,7 +45,7 @@ Accumulation: every gradient sums in fp32 and is converted once, except the wind
 `attention_backward` returns in q's dtype. No kernel uses atomics: gradients are bitwise reproducible.
 Kernels never read outside their tensors, whatever block_indices hold: an id outside
 [0, token // block_size] is invalid and masked before any address is formed from it. Row offsets are
-int64 (q-sized tensors pass 2^31 elements at b 4, t 64K, h_q 64, d 128).
+int64 (q-sized tensors reach 2^31 elements at b 4, t 64K, h_q 64, d 128).
 
 Load balance of `bwd_slc_dkv`: a list holds every token that selected the block, so a block that all
 tokens select (block 0 in trained models) gives one program t entries while the mean is
@@ -56,7 +56,7 @@ Predicted costs at the issue's target (H200, b 1, t 65536, h_q 64, h_kv 4, d 128
 window 512, bf16; q-sized tensors are 1 GiB):
 - bwd_gate: reads dout and three outputs, writes dO_swa: ~5.4 GB, ~1.4 ms.
 - window (attention_backward): its pre reads 2 GB (~0.5 ms); dK/dV and dQ over 2.1e9 (query, key)
-  pairs per all heads, 7 GEMMs of d 128 per pair (3.9 TFLOP), ~10 ms at ~400 TFLOP/s.
+  pairs over all heads, 7 GEMMs of d 128 per pair (3.9 TFLOP), ~10 ms at ~400 TFLOP/s.
 - bwd_cmp_dq: 2.1e9 pairs x 3 GEMMs (1.65 TFLOP) ~4-5 ms, plus dq_swa read and dq_acc write (3 GB).
 - bwd_cmp_dkv: the same pairs x 4 GEMMs (2.2 TFLOP) ~5-6 ms; partial sums 64 MB.
 - block_lists: a stable sort of 4.2M int32 keys, ~1 ms.
