@@ -256,3 +256,16 @@ def test_gpu_target_like_shape_with_proposed_defaults():
     case = dict(b=1, t=2113, h_q=32, h_kv=2, d=128, block_size=64, block_count=16, window=512)
     _check(case, config=config, repeat=True)
     _check(case, blocks="select", config=config, seed=7)
+
+
+def test_compile_specs_name_every_role_with_its_kernel():
+    """One spec per launched kernel, tagged with its role, and the role's kernel is the one KERNELS names."""
+    from kernels.common.nsa_backward import KERNELS, nsa_backward_compile_specs
+
+    specs = nsa_backward_compile_specs(TARGET_KEY, CallConfig(PROPOSED["nvidia"]))
+    assert [s.role for s in specs] == list(ROLES)
+    assert all(s.fn is KERNELS[s.role] for s in specs)
+    slc_dq = next(s for s in specs if s.role == "bwd_slc_dq")
+    assert slc_dq.constexprs["BLOCK_G"] == 16 and slc_dq.values["group"] == 16
+    cmp_dkv = next(s for s in specs if s.role == "bwd_cmp_dkv")
+    assert "BLOCK_T" not in cmp_dkv.constexprs and cmp_dkv.values["chunk"] == 2048

@@ -81,7 +81,14 @@ import triton
 import triton.language as tl
 
 from kernels.base import CompileSpec
-from kernels.common.attention import INTERPRETER_TILES, attention_backward, attention_compile_specs
+from kernels.common.attention import (
+    INTERPRETER_TILES,
+    _attention_bwd_dkv_kernel,
+    _attention_bwd_dq_kernel,
+    _attention_bwd_pre_kernel,
+    attention_backward,
+    attention_compile_specs,
+)
 from kernels.common.tiles import cdiv, dot_block
 from tuning_db.records import CallConfig
 
@@ -555,7 +562,10 @@ def nsa_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g_cmp: torch
 ROLE_KERNELS = {"bwd_gate": _nsa_bwd_gate_kernel, "bwd_cmp_dq": _nsa_bwd_cmp_dq_kernel,
                 "bwd_cmp_dkv": _nsa_bwd_cmp_dkv_kernel, "bwd_slc_dq": _nsa_bwd_slc_dq_kernel,
                 "bwd_slc_dkv": _nsa_bwd_slc_dkv_kernel}
-ROLES = (*ROLE_KERNELS, *SWA_ROLES)
+# Every role's kernel, the window's included: a variant's `kernels` (its source hash, its roles).
+KERNELS = {**ROLE_KERNELS, "bwd_swa_pre": _attention_bwd_pre_kernel, "bwd_swa_dkv": _attention_bwd_dkv_kernel,
+           "bwd_swa_dq": _attention_bwd_dq_kernel}
+ROLES = tuple(KERNELS)
 _FP32_POINTERS = ("Lse", "DG", "DQAcc", "DKPart", "DVPart")
 _OTHER_POINTERS = {"IDX": "*i32", "Tokens": "*i32", "Offsets": "*i64"}
 _FLOATS = ("qk_scale", "sm_scale", "cmp_scale")
