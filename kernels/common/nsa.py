@@ -222,11 +222,16 @@ def _nsa_cmp_kernel(
         # Token i's candidates are the blocks below its own one, all of them visible to it.
         hi_sel = tl.where(block_count > 1, last // block_size, 0)
         row_lse = tl.where(row_ok, lse2, float("inf"))[:, None]
+        # This loop holds a loop, which Triton does not software-pipeline: the next tile's keys are
+        # loaded by hand before this tile's merge, whose work hides their latency.
+        kc_tile = cols[:, None] * stride_cc + offs_d[None, :]
+        d_ok = offs_d[None, :] < HEAD_DIM
         kc_blk = kc_base
+        kc = tl.load(kc_blk + kc_tile, mask=(cols[:, None] < hi_sel) & d_ok, other=0.0)
         for c0 in range(0, hi_sel, BLOCK_N):
-            mask = ((c0 + cols)[:, None] < hi_sel) & (offs_d[None, :] < HEAD_DIM)
-            kc = tl.load(kc_blk + cols[:, None] * stride_cc + offs_d[None, :], mask=mask, other=0.0)
             p = tl.math.exp2(tl.dot(q, tl.trans(kc)) * qk_scale - row_lse)
+            kc_blk += BLOCK_N * stride_cc
+            kc = tl.load(kc_blk + kc_tile, mask=((c0 + BLOCK_N + cols)[:, None] < hi_sel) & d_ok, other=0.0)
             importance = tl.sum(tl.reshape(p, [BLOCK_T, BLOCK_G, BLOCK_N]), 1)
             # NaN importance (a NaN query) never enters: only values >= 0 are candidates.
             is_cand = ((c0 + cols)[None, :] < own[:, None]) & (tok_t < t)[:, None]
@@ -242,7 +247,6 @@ def _nsa_cmp_kernel(
                 ids = tl.where(hit, (c0 + pick)[:, None], ids)
                 cand = tl.where(cols[None, :] == pick[:, None], float("-inf"), cand)
                 tau = tl.min(vals, 1)
-            kc_blk += BLOCK_N * stride_cc
         i_ptrs = IDX + b * stride_ib + tok_t.to(tl.int64)[:, None] * stride_it + hk * stride_ih + slots[None, :]
         tl.store(i_ptrs, ids, mask=(tok_t < t)[:, None] & (slots < block_count)[None, :])
 
