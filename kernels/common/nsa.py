@@ -17,16 +17,18 @@ A call launches four kernels, four roles of one tuned entry:
   Selection (when no block_indices are given) is a second pass of the same program over the same
   tiles once the rows' lse is known: p = exp(s - lse) again, summed over the group's heads (a reshape
   of the rows to [BLOCK_T, BLOCK_G] and a sum) is each token's importance of each block; each token
-  keeps its best `block_count` blocks in registers, the own block i // block_size in slot 0 with
-  +inf (forced, never replaced), empty slots at -1 (below every probability). Per tile, a token's
-  candidates are its blocks below the own one (the own partial block has no compressed probability);
-  the tile is merged by extracting its best candidate, row by row, as long as some row's best beats
-  that row's current minimum, which replaces it. The number of extractions is bounded by the most
-  candidates any row has above its minimum (at most block_count - 1): every block early in the
-  stream, a few per tile later (for importances in random order, about block_count * BLOCK_N / n
-  candidates beat the minimum after n blocks). Memory is O(t * block_count): the [t, n_cmp]
-  importance never exists outside registers. Slots fill in order, so the written ids are the own
-  block, the others in no particular order, then -1.
+  keeps its best `block_count` blocks in registers, the own block i // block_size in slot 0 (forced,
+  never replaced), empty slots below every probability. Per tile, a token's candidates are its blocks
+  below the own one (the own partial block has no compressed probability); the tile is merged by
+  extracting its best candidate, row by row, as long as some row's best beats that row's weakest kept
+  block, which it replaces. The extractions per tile are bounded by the most candidates any row has
+  above its weakest (at most block_count - 1): every block early in the stream, a few per tile later
+  (for importances in random order, about block_count * BLOCK_N / n candidates beat the weakest after
+  n blocks). A round is a chain of dependent reductions, bound by their latency, so values and
+  positions travel packed in int32 keys (the kernel says how): two reductions a round. Memory is
+  O(t * block_count): the [t, n_cmp] importance never exists outside registers. Slots fill in order,
+  so the written ids are the own block, the others in no particular order, then -1. Fused rather than
+  a kernel of its own: the second pass reuses the program's Q tile and its rows' lse in registers.
 - `swa` (`kernels.common.attention._attention_fwd_kernel` through `attention_forward`): the window
   branch is causal attention with a window of `window` keys including the query, the attention
   family's forward unchanged.
@@ -213,12 +215,18 @@ def _nsa_cmp_kernel(
         own = tok_t // block_size
         slots = tl.arange(0, BLOCK_S)
         cols = tl.arange(0, BLOCK_N)
-        # Slot 0: the own block (+inf: never replaced); 1 .. block_count - 1: empty (-1, below any
-        # probability); padding slots: +inf, never replaced, never written.
-        vals = tl.where((slots == 0) | (slots >= block_count), float("inf"), -1.0)
-        vals = tl.zeros([BLOCK_T, BLOCK_S], tl.float32) + vals[None, :]
+        # Importances travel as int32 keys: the bits of an fp32 sum of probabilities (>= 0, so its bits
+        # order as the values do) with the low bits replaced by a position, so one max gives a row's best
+        # candidate and its column, and one min its weakest kept slot and where it sits (a short chain
+        # of reductions per round: the merge is latency-bound). Values closer than 2^-17 relative count
+        # as ties (2^-16 and so on when block_count > BLOCK_N > 64).
+        LOW: tl.constexpr = BLOCK_N if BLOCK_N >= BLOCK_S else BLOCK_S
+        # Slot 0: the own block (the largest key: never the weakest); 1 .. block_count - 1: empty (a
+        # value part of -LOW, below every candidate's); padding slots: the largest key, never written.
+        keys = tl.where((slots == 0) | (slots >= block_count), 2147483647, slots - LOW)
+        keys = tl.zeros([BLOCK_T, BLOCK_S], tl.int32) + keys[None, :]
         ids = tl.where(slots[None, :] == 0, own[:, None], -1)
-        tau = tl.min(vals, 1)
+        weakest = tl.min(keys, 1)
         # Token i's candidates are the blocks below its own one, all of them visible to it.
         hi_sel = tl.where(block_count > 1, last // block_size, 0)
         row_lse = tl.where(row_ok, lse2, float("inf"))[:, None]
@@ -233,20 +241,18 @@ def _nsa_cmp_kernel(
             kc_blk += BLOCK_N * stride_cc
             kc = tl.load(kc_blk + kc_tile, mask=((c0 + BLOCK_N + cols)[:, None] < hi_sel) & d_ok, other=0.0)
             importance = tl.sum(tl.reshape(p, [BLOCK_T, BLOCK_G, BLOCK_N]), 1)
-            # NaN importance (a NaN query) never enters: only values >= 0 are candidates.
-            is_cand = ((c0 + cols)[None, :] < own[:, None]) & (tok_t < t)[:, None]
-            cand = tl.where(is_cand & (importance >= 0.0), importance, float("-inf"))
-            beats = tl.sum((cand > tau[:, None]).to(tl.int32), 1)
+            # NaN importance (a NaN query) never enters: only values >= 0 are candidates; -1 is none.
+            is_cand = ((c0 + cols)[None, :] < own[:, None]) & (tok_t < t)[:, None] & (importance >= 0.0)
+            cand = tl.where(is_cand, (importance.to(tl.int32, bitcast=True) & -LOW) | (LOW - 1 - cols[None, :]), -1)
+            beats = tl.sum(((cand & -LOW) > (weakest & -LOW)[:, None]).to(tl.int32), 1)
             rounds = tl.max(tl.minimum(beats, block_count - 1), 0)
             for _ in range(rounds):
                 best = tl.max(cand, 1)
-                pick = tl.min(tl.where(cand == best[:, None], cols[None, :], BLOCK_N), 1)
-                victim = tl.min(tl.where(vals == tau[:, None], slots[None, :], BLOCK_S), 1)
-                hit = (slots[None, :] == victim[:, None]) & (best > tau)[:, None]
-                vals = tl.where(hit, best[:, None], vals)
-                ids = tl.where(hit, (c0 + pick)[:, None], ids)
-                cand = tl.where(cols[None, :] == pick[:, None], float("-inf"), cand)
-                tau = tl.min(vals, 1)
+                hit = (slots[None, :] == (weakest & (LOW - 1))[:, None]) & ((best & -LOW) > (weakest & -LOW))[:, None]
+                keys = tl.where(hit, (best & -LOW)[:, None] | slots[None, :], keys)
+                ids = tl.where(hit, (c0 + LOW - 1 - (best & (LOW - 1)))[:, None], ids)
+                cand = tl.where(cand == best[:, None], -1, cand)
+                weakest = tl.min(keys, 1)
         i_ptrs = IDX + b * stride_ib + tok_t.to(tl.int64)[:, None] * stride_it + hk * stride_ih + slots[None, :]
         tl.store(i_ptrs, ids, mask=(tok_t < t)[:, None] & (slots < block_count)[None, :])
 
