@@ -36,7 +36,7 @@ class NSAGroupCentricNvidia(NSAGroupCentricBase, Variant):
     # full preset's key (d 128, group 16).
     spaces = {
         "compress": ConfigSpace(
-            blocks={"BLOCK_N": (8, 16, 32, 64)}, knobs={"num_warps": (2, 4, 8), "num_stages": (1, 2)},
+            blocks={"BLOCK_N": (16, 32)}, knobs={"num_warps": (4, 8), "num_stages": (1, 2)},
             defaults={"*": {"BLOCK_N": 16, "num_warps": 4, "num_stages": 2}},
             interpreter=INTERPRETER_TILES["compress"],
         ),
@@ -48,7 +48,7 @@ class NSAGroupCentricNvidia(NSAGroupCentricBase, Variant):
         ),
         "swa": replace(AttentionNvidia.spaces["fwd"], interpreter=INTERPRETER_TILES["swa"]),
         "slc": ConfigSpace(
-            blocks={"BLOCK_N": (16, 32, 64, 128)}, knobs={"num_warps": (2, 4, 8), "num_stages": (1, 2, 3, 4)},
+            blocks={"BLOCK_N": (16, 32, 64, 128)}, knobs={"num_warps": (2, 4, 8), "num_stages": (2, 3, 4)},
             defaults={"*": {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3}},
             interpreter=INTERPRETER_TILES["slc"],
         ),

@@ -62,7 +62,8 @@ def validate(
     Selected branch: query i's candidates are the blocks 0 .. i // block_size. Their importance is
     the compressed branch's softmax probability summed over the query heads of kv group g, with the
     query's own block forced to the top (it counts toward block_count). The top block_count candidates
-    (-1 where fewer exist; exact ties may break either way) are attended token by token, causally
+    (-1 where fewer exist; ties, and near ties within half precision's rounding, may break either way:
+    `output_error` leaves such rows out) are attended token by token, causally
     (j <= i), by every head of the group. Passed block_indices replace the selection: ids outside the
     candidates (negative, or past i // block_size) are invalid and masked, duplicates count with
     multiplicity, and a query with no valid id gets o_slc = 0.
