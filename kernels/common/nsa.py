@@ -436,12 +436,15 @@ def _run(args: dict, config: CallConfig, parts: bool) -> NSAForward:
     lse_slc = torch.empty((b, h_q, t), dtype=torch.float32, device=q.device) if parts else None
     slc = config["slc"]
     block_n = slc.blocks["BLOCK_N"]
-    block_b = min(block_n, next_pow2(block_size))
+    span = min(block_size, t)  # the keys a block can hold here
+    block_b = min(block_n, next_pow2(span))
     gates = [args[name] for name in ("g_cmp", "g_slc", "g_swa")]
-    # o_cmp, o_swa (the attention family allocates it like q), out and o_slc share one layout.
+    # o_cmp, o_swa, out and o_slc share one layout (the attention family allocates o_swa like q).
+    if o_swa.stride() != out.stride():
+        o_swa = o_swa.contiguous()
     _nsa_slc_kernel[(t, h_kv, b)](
         q, k, v, blocks, o_cmp, o_swa, *gates, out, o_slc if parts else out, lse_slc if parts else out,
-        t, group, block_size, block_count, cdiv(block_size, block_b), qk_scale,
+        t, group, block_size, block_count, cdiv(span, block_b), qk_scale,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *blocks.stride()[:3], *out.stride()[:3],
         *(s for g in gates for s in g.stride()[:2]), *(lse_slc.stride()[:2] if parts else (0, 0)),
         STORE_PARTS=parts, ROWS_I32=rows_fit_int32(k, v), HEAD_DIM=d, BLOCK_D=block_d, BLOCK_H=slc_heads(group),
