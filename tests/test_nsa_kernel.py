@@ -124,7 +124,7 @@ def _case(spec: dict, seed: int, device) -> dict:
 
 # name -> (shape, vendors on the CPU, role configs replacing the interpreter's defaults)
 CASES = {
-    "t45-group4-window-gt-t": (dict(b=1, t=45, h_q=8, h_kv=2, d=32, block_size=8, block_count=3, window=64),
+    "t29-group4-window-gt-t": (dict(b=1, t=29, h_q=8, h_kv=2, d=32, block_size=8, block_count=3, window=64),
                                ("nvidia", "amd"), {}),
     "t5-shorter-than-a-block": (dict(b=2, t=5, h_q=4, h_kv=1, d=16, block_size=8, block_count=2, window=3),
                                 ("amd",), {}),
@@ -136,7 +136,7 @@ CASES = {
                {"slc": {"BLOCK_N": 32}}),
     "block24-in-two-key-tiles": (dict(b=1, t=60, h_q=4, h_kv=1, d=16, block_size=24, block_count=2, window=10),
                                  ("amd",), {"slc": {"BLOCK_N": 16}}),
-    "48-blocks-three-tiles": (dict(b=1, t=96, h_q=4, h_kv=1, d=16, block_size=2, block_count=6, window=4),
+    "36-blocks-three-tiles": (dict(b=1, t=72, h_q=4, h_kv=1, d=16, block_size=2, block_count=6, window=4),
                               ("nvidia",), {}),
     "given-ids-invalid-duplicates": (dict(b=1, t=26, h_q=8, h_kv=2, d=16, block_size=4, block_count=6, window=5,
                                           blocks=True), ("nvidia", "amd"), {}),
