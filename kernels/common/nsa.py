@@ -35,9 +35,11 @@ A call launches four kernels, four roles of one tuned entry:
 - `slc` (`_nsa_slc_kernel`): the selected branch, group-centric (NSA's kernel): one program per
   (token, kv head, sequence) whose rows are the G heads of the group (padded to 16, tl.dot's
   smallest M); it walks the token's block_count ids, loads each valid block's keys [blk * bs,
-  blk * bs + bs) once for all its heads and folds them into an online softmax, causally (j <= i).
-  Ids outside 0 .. i // block_size are skipped without a load (their rows of the address are never
-  formed: the block is clamped to 0 and every lane masked); duplicates are attended twice. Its
+  blk * bs + bs) once for all its heads and folds them into an online softmax, causally (j <= i), in
+  steps of BLOCK_N keys (several blocks a step when blocks are short, several steps a block when they
+  are long). The ids are read once, before the loop, so that the K/V loads do not depend on a load
+  inside it and pipeline. Ids outside 0 .. i // block_size read nothing (the block is clamped to 0
+  for the address and every lane masked); duplicates are attended twice. Its
   epilogue is the gated sum: it reads o_cmp and o_swa (kept by the two kernels before it) and the
   three gates in their dtypes, and writes out = g_cmp * o_cmp + g_slc * o_slc + g_swa * o_swa in
   fp32 (stored in q's dtype); o_slc and lse_slc are stored only when the parts are asked for
@@ -50,8 +52,9 @@ are in benchmarks/NOTES.md ("nsa"): the selected branch reads 16 blocks of 64 ke
 inputs), and is bound by that; the grid runs tokens fastest within a kv head so that the K/V of one
 kv head (32 MiB) is what the L2 holds.
 
-Offsets: batch, token and block bases are int64 scalars (a [b, t, h, d] tensor can pass 2^31
-elements); offsets inside a tile stay int32.
+Offsets: batch, token and block bases are int64 (a [b, t, h, d] tensor can pass 2^31 elements);
+offsets inside a tile stay int32, and so do the selected branch's key rows when the launcher proves
+they fit (`rows_fit_int32`).
 
 Reads top-down: kernels, launchers (`nsa_forward`, `nsa_forward_parts`), offline compile specs, the
 variant's logic. Semantics: `registry.ops.nsa.reference` (docs/op-contracts.md).
@@ -553,7 +556,7 @@ class NSAGroupCentricBase:
         smallest = {n: min(v) for n, v in self.spaces[role].block_values(device).items()}
         # A tile longer than what it covers only computes masked rows or keys, unless no smaller
         # tile exists to take its place.
-        spans = {"slc": {"BLOCK_N": next_pow2(key["block_size"])},
+        spans = {"slc": {"BLOCK_N": next_pow2(key["block_size"]) * next_pow2(key["block_count"])},
                  "compress": {"BLOCK_N": next_pow2(key["block_size"])},
                  "swa": {"BLOCK_M": key["t"], "BLOCK_N": key["t"]},
                  "cmp": {"BLOCK_N": max(1, key["t"] // key["block_size"])}}[role]
@@ -579,7 +582,8 @@ class NSAGroupCentricBase:
         rows = self.WINDOW.HEAD_DIM_DEFAULTS.get("fwd", ()) if role == "swa" else self.HEAD_DIM_DEFAULTS.get(role, ())
         fields.update(next((row for d_max, row in rows if key["d"] <= d_max), {}))
         smallest = {n: min(v) for n, v in space.block_values(device).items()}
-        # No tile longer than what it covers (down to the space's smallest).
+        # No tile longer than what it covers (down to the space's smallest); a selected-branch step
+        # spans at most one block by default (several are the sweep's to try).
         if role in ("slc", "compress"):
             fields["BLOCK_N"] = max(min(fields["BLOCK_N"], next_pow2(key["block_size"])), smallest["BLOCK_N"])
         if role == "swa":

@@ -1,8 +1,8 @@
 """nsa on NVIDIA Hopper (H100/H200): the shared NSA kernels (kernels/common/nsa.py) with NVIDIA's config
 spaces; the window role takes flash_attention's NVIDIA forward space and head-dim rules unchanged.
 
-The compressed branch is a FlashAttention forward whose rows are tokens x the GQA group's heads: 8
-warps are two warpgroups of 64 rows (wgmma's M), so 8 warps want 128 rows (`two_warpgroups`). Its
+The compressed branch is a FlashAttention forward whose rows are tokens x the GQA group's heads, a
+warpgroup (4 warps) per 64 rows (wgmma's M; `a_warpgroup_per_64_rows`). Its
 second pass (the selection) streams the compressed keys again, so its shared memory holds three
 streamed tiles per stage. The selected branch has only the group's heads as rows (16 at the target,
 an mma.sync tile, not a wgmma one); what decides its speed is the K and V bytes in flight per SM from
@@ -20,12 +20,13 @@ from tuning.space import ConfigSpace
 from tuning_db.records import LaunchConfig
 
 
-def two_warpgroups(config: LaunchConfig, key: dict) -> bool:
-    """Keep: 8 warps are two warpgroups of 64 rows each; with fewer than 128 rows (tokens x the group's
-    heads, padded) they only split the other dimension."""
+def a_warpgroup_per_64_rows(config: LaunchConfig, key: dict) -> bool:
+    """Keep: a warpgroup (4 warps) per 64 rows (tokens x the group's heads, padded): 8 warps with fewer
+    than 128 rows only split the other dimension, 4 warps with 128 rows hold a 128 x d fp32 accumulator
+    and spill at d 128 (sm_90 compiles)."""
     group = key["h_q"] // key["h_kv"]
     rows = cmp_tokens(config.blocks["BLOCK_M"], group) * next_pow2(group)
-    return not (config.num_warps == 8 and rows < 128)
+    return rows >= 16 * config.num_warps and (config.num_warps == 8 or rows <= 64 or key["d"] <= 64)
 
 
 @register
@@ -42,7 +43,7 @@ class NSAGroupCentricNvidia(NSAGroupCentricBase, Variant):
         ),
         "cmp": ConfigSpace(
             blocks={"BLOCK_M": (64, 128), "BLOCK_N": (32, 64, 128)},
-            knobs={"num_warps": (4, 8), "num_stages": (1, 2, 3)}, keep=two_warpgroups,
+            knobs={"num_warps": (4, 8), "num_stages": (1, 2, 3)}, keep=a_warpgroup_per_64_rows,
             defaults={"*": {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2}},
             interpreter=INTERPRETER_TILES["cmp"],
         ),
