@@ -75,4 +75,4 @@ class NSAGroupCentricAmd(NSAGroupCentricBase, Variant):
         if role == "slc":
             return 2 * block_d * max(slc_heads(group), stages * blocks["BLOCK_N"])
         rows = cmp_tokens(blocks["BLOCK_M"], group) * next_pow2(group)
-        return 2 * block_d * max(rows, stages * blocks["BLOCK_N"]) + 4 * rows * blocks["BLOCK_N"]
+        return 2 * block_d * max(rows, stages * blocks["BLOCK_N"])

@@ -60,13 +60,14 @@ class NSAGroupCentricNvidia(NSAGroupCentricBase, Variant):
     }
 
     def shared_bytes(self, role: str, config: LaunchConfig, key: dict) -> int:
-        """Resident tiles plus `num_stages` buffers of each streamed one (bf16/fp16 elements)."""
+        """Resident Q plus the streamed K/V buffers (bf16/fp16), as sm_90 compiles at d 128 show: the
+        compressed branch holds num_stages buffers of K and V (its selection pass and the head sum
+        reuse them), the selected branch num_stages - 1 (its first stage goes to the hoisted ids)."""
         blocks, stages, block_d = config.blocks, config.num_stages, dot_block(key["d"])
         group = key["h_q"] // key["h_kv"]
         if role == "compress":
             return 2 * block_d * 2 * stages * blocks["BLOCK_N"] if stages > 1 else 0
         if role == "slc":
-            return 2 * block_d * (slc_heads(group) + 2 * stages * blocks["BLOCK_N"])
+            return 2 * block_d * (slc_heads(group) + 2 * max(stages - 1, 1) * blocks["BLOCK_N"])
         rows = cmp_tokens(blocks["BLOCK_M"], group) * next_pow2(group)
-        # Q, K and V of the first pass and K of the second, plus the selection's row-to-token sum.
-        return 2 * block_d * (rows + 3 * stages * blocks["BLOCK_N"]) + 4 * rows * blocks["BLOCK_N"]
+        return 2 * block_d * (rows + 2 * stages * blocks["BLOCK_N"])
