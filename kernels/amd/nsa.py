@@ -62,7 +62,7 @@ class NSAGroupCentricAmd(NSAGroupCentricBase, Variant):
         ),
     }
     HEAD_DIM_DEFAULTS = {
-        "cmp": ((128, {}), (256, {"BLOCK_M": 64, "num_warps": 4})),
+        "cmp": ((128, {}), (256, {"BLOCK_M": 64, "num_warps": 4, "waves_per_eu": 1})),
         "slc": ((128, {}), (256, {"BLOCK_N": 32})),
     }
 
