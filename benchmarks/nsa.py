@@ -152,9 +152,9 @@ def notes() -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m benchmarks.nsa --configs '{"slc": [{"BLOCK_N": 64, "num_warps": 4, "num_stages": 3}]}'
-    [--shape 0,3]`: explore configs (benchmarks.common.explore; each row names every kernel's time) at
-    this module's shapes."""
+    """`python -m benchmarks.nsa --configs '{"slc": [{"blocks": {"BLOCK_N": 128}, "num_warps": 8,
+    "num_stages": 3}]}' [--shape 0,3]`: explore configs (benchmarks.common.explore; each row names
+    every kernel's time) at this module's shapes."""
     return explore_main("python -m benchmarks.nsa", OP, _shapes(), _name, "TFLOP/s", argv)
 
 
