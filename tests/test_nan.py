@@ -162,9 +162,28 @@ def _gsa_sparse_attention_cases():
         yield {**kw, "k": _poisoned(kw["k"], (0, 0, 0, 1))}, True
 
 
+def _nsa_cases():
+    op = OPS["nsa"]
+    for preset in range(len(op.presets["tiny"])):
+        kw = op.make_inputs(op.presets["tiny"][preset], device=DEVICE, dtype=DTYPE, seed=3)
+        # Three poisons that each reach few rows, on different rows, in one call: a query element (its
+        # (token, head) in every branch, no other row: its group's selection at that token ignores the
+        # NaN importance in the kernel, picks among NaNs in the reference, finite either way); a gate
+        # (its own (token, head)); the last key (the last query only: its own block, its window, and the
+        # compressed block it completes, if it does).
+        local = {"q": _poisoned(kw["q"], (0, 4, 1, 2)), "g_slc": _poisoned(kw["g_slc"], (0, 2, 3)),
+                 "k": _poisoned(kw["k"], (0, -1, 0, 1))}
+        yield {**kw, **local}, True
+        # Key 0: the first compressed block (every query past it) and the own block and window of the
+        # first queries, so every row of its kv group. Not a value element: the reference multiplies
+        # dense probabilities (0 where not attended) by every value row, so a NaN value reaches rows that
+        # never attend it there (the gap gsa_sparse_attention's reference has too).
+        yield {**kw, "k": _poisoned(kw["k"], (0, 0, 0, 1))}, True
+
+
 CASES = {"flash_attention": _flash_cases, "sink_attention": _sink_cases, "decode": _decode_cases,
          "sparse_mla": _sparse_mla_cases, "gsa_indexer": _gsa_indexer_cases,
-         "gsa_sparse_attention": _gsa_sparse_attention_cases}
+         "gsa_sparse_attention": _gsa_sparse_attention_cases, "nsa": _nsa_cases}
 # Ops with kernels whose outputs cannot hold NaN.
 NO_FLOAT_OUTPUT = {"gsa_topk": "int32 indices (NaN scores only change which keys it selects)"}
 

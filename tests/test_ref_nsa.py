@@ -263,9 +263,10 @@ def test_make_inputs(shape):
 
 
 def test_presets_and_reduce_shape():
-    (full,) = OP.presets["full"]
+    full, short = OP.presets["full"]  # the target, and t 8192 (where it must not lose to dense attention)
     assert full == {"b": 1, "t": 65536, "h_q": 64, "h_kv": 4, "d": 128, "block_size": 64, "block_count": 16,
                     "window": 512}
+    assert short == {**full, "t": 8192}
     assert OP.reduce_shape(full) == {**full, "t": 2048}
     assert not OP.differentiable and OP.outputs == ("out",)
 

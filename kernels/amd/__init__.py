@@ -6,6 +6,7 @@ from kernels.amd import (  # noqa: F401
     gsa_indexer,
     gsa_sparse_attention,
     gsa_topk,
+    nsa,
     sink_attention,
     sparse_mla,
 )

@@ -1,0 +1,78 @@
+"""nsa on AMD CDNA3/CDNA4 (MI300X gfx942, MI355X gfx950): the shared NSA kernels (kernels/common/nsa.py)
+with AMD's config spaces and knobs; the window role takes flash_attention's AMD forward space and
+head-dim rules unchanged.
+
+A wavefront is 64 lanes and owns rows / num_warps rows of the compressed branch's products (at least
+16; 32 for the 32x32 MFMA, `rows_per_wavefront`). The selected branch has 16 rows at the target (the
+group's heads), one 16x16 MFMA tile: matrix_instr_nonkdim 16 only. Two GEMMs in one loop, so
+num_stages 1 or 2, LDS (64 KiB on gfx942, 160 KiB on gfx950) holding about one operand tile set at a
+time; waves_per_eu trades registers for waves in flight that hide the L2 reads of the selected blocks.
+kpack 2 exists on gfx942 only.
+"""
+
+from dataclasses import replace
+
+from kernels.amd.flash_attention import AttentionAmd
+from kernels.base import Variant
+from kernels.common.nsa import INTERPRETER_TILES, NSAGroupCentricBase, cmp_tokens, slc_heads
+from kernels.common.tiles import dot_block, next_pow2
+from registry.catalog import register
+from tuning.space import ConfigSpace
+from tuning_db.records import LaunchConfig
+
+_KNOBS = {"num_warps": (4, 8), "num_stages": (1, 2), "waves_per_eu": (0, 1, 2), "matrix_instr_nonkdim": (16, 32),
+          "kpack": (1,)}
+_DEFAULT_KNOBS = {"waves_per_eu": 2, "matrix_instr_nonkdim": 16, "kpack": 1}
+
+
+def rows_per_wavefront(config: LaunchConfig, key: dict) -> bool:
+    """Keep: each wavefront owns rows / num_warps rows of the compressed branch's products (tokens x
+    the group's heads, padded): at least 16, and at least 32 for the 32x32 MFMA."""
+    group = key["h_q"] // key["h_kv"]
+    per_wave = cmp_tokens(config.blocks["BLOCK_M"], group) * next_pow2(group) // config.num_warps
+    return per_wave >= 16 and (config.matrix_instr_nonkdim != 32 or per_wave >= 32)
+
+
+@register
+class NSAGroupCentricAmd(NSAGroupCentricBase, Variant):
+    vendor = "amd"
+    WINDOW = AttentionAmd()
+    # Untimed (no AMD GPU here); the defaults compile without spills for gfx942 and gfx950 at the full
+    # preset's key (d 128, group 16).
+    spaces = {
+        "compress": ConfigSpace(
+            blocks={"BLOCK_N": (8, 16, 32, 64)},
+            knobs={"num_warps": (2, 4, 8), "num_stages": (1,), "waves_per_eu": (0, 1, 2)},
+            defaults={"*": {"BLOCK_N": 16, "num_warps": 4, "num_stages": 1, "waves_per_eu": 0}},
+            interpreter=INTERPRETER_TILES["compress"],
+        ),
+        "cmp": ConfigSpace(
+            blocks={"BLOCK_M": (64, 128), "BLOCK_N": (32, 64)}, knobs=_KNOBS, arch={"gfx942": {"kpack": (1, 2)}},
+            keep=rows_per_wavefront,
+            defaults={"*": {"BLOCK_M": 128, "BLOCK_N": 32, "num_warps": 8, "num_stages": 1, **_DEFAULT_KNOBS}},
+            interpreter=INTERPRETER_TILES["cmp"],
+        ),
+        "swa": replace(AttentionAmd.spaces["fwd"], interpreter=INTERPRETER_TILES["swa"]),
+        "slc": ConfigSpace(
+            blocks={"BLOCK_N": (16, 32, 64, 128)},
+            knobs={**_KNOBS, "num_warps": (2, 4, 8), "matrix_instr_nonkdim": (16,)},
+            arch={"gfx942": {"kpack": (1, 2)}},
+            defaults={"*": {"BLOCK_N": 64, "num_warps": 4, "num_stages": 1, **_DEFAULT_KNOBS}},
+            interpreter=INTERPRETER_TILES["slc"],
+        ),
+    }
+    HEAD_DIM_DEFAULTS = {
+        "cmp": ((128, {}), (256, {"BLOCK_M": 64, "num_warps": 4, "waves_per_eu": 1})),
+        "slc": ((128, {}), (256, {"BLOCK_N": 32})),
+    }
+
+    def shared_bytes(self, role: str, config: LaunchConfig, key: dict) -> int:
+        """LDS holds about one operand tile set at a time (as the attention family's compiles show)."""
+        blocks, stages, block_d = config.blocks, config.num_stages, dot_block(key["d"])
+        group = key["h_q"] // key["h_kv"]
+        if role == "compress":
+            return 0
+        if role == "slc":
+            return 2 * block_d * max(slc_heads(group), stages * blocks["BLOCK_N"])
+        rows = cmp_tokens(blocks["BLOCK_M"], group) * next_pow2(group)
+        return 2 * block_d * max(rows, stages * blocks["BLOCK_N"])
