@@ -6,10 +6,15 @@ rows once and reuses it for all of them, both as keys (all d_qk dims: the d_v "v
 rope tail) and as values (the first d_v dims). Q is loaded once, outside the top-k loop. A program with
 too few heads re-gathers the same rows many times; the config spaces therefore offer BLOCK_H up to 128.
 
-The backward runs in two passes per chunk of queries: the dq pass (the forward's program layout)
-recomputes P and dS tile by tile, accumulates dQ and hands dS and P to the dkv pass through a 16-bit
-workspace; the dkv pass owns one top-k tile of one query and sums dS^T Q + P^T dO over all heads
-before one fp32 atomic add per selected row.
+The backward starts with a small pre pass (Delta = rowsum(dO * O), the shift of P, the sink's
+per-query terms). By default one fused pass follows, in the forward's program layout: per top-k tile it
+recomputes P, computes dP and dS, accumulates dQ in registers and adds the tile's dKV rows (both the
+key role through Q and the value role through dO, summed over the program's heads) to an fp32 dkv with
+atomics, so every gathered tile is read once for all of it. With `deterministic` (no atomics, the same
+bits every run) three passes run per chunk of queries instead: the dq pass (dQ, and dS and P into a
+16-bit workspace), the dkv pass (one top-k tile of one query, dS^T Q + P^T dO over all heads, each
+row's sum into an fp32 workspace) and the sum pass (each kv row adds its workspace rows in a fixed
+order).
 
 Reads top-down: forward kernel, backward kernels, launchers, the autograd Function, compile specs.
 Semantics: `registry.ops.sparse_mla.reference` (docs/op-contracts.md).
@@ -439,7 +444,7 @@ def _sparse_mla_bwd_dkv_kernel(
     stride_pb, stride_ps, stride_pg, stride_pt,
     stride_wb, stride_ws, stride_wg, stride_wt,
     D_V: tl.constexpr, D_TAIL: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DT: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_TOPK: tl.constexpr, HAS_TOPK_LEN: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_TOPK: tl.constexpr, HAS_TOPK_LEN: tl.constexpr, ROWS_I32: tl.constexpr,
 ):
     """Deterministic backward, second pass. One program: the dKV contribution of one top-k tile of one
     query.
@@ -449,8 +454,8 @@ def _sparse_mla_bwd_dkv_kernel(
     value dims and dO are stacked into one [2 * BLOCK_H, d_v] tile against [dS^T | P^T], so one dot
     does both (two accumulating dots in a row would get two layouts for the accumulator from Triton,
     and a conversion between them every step). Each valid slot's row is stored (fp32) at its own place
-    of the workspace WS [b, s_q, h_kv, topk, d_qk]; the sum pass adds them into dkv in a fixed order.
-    Nothing is gathered: no kv read at all.
+    of the workspace WS [b, s_q, h_kv, topk, d_qk] (ROWS_I32: a query's topk rows are addressed in
+    int32); the sum pass adds them into dkv in a fixed order. Nothing is gathered: no kv read at all.
     """
     t = tl.program_id(0)
     g = tl.program_id(1) // topk_tiles
@@ -498,7 +503,7 @@ def _sparse_mla_bwd_dkv_kernel(
                 dkv_tail = tl.dot(ds_t, q_tail, dkv_tail)
 
         ws_row = WS + b * stride_wb + t.to(tl.int64) * stride_ws + g.to(tl.int64) * stride_wg
-        ws_row += slots[:, None].to(tl.int64) * stride_wt
+        ws_row += _row_offsets(slots, valid, stride_wt, ROWS_I32)[:, None]
         tl.store(ws_row + offs_dv[None, :], dkv_main, mask=valid[:, None] & (offs_dv[None, :] < D_V))
         if D_TAIL > 0:
             tl.store(ws_row + D_V + offs_dt[None, :], dkv_tail, mask=valid[:, None] & (offs_dt[None, :] < D_TAIL))
@@ -696,7 +701,7 @@ def _deterministic_passes(q, kv, indices, sm_scale, topk_length, dout, delta, sh
                 s_kv, topk, heads_per_group, topk_tiles,
                 *_strides(q_c, 3), *_strides(idx_c, 3), *_strides(len_c, 2), *_strides(dout, 3), *_strides(pds, 4),
                 *_strides(ws_c, 4),
-                **dims, **dkv_blocks, **config["bwd_dkv"].knobs(),
+                **dims, ROWS_I32=topk * d_qk < 2**31, **dkv_blocks, **config["bwd_dkv"].knobs(),
             )
         with nvtx_range("sparse_mla/bwd_sum_kernel"):
             _sparse_mla_bwd_sum_kernel[(rows, cdiv(d_qk, sum_blocks["BLOCK_D"]))](

@@ -81,9 +81,10 @@ class SparseMLAHeadBlockNvidia(SparseMLAHeadBlockBase, Variant):
             interpreter=INTERPRETER_FWD,
         ),
         # The default backward: a small pre pass (Delta, shift, sink terms), then the fused pass. Its
-        # default is the widest tile that compiles at the V3.2 dims for sm_90 with no spill and fits in
-        # shared memory: [Q; dO] of 64 heads (144 KB) stays resident beside two stages of 16-slot
-        # gathers; 32-slot tiles fit only at one stage (or overflow shared memory at two: 242 KB).
+        # default is the widest tile that compiles at every V3.2 preset key for sm_90 with no spill and
+        # fits in shared memory: [Q; dO] of 64 heads (136 KB) and Q's tail stay resident beside the
+        # pipelined 16-slot gathers (190 KB); it runs at 255 registers, and 2 stages spill 8 B at
+        # h_q 64. 32-slot tiles spill at one stage and overflow shared memory at two (242 KB).
         "bwd_pre": ConfigSpace(
             blocks={"BLOCK_H": (16, 32)},
             knobs={"num_warps": (4,)},
@@ -93,9 +94,9 @@ class SparseMLAHeadBlockNvidia(SparseMLAHeadBlockBase, Variant):
         ),
         "bwd_fused": ConfigSpace(
             blocks={"BLOCK_H": (16, 32, 64), "BLOCK_TOPK": (16, 32), "D_SPLIT": (2, 4)},
-            knobs={"num_warps": (4, 8), "num_stages": (1, 2)},
+            knobs={"num_warps": (4, 8), "num_stages": (1, 2, 3)},
             keep=heads_fit_group,
-            defaults={"*": {"BLOCK_H": 64, "BLOCK_TOPK": 16, "D_SPLIT": 4, "num_warps": 8, "num_stages": 2}},
+            defaults={"*": {"BLOCK_H": 64, "BLOCK_TOPK": 16, "D_SPLIT": 4, "num_warps": 8, "num_stages": 3}},
             interpreter=INTERPRETER_FUSED,
         ),
         # The deterministic backward's dq and dkv passes: the fastest spill-free pair measured on the
