@@ -42,7 +42,8 @@ class SparseMLAHeadBlockAmd(SparseMLAHeadBlockBase, Variant):
             interpreter=INTERPRETER_FWD,
         ),
         # The default backward: the pre pass, then the fused pass. With 8 warps (256 VGPRs per lane)
-        # every fused tile spills; at 4 warps 32 heads x 32 slots fits on both targets (64 heads spill).
+        # every fused tile spills, so the space keeps 4; there 32 heads x 32 slots fits on both targets
+        # (64 heads spill). Its dkv atomics are scalar global_atomic_add_f32 (no vector f32 atomics).
         "bwd_pre": ConfigSpace(
             blocks={"BLOCK_H": (16, 32)},
             knobs={"num_warps": (4,)},
@@ -52,7 +53,7 @@ class SparseMLAHeadBlockAmd(SparseMLAHeadBlockBase, Variant):
         ),
         "bwd_fused": ConfigSpace(
             blocks={"BLOCK_H": (16, 32, 64), "BLOCK_TOPK": (16, 32), "D_SPLIT": (2, 4)},
-            knobs={"num_warps": (4, 8), "num_stages": (1,), "waves_per_eu": (0, 1), "matrix_instr_nonkdim": (16,),
+            knobs={"num_warps": (4,), "num_stages": (1,), "waves_per_eu": (0, 1), "matrix_instr_nonkdim": (16,),
                    "kpack": (1,)},
             keep=heads_fit_group,
             defaults={"*": {"BLOCK_H": 32, "BLOCK_TOPK": 32, "D_SPLIT": 4, "num_warps": 4, "num_stages": 1, **_KNOBS}},
