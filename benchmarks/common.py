@@ -168,7 +168,8 @@ def explore(op, shape: dict, configs: dict[str, list[dict]], *, name: str, unit:
     """Time explicit configs of one variant (default: this GPU's highest-priority one for the shape) at
     one shape, each checked on the op's reduced shape first: for each role, its configs (LaunchConfig
     fields as dicts) in place of the default's. Forward roles are timed on the call, backward roles on
-    the backward alone; each row's provider names the config and the time of each kernel it ran.
+    the backward alone, each with the role's `Variant.role_arguments` (as a sweep runs it); each row's
+    provider names the config and the time of each kernel it ran.
     `unit` "TFLOP/s" counts the op's FLOPs (backward 2.5x), "TB/s" its bytes. Tuned tables are not
     involved."""
     from registry.device import detect
@@ -184,7 +185,9 @@ def explore(op, shape: dict, configs: dict[str, list[dict]], *, name: str, unit:
     out = []
     for role, fields in ((role, f) for role, listed in configs.items() for f in listed):
         call_config = default.replace(role, LaunchConfig(**fields))
-        call = lambda a, c=call_config: variant.launch(a, c)  # noqa: E731
+        # Run as the sweep does: with the role's own arguments (Variant.role_arguments).
+        extra = variant.role_arguments.get(role, {})
+        call = lambda a, c=call_config, e=extra: variant.launch({**a, **e}, c)  # noqa: E731
         label = f"{variant.name} {role} {describe(call_config[role])}"
         if role.startswith("bwd"):
             err = checked_backward(op, small, call)

@@ -64,6 +64,9 @@ class Variant:
     # Gluon kernels (and anything else the Triton interpreter cannot run) say False: such a variant is
     # tested on its GPU and compiled offline in CI.
     runs_in_interpreter: ClassVar[bool] = True
+    # Arguments a role's sweep trials add to the key's inputs: a role that only some calls launch
+    # (sparse_mla's deterministic backward, under deterministic=True) is gated and timed on such calls.
+    role_arguments: ClassVar[Mapping[str, Mapping[str, Any]]] = {}
 
     @property
     def roles(self) -> tuple[str, ...]:

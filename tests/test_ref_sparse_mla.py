@@ -12,8 +12,9 @@ from registry.testing import TOLERANCE, assert_close
 INVALID = (-1, -7, None, 2**31 - 1)  # None stands for s_kv, the first index past the end
 
 
-def brute(q, kv, indices, sm_scale, d_v, attn_sink=None, topk_length=None):
-    """One (batch, query, head) at a time in float64, over the valid slots with multiplicity."""
+def brute(q, kv, indices, sm_scale, d_v, attn_sink=None, topk_length=None, deterministic=False):
+    """One (batch, query, head) at a time in float64, over the valid slots with multiplicity
+    (`deterministic` only concerns backward kernels)."""
     batched = q.dim() == 4
     if not batched:
         q, kv, indices = q[None], kv[None], indices[None]
@@ -234,6 +235,7 @@ BAD = {
     "lengths_dtype": (lambda a: {**a, "topk_length": a["topk_length"].long()}, TypeError, "^topk_length:"),
     "lengths_shape": (lambda a: {**a, "topk_length": a["topk_length"][0]}, ValueError, "^topk_length:"),
     "kv_device": (lambda a: {**a, "kv": a["kv"].to("meta")}, ValueError, "^kv:"),
+    "deterministic_int": (lambda a: {**a, "deterministic": 1}, TypeError, "^deterministic:"),
 }
 
 
@@ -248,7 +250,8 @@ def test_validate_resolves_defaults():
     indices = torch.zeros(3, 1, 4, dtype=torch.int32)
     v = validate(q, kv, indices)
     assert v == {"q": q, "kv": kv, "indices": indices, "sm_scale": 576**-0.5, "d_v": 512,
-                 "attn_sink": None, "topk_length": None}
+                 "attn_sink": None, "topk_length": None, "deterministic": False}
+    assert validate(q, kv, indices, deterministic=True)["deterministic"] is True
     with pytest.raises(ValueError, match="^d_v:"):  # the default d_v = 512 exceeds d_qk = 64
         validate(q[..., :64], kv[..., :64], indices)
 

@@ -105,26 +105,58 @@ def test_topk_length_zero_and_over_topk(variant, device):
     assert_close(out, reference(**args), TOL)
 
 
-@pytest.mark.parametrize("shape", [SHAPES["hkv2-sink-len"], SHAPES["batched"],
-                                   dict(s_q=2, s_kv=70, h_q=16, h_kv=1, d_qk=576, d_v=512, topk=40),
-                                   # 40 heads: several dq head blocks and dkv head chunks, the last partial.
-                                   dict(s_q=3, s_kv=90, h_q=40, h_kv=1, d_qk=96, d_v=64, topk=70)],
-                         ids=["hkv2-sink-len", "batched", "d576", "h40"])
-def test_backward_matches_reference_autograd(variant, device, shape):
-    args = _inputs(device, seed=6, **shape)
-    config = _configs(variant, args)[0]
+def _assert_gradients_match(variant, args, config, seed=7):
+    """dq, dkv (and d attn_sink) of the variant's backward against the reference's fp32 autograd."""
     leaves = {"q": args["q"], "kv": args["kv"]}
     if args["attn_sink"] is not None:
         leaves["attn_sink"] = args["attn_sink"]
     ours = {n: t.detach().clone().requires_grad_() for n, t in leaves.items()}
     theirs = {n: t.detach().float().requires_grad_() for n, t in leaves.items()}
     out = variant.launch({**args, **ours}, config).out
-    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(7)).to(device, out.dtype)
+    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed)).to(out.device, out.dtype)
     got = torch.autograd.grad(out, list(ours.values()), grad_out)
     ref_out = reference(**{**args, **theirs}).out
     want = torch.autograd.grad(ref_out, list(theirs.values()), grad_out.float())
     for name, g, w in zip(ours, got, want, strict=True):
-        assert_close(g.float(), w, 2 * TOL, what=f"d{name}")
+        assert torch.isfinite(g).all(), f"d{name}"
+        assert_close(g.float(), w, 2 * TOL, what=f"d{name} (deterministic={args['deterministic']})")
+
+
+@pytest.mark.parametrize("shape", [SHAPES["hkv2-sink-len"], SHAPES["batched"],
+                                   dict(s_q=2, s_kv=70, h_q=16, h_kv=1, d_qk=576, d_v=512, topk=40),
+                                   # 40 heads: several head blocks and dkv head chunks, the last partial.
+                                   dict(s_q=3, s_kv=90, h_q=40, h_kv=1, d_qk=96, d_v=64, topk=70),
+                                   dict(s_q=2, s_kv=50, h_q=64, h_kv=1, d_qk=96, d_v=64, topk=40)],
+                         ids=["hkv2-sink-len", "batched", "d576", "h40", "h64"])
+def test_backward_matches_reference_autograd(variant, device, shape):
+    """The default backward (pre pass, fused pass) on every group size and layout."""
+    args = _inputs(device, seed=6, **shape)
+    _assert_gradients_match(variant, args, _configs(variant, args)[0])
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["fused", "deterministic"])
+def test_backward_with_hostile_indices(variant, device, deterministic):
+    """Both backward paths with every kind of invalid index, duplicates, an all-invalid row, rows cut by
+    topk_length (0, and past topk), a sink and two kv groups."""
+    args = _inputs(device, seed=13, s_q=5, s_kv=30, h_q=32, h_kv=2, d_qk=96, d_v=64, topk=24, sink=True)
+    idx = args["indices"].clone()
+    idx[0, :, :8] = torch.tensor([-1, -7, 30, 2**31 - 1, 3, 3, 3, 29], dtype=torch.int32)
+    idx[1, 1, :] = -1  # one group of row 1 selects nothing
+    idx[2, :, :] = 5  # every slot of row 2 selects the same row
+    args["indices"] = idx.to(device)
+    args["topk_length"] = torch.tensor([24, 20, 1000, 0, 7], dtype=torch.int32, device=device)
+    args["deterministic"] = deterministic
+    _assert_gradients_match(variant, args, _configs(variant, args)[0])
+
+
+def test_backward_with_large_and_infinite_sinks(variant, device):
+    """Sinks of +-inf and +-1e4 (one per head) and an empty row: finite gradients equal to the
+    reference's (a +inf sink zeroes its head's output, so every gradient through it is 0)."""
+    args = _inputs(device, seed=14, s_q=3, s_kv=30, h_q=16, h_kv=1, d_qk=96, d_v=64, topk=20)
+    values = [float("inf"), float("-inf"), 1e4, -1e4] + [0.5] * 12
+    args["attn_sink"] = torch.tensor(values, device=device)
+    args["indices"][1] = -1
+    _assert_gradients_match(variant, args, _configs(variant, args)[0])
 
 
 def test_int64_row_offsets_match(variant, device, monkeypatch):
@@ -136,9 +168,12 @@ def test_int64_row_offsets_match(variant, device, monkeypatch):
     config = _configs(variant, args)[0]
 
     def run():
-        q, kv = args["q"].detach().clone().requires_grad_(), args["kv"].detach().clone().requires_grad_()
-        out = variant.launch({**args, "q": q, "kv": kv}, config).out
-        return (out, *torch.autograd.grad(out.float().square().sum(), [q, kv]))
+        results = []
+        for deterministic in (False, True):
+            q, kv = args["q"].detach().clone().requires_grad_(), args["kv"].detach().clone().requires_grad_()
+            out = variant.launch({**args, "q": q, "kv": kv, "deterministic": deterministic}, config).out
+            results += [out, *torch.autograd.grad(out.float().square().sum(), [q, kv])]
+        return results
 
     narrow = run()
     monkeypatch.setattr(kernel_module, "_rows_fit_int32", lambda *tensors: False)
@@ -147,25 +182,75 @@ def test_int64_row_offsets_match(variant, device, monkeypatch):
         assert_close(a.float(), b.float(), TOL)
 
 
-def test_backward_in_query_chunks(variant, device, monkeypatch):
-    """With a workspace of one query, the backward runs query by query, each chunk reusing the dS/P
-    workspace; topk_length shrinking from query to query leaves earlier queries' values in the slots
-    a later query does not visit, which must not leak into its gradients."""
+def test_deterministic_backward_in_query_chunks(variant, device, monkeypatch):
+    """With workspaces of one query, the deterministic backward runs query by query, each chunk reusing
+    them; topk_length shrinking from query to query leaves earlier queries' values in the slots a later
+    query does not visit, which must not leak into its gradients; two batch rows make the chunks
+    strided views."""
     from kernels.common import sparse_mla as kernel_module
 
-    args = _inputs(device, seed=10, s_q=3, s_kv=90, h_q=40, h_kv=1, d_qk=96, d_v=64, topk=70)
-    args["topk_length"] = torch.tensor([70, 20, 5], dtype=torch.int32, device=device)
-    args["indices"][1, 0, 3] = -1
-    config = _configs(variant, args)[0]
-    ours = {n: args[n].detach().clone().requires_grad_() for n in ("q", "kv")}
-    theirs = {n: args[n].detach().float().requires_grad_() for n in ("q", "kv")}
+    args = _inputs(device, seed=10, b=2, s_q=3, s_kv=90, h_q=40, h_kv=1, d_qk=96, d_v=64, topk=70)
+    args["topk_length"] = torch.tensor([[70, 20, 5], [3, 70, 0]], dtype=torch.int32, device=device)
+    args["indices"][0, 1, 0, 3] = -1
+    args["deterministic"] = True
     monkeypatch.setattr(kernel_module, "WORKSPACE_BYTES", 1)
-    out = variant.launch({**args, **ours}, config).out
-    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(11)).to(device, out.dtype)
-    got = torch.autograd.grad(out, list(ours.values()), grad_out)
-    want = torch.autograd.grad(reference(**{**args, **theirs}).out, list(theirs.values()), grad_out.float())
-    for name, g, w in zip(ours, got, want, strict=True):
-        assert_close(g.float(), w, 2 * TOL, what=f"d{name}")
+    _assert_gradients_match(variant, args, _configs(variant, args)[0], seed=11)
+
+
+def test_deterministic_path_is_taken_when_asked(variant, device, monkeypatch):
+    """deterministic=True, or torch's deterministic mode, runs the passes without atomics; the default
+    runs the fused pass."""
+    from kernels.common import sparse_mla as kernel_module
+
+    calls = []
+    passes = kernel_module._deterministic_passes
+    monkeypatch.setattr(kernel_module, "_deterministic_passes", lambda *a: calls.append(1) or passes(*a))
+    args = _inputs(device, seed=15, s_q=2, s_kv=20, h_q=16, h_kv=1, d_qk=48, d_v=32, topk=16)
+    config = _configs(variant, args)[0]
+
+    def backward(**extra):
+        q = args["q"].detach().clone().requires_grad_()
+        variant.launch({**args, **extra, "q": q}, config).out.float().sum().backward()
+
+    backward()
+    assert not calls
+    backward(deterministic=True)
+    assert len(calls) == 1
+    monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
+    backward()
+    assert len(calls) == 2
+
+
+def test_deterministic_roles_use_no_atomics():
+    """The kernels of the deterministic backward (and the pre pass it shares) never add atomically;
+    the fused pass does (its dkv rows)."""
+    import inspect
+
+    from kernels.base import _python_function
+
+    variant = HEADBLOCK[0]
+    for role in ("bwd_pre", "bwd_dq", "bwd_dkv", "bwd_sum"):
+        assert "tl.atomic" not in inspect.getsource(_python_function(variant.kernels[role])), role
+    assert "tl.atomic_add" in inspect.getsource(_python_function(variant.kernels["bwd_fused"]))
+    assert set(variant.role_arguments) == {"bwd_dq", "bwd_dkv", "bwd_sum"}
+
+
+@gpu
+def test_deterministic_backward_is_bitwise_reproducible():
+    """Two deterministic backwards of one call give the same bits, on a shape where many queries
+    select the same rows (so atomics would reorder sums)."""
+    import registry
+
+    shape = dict(s_q=256, s_kv=512, h_q=64, h_kv=1, d_qk=576, d_v=512, topk=256, sink=True)
+    args = _inputs("cuda", seed=16, **shape)
+    args["deterministic"] = True
+    leaves = {n: args[n].detach().clone().requires_grad_() for n in ("q", "kv", "attn_sink")}
+    out = registry.get("sparse_mla")(**{**args, **leaves}).out
+    dout = torch.randn_like(out)
+    first = torch.autograd.grad(out, list(leaves.values()), dout, retain_graph=True)
+    second = torch.autograd.grad(out, list(leaves.values()), dout)
+    for a, b in zip(first, second, strict=True):
+        assert torch.equal(a, b)
 
 
 def test_invalid_slots_get_no_gradient(variant, device):
@@ -185,19 +270,23 @@ def test_invalid_slots_get_no_gradient(variant, device):
 
 
 def test_every_backward_config_of_the_space_matches_reference(variant, device):
-    """Each backward role's configs (the interpreter's tiles on the CPU; a sample of the GPU space on a
-    GPU), the other roles at their defaults: 40 heads make partial dq head blocks and dkv chunks."""
+    """Each backward role's configs other than its default (the interpreter's tiles on the CPU; a sample
+    of the GPU space on a GPU), the other roles at their defaults: 40 heads make partial head blocks
+    and dkv chunks."""
     from registry.ops import OPS
     from registry.testing import GRAD_TOLERANCE, gradient_error
 
     args = _inputs(device, seed=12, s_q=3, s_kv=90, h_q=40, h_kv=1, d_qk=96, d_v=64, topk=70, sink=True)
     key, info = dict(tuning_key(args)), _device_info()
     default = variant.default_config(key, info)
-    for role in ("bwd_dq", "bwd_dkv"):
+    for role in (r for r in variant.roles if r.startswith("bwd")):
+        # As the sweep runs them: the deterministic roles under deterministic=True.
+        role_args = {**args, **variant.role_arguments.get(role, {})}
         configs = [c for c in variant.space(key, info)[role] if variant.prune_reason(role, c, key, info) is None]
-        for config in configs[:: max(1, len(configs) // 4)]:
+        # The defaults run in every other backward test.
+        for config in [c for c in configs[:: max(1, len(configs) // 4)] if c != default[role]]:
             call = default.replace(role, config)
-            err = gradient_error(OPS["sparse_mla"], lambda a, c=call: variant.launch(a, c), args)
+            err = gradient_error(OPS["sparse_mla"], lambda a, c=call: variant.launch(a, c), role_args)
             assert err <= GRAD_TOLERANCE[DTYPE], (role, str(config), err)
 
 
@@ -230,7 +319,7 @@ def test_interpreter_space_is_small_and_valid():
     info = CPU
     for variant in HEADBLOCK:
         spaces = variant.space({**V32_KEY, "dtype": "fp16"}, info)
-        assert set(spaces) == {"fwd", "bwd_dq", "bwd_dkv"}
+        assert set(spaces) == {"fwd", "bwd_pre", "bwd_fused", "bwd_dq", "bwd_dkv", "bwd_sum"}
         for space in spaces.values():
             assert 1 <= len(space) <= 4
             assert all(isinstance(c, LaunchConfig) and c.knobs() == LaunchConfig().knobs() for c in space)
@@ -259,4 +348,4 @@ def test_gpu_spaces_offer_wide_head_blocks():
     # A group of 8 heads never gets a head block wider than 16.
     small = {**key, "h_q": 16, "h_kv": 2}
     for role, space in HEADBLOCK[0].space(small, preset("h200")).items():
-        assert {c.blocks["BLOCK_H"] for c in space} == {16}, role
+        assert {c.blocks.get("BLOCK_H", 16) for c in space} == {16}, role

@@ -68,7 +68,7 @@ def test_space_and_pruning():
     assert WARPSPEC.default_config(V32, target)["fwd"] in space
     assert 230_000 < shared_bytes(512, 64) <= target.shared_mem_bytes
     small = {**V32, "h_q": 16}
-    for role in ("bwd_dq", "bwd_dkv"):
+    for role in ("bwd_pre", "bwd_fused", "bwd_dq", "bwd_dkv"):
         assert {c.blocks["BLOCK_H"] for c in WARPSPEC.space(small, target)[role]} == {16}
         assert WARPSPEC.default_config(small, target)[role].blocks["BLOCK_H"] == 16
 
@@ -82,13 +82,14 @@ def test_configs_of_the_earlier_kernel_still_launch():
     default = WARPSPEC.default_config(V32, preset("h200"))
     completed = WARPSPEC.complete(old, V32, preset("h200"))
     assert completed["fwd"].blocks == {**default["fwd"].blocks, "PRODUCER_WARPS": 2}
-    assert completed["bwd_dq"] == default["bwd_dq"] and completed["bwd_dkv"] == default["bwd_dkv"]
+    assert all(completed[role] == default[role] for role in WARPSPEC.roles if role != "fwd")
     spec = WARPSPEC.compile_specs(V32, completed)[0]
     assert spec.constexprs["FOLLOWER_REGS"] == default["fwd"].blocks["FOLLOWER_REGS"]
 
 
 def test_backward_is_the_head_block_variants():
-    for role in ("bwd_dq", "bwd_dkv"):
+    assert WARPSPEC.roles == HEADBLOCK_NVIDIA.roles
+    for role in (r for r in WARPSPEC.roles if r.startswith("bwd")):
         assert WARPSPEC.kernels[role] is HEADBLOCK_NVIDIA.kernels[role]
         assert WARPSPEC.spaces[role] is HEADBLOCK_NVIDIA.spaces[role]
         assert WARPSPEC.default_config(V32, preset("h200"))[role] == HEADBLOCK_NVIDIA.default_config(

@@ -123,9 +123,34 @@ def test_autotune_call_tunes_one_key_on_its_own_inputs(tmp_path):
     assert {t.status for t in store.trials()} == {"ok", "wrong_result", "runtime_error", "pruned"}
 
 
+def test_a_role_with_role_arguments_is_gated_and_timed_with_them():
+    """sparse_mla's deterministic backward roles run only under deterministic=True: their trials pass
+    it (gate and timing), the default backward's trials do not."""
+    from tuning.trials import KeyInputs, run_trial
+
+    op = OPS["sparse_mla"]
+    real = next(v for v in load_all()["sparse_mla"] if v.name == "sparse_mla_headblock" and v.vendor == "nvidia")
+    seen = []
+
+    class Recording(type(real)):
+        def launch(self, args, config):
+            seen.append(args["deterministic"])
+            return super().launch(args, config)
+
+    args = op.validate(**op.make_inputs(op.presets["tiny"][0], device="cpu", dtype=torch.float16, seed=2))
+    variant = Recording()
+    config = variant.default_config(dict(op.tuning_key(args)), CPU)
+    for role, expected in (("bwd_dq", True), ("bwd_fused", False)):
+        seen.clear()
+        status, _, error = run_trial(KeyInputs.for_args(op, args), variant, config, role)
+        assert status == "ok", error
+        assert seen and set(seen) == {expected}, role
+
+
 def test_cli_sweeps_every_role_in_the_interpreter_and_prints_winners(tmp_path):
-    """sparse_mla's call launches a forward and two backward kernels: each role is tuned in turn (the
-    backward ones gated on gradients and timed on the backward), and the winner holds all three."""
+    """sparse_mla's call launches a forward and its backward kernels (the default and the deterministic
+    passes): each role is tuned in turn (the backward ones gated on gradients and timed on the
+    backward), and the winner holds all of them."""
     db = f"sqlite:///{tmp_path / 'cli.db'}"
     done = _cli("--device", "cpu", "--op", "sparse_mla", "--shapes", "tiny:0", db=db)
     assert done.returncode == 0, done.stderr

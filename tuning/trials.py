@@ -3,7 +3,8 @@ hanging kernel from stopping a sweep.
 
 A trial varies one kernel role. A forward role is gated on the call's outputs and timed on the forward
 call; a backward role (`bwd...`) is gated on the gradients, against the reference's autograd in fp32,
-and timed on the backward alone. A wrong result is never timed.
+and timed on the backward alone. Both run with the role's `Variant.role_arguments` added to the key's
+inputs (the calls that launch that role). A wrong result is never timed.
 
 `TrialRunner` runs trials in a child process (spawned, so it holds its own GPU context): when a trial
 outlasts its timeout the child is killed, the trial is a `timeout`, and a new child takes the next
@@ -108,22 +109,26 @@ def _rotation_count(op, args: dict, device: torch.device) -> int:
 def run_trial(inputs: KeyInputs, variant, config: CallConfig, role: str) -> tuple[str, float | None, str | None]:
     """Gate `config` (varying `role`) on the key's inputs, then time its phase: (status, ms, error)."""
     op, device = inputs.op, inputs.device
+    # The role's own arguments (Variant.role_arguments) on top of the key's inputs; the reference ignores them.
+    extra = variant.role_arguments.get(role, {})
+    gate_args = {**inputs.gate_args, **extra}
+    full_sets = [{**args, **extra} for args in inputs.full_sets]
     launch = variant.launch
     try:
         if is_backward_role(role):
             expected, dout = inputs.reference_gradients()
-            err = gradient_error(op, lambda a: launch(a, config), inputs.gate_args, dout, expected)
+            err = gradient_error(op, lambda a: launch(a, config), gate_args, dout, expected)
             tol = GRAD_TOLERANCE[inputs.dtype]
         else:
-            out = launch(inputs.gate_args, config)
+            out = launch(gate_args, config)
             _synchronize(device)
             err, tol = output_error(op, out, inputs.gate_ref, inputs.gate_args), TOLERANCE[inputs.dtype]
         if not err <= tol:
             return "wrong_result", None, f"relative error {err:.3g} > {tol:.3g}"
         if is_backward_role(role):
-            ms = time_call(backward_call(op, lambda a: launch(a, config), inputs.full_sets[0]), device)
+            ms = time_call(backward_call(op, lambda a: launch(a, config), full_sets[0]), device)
         else:
-            ms = time_call(rotating(lambda a: launch(a, config), inputs.full_sets), device)
+            ms = time_call(rotating(lambda a: launch(a, config), full_sets), device)
         return "ok", ms, None
     except Exception as exc:  # noqa: BLE001 - every failure of a config is a recorded trial, not a crash
         try:

@@ -9,7 +9,10 @@ from kernels.base import Variant
 from kernels.common.sparse_mla import (
     INTERPRETER_DKV,
     INTERPRETER_DQ,
+    INTERPRETER_FUSED,
     INTERPRETER_FWD,
+    INTERPRETER_PRE,
+    INTERPRETER_SUM,
     SparseMLAHeadBlockBase,
     heads_fit_group,
 )
@@ -38,9 +41,27 @@ class SparseMLAHeadBlockAmd(SparseMLAHeadBlockBase, Variant):
             },
             interpreter=INTERPRETER_FWD,
         ),
-        # The backward's defaults: the widest tiles that compile at the V3.2 dims for gfx942 and gfx950
-        # with no spills and LDS within 64 KiB, with room (dq 447-463 VGPRs, 32 KiB; dkv 324 VGPRs,
-        # 32 KiB).
+        # The default backward: the pre pass, then the fused pass. With 8 warps (256 VGPRs per lane)
+        # every fused tile spills, so the space keeps 4; there 32 heads x 32 slots fits on both targets
+        # (64 heads spill). Its dkv atomics are scalar global_atomic_add_f32 (no vector f32 atomics).
+        "bwd_pre": ConfigSpace(
+            blocks={"BLOCK_H": (16, 32)},
+            knobs={"num_warps": (4,)},
+            keep=heads_fit_group,
+            defaults={"*": {"BLOCK_H": 16, "num_warps": 4}},
+            interpreter=INTERPRETER_PRE,
+        ),
+        "bwd_fused": ConfigSpace(
+            blocks={"BLOCK_H": (16, 32, 64), "BLOCK_TOPK": (16, 32), "D_SPLIT": (2, 4)},
+            knobs={"num_warps": (4,), "num_stages": (1,), "waves_per_eu": (0, 1), "matrix_instr_nonkdim": (16,),
+                   "kpack": (1,)},
+            keep=heads_fit_group,
+            defaults={"*": {"BLOCK_H": 32, "BLOCK_TOPK": 32, "D_SPLIT": 4, "num_warps": 4, "num_stages": 1, **_KNOBS}},
+            interpreter=INTERPRETER_FUSED,
+        ),
+        # The deterministic backward's dq and dkv passes: the widest tiles that compile at the V3.2
+        # dims for gfx942 and gfx950 with no spills and LDS within 64 KiB, with room (dq 447-463 VGPRs,
+        # 32 KiB; dkv 324 VGPRs, 32 KiB).
         "bwd_dq": ConfigSpace(
             blocks={"BLOCK_H": (16, 32), "BLOCK_TOPK": (16, 32, 64)},
             knobs={"num_warps": (4, 8), "num_stages": (1, 2), "waves_per_eu": (0, 1, 2),
@@ -56,6 +77,12 @@ class SparseMLAHeadBlockAmd(SparseMLAHeadBlockBase, Variant):
             keep=heads_fit_group,
             defaults={"*": {"BLOCK_H": 16, "BLOCK_TOPK": 64, "num_warps": 4, "num_stages": 1, **_KNOBS}},
             interpreter=INTERPRETER_DKV,
+        ),
+        "bwd_sum": ConfigSpace(
+            blocks={"BLOCK_D": (64, 128, 256)},
+            knobs={"num_warps": (1, 2, 4)},
+            defaults={"*": {"BLOCK_D": 128, "num_warps": 1}},
+            interpreter=INTERPRETER_SUM,
         ),
     }
     ACC_REGS_LIMIT = 256

@@ -6,10 +6,15 @@ rows once and reuses it for all of them, both as keys (all d_qk dims: the d_v "v
 rope tail) and as values (the first d_v dims). Q is loaded once, outside the top-k loop. A program with
 too few heads re-gathers the same rows many times; the config spaces therefore offer BLOCK_H up to 128.
 
-The backward runs in two passes per chunk of queries: the dq pass (the forward's program layout)
-recomputes P and dS tile by tile, accumulates dQ and hands dS and P to the dkv pass through a 16-bit
-workspace; the dkv pass owns one top-k tile of one query and sums dS^T Q + P^T dO over all heads
-before one fp32 atomic add per selected row.
+The backward starts with a small pre pass (Delta = rowsum(dO * O), the shift of P, the sink's
+per-query terms). By default one fused pass follows, in the forward's program layout: per top-k tile it
+recomputes P, computes dP and dS, accumulates dQ in registers and adds the tile's dKV rows (both the
+key role through Q and the value role through dO, summed over the program's heads) to an fp32 dkv with
+atomics, so every gathered tile is read once for all of it. With `deterministic` (no atomics, the same
+bits every run) three passes run per chunk of queries instead: the dq pass (dQ, and dS and P into a
+16-bit workspace), the dkv pass (one top-k tile of one query, dS^T Q + P^T dO over all heads, each
+row's sum into an fp32 workspace) and the sum pass (each kv row adds its workspace rows in a fixed
+order).
 
 Reads top-down: forward kernel, backward kernels, launchers, the autograd Function, compile specs.
 Semantics: `registry.ops.sparse_mla.reference` (docs/op-contracts.md).
@@ -23,6 +28,7 @@ import triton.language as tl
 
 from kernels.base import CompileSpec
 from kernels.common.tiles import cdiv, dot_block
+from registry.nvtx import nvtx_range
 from registry.ops.sparse_mla import SparseMLAOutput
 from tuning_db.records import CallConfig, LaunchConfig
 
@@ -168,30 +174,200 @@ def _sparse_mla_fwd_kernel(
 
 
 @triton.jit
-def _sparse_mla_bwd_dq_kernel(
-    Q, KV, IDX, SINK, TOPK_LEN, OUT, DOUT, LSE, DQ, DSINK, PDS,
+def _sparse_mla_bwd_pre_kernel(
+    SINK, OUT, DOUT, LSE, DELTA, SHIFT, DSINK,
+    heads_per_group, head_blocks,
+    stride_ob, stride_os, stride_oh,
+    stride_dob, stride_dos, stride_doh,
+    stride_mb, stride_ms,
+    D_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_H: tl.constexpr, HAS_SINK: tl.constexpr,
+):
+    """Backward, preprocessing. One program: BLOCK_H heads of one kv group of one query.
+
+    Writes, laid out like lse: Delta = rowsum(dO * O); the shift of P in log2 units,
+    lse_tot * log2(e) with lse_tot = logaddexp(lse, sink) (+inf for a row with no valid slot, so every
+    P of it is 0); with a sink, this query's term of d sink[h], -sigmoid(sink - lse) * Delta (0 for an
+    empty row), summed over queries by the launcher in a fixed order (no atomics).
+    """
+    t = tl.program_id(0)
+    g = tl.program_id(1) // head_blocks
+    hb = tl.program_id(1) % head_blocks
+    b = tl.program_id(2).to(tl.int64)
+
+    offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    head_ok = offs_h < heads_per_group
+    heads = g * heads_per_group + offs_h
+    offs_dv = tl.arange(0, BLOCK_DV)
+    dv_mask = head_ok[:, None] & (offs_dv[None, :] < D_V)
+    o = tl.load(OUT + b * stride_ob + t.to(tl.int64) * stride_os + heads[:, None].to(tl.int64) * stride_oh
+                + offs_dv[None, :], mask=dv_mask, other=0.0)
+    do = tl.load(DOUT + b * stride_dob + t.to(tl.int64) * stride_dos + heads[:, None].to(tl.int64) * stride_doh
+                 + offs_dv[None, :], mask=dv_mask, other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+
+    m_off = b * stride_mb + t.to(tl.int64) * stride_ms + heads
+    lse = tl.load(LSE + m_off, mask=head_ok, other=float("inf"))
+    empty = lse == float("inf")
+    lse_tot = tl.where(empty, 0.0, lse)
+    if HAS_SINK:
+        sink = tl.load(SINK + heads, mask=head_ok, other=0.0)
+        # logaddexp as hi + log(1 + exp(lo - hi)) and the sink's weight as a sigmoid: both stay
+        # NaN-free for sinks of +-inf (a +inf sink makes lse_tot +inf and every P 0).
+        hi = tl.maximum(lse_tot, sink)
+        lo = tl.minimum(lse_tot, sink)
+        lse_tot = hi + tl.log(1.0 + tl.exp(lo - hi))
+        dsink = -delta / (1.0 + tl.exp(tl.where(empty, 0.0, lse) - sink))
+        tl.store(DSINK + m_off, tl.where(empty, 0.0, dsink), mask=head_ok)
+    tl.store(DELTA + m_off, delta, mask=head_ok)
+    tl.store(SHIFT + m_off, tl.where(empty, float("inf"), lse_tot * LOG2E), mask=head_ok)
+
+
+@triton.jit
+def _sparse_mla_bwd_fused_kernel(
+    Q, KV, IDX, TOPK_LEN, DOUT, DELTA, SHIFT, DQ, DKV,
     s_kv, topk, heads_per_group, head_blocks, sm_scale,
     stride_qb, stride_qs, stride_qh,
     stride_kvb, stride_kvs, stride_kvh,
     stride_ib, stride_is, stride_ih,
     stride_lb, stride_ls,
-    stride_ob, stride_os, stride_oh,
+    stride_dob, stride_dos, stride_doh,
+    stride_mb, stride_ms,
+    stride_dqb, stride_dqs, stride_dqh,
+    stride_dkb, stride_dks, stride_dkh,
+    D_V: tl.constexpr, D_TAIL: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DT: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_TOPK: tl.constexpr, HAS_TOPK_LEN: tl.constexpr, ROWS_I32: tl.constexpr,
+    D_SPLIT: tl.constexpr,
+):
+    """Backward in one pass. One program: BLOCK_H heads of one kv group of one query.
+
+    Q and dO of the heads are stacked into one tile Z = [Q; dO] (2 * BLOCK_H rows, the value part of
+    d_qk in D_SPLIT column chunks) that stays resident; Q's rope tail is its own tile. Per top-k tile of
+    gathered rows K (V is its first d_v columns):
+    - [S; dP] = Z K^T in one product (2 * BLOCK_H rows: Triton gives a dot whose result feeds
+      another dot all warps along M, so with one BLOCK_H-row product per warpgroup neither is computed
+      twice), plus Q_tail K_tail^T for S; P = exp2(S * log2(e) * sm_scale - shift), dS = P (dP - Delta)
+      sm_scale, with Delta and the shift from the pre pass;
+    - dQ += dS K, in registers (one accumulator per D chunk and one for the tail);
+    - the dKV rows of the tile, per D chunk c: dKV_c^T = Z_c^T [dS; P] (the key role through Q and the
+      value role through dO in one product: M = the chunk's columns, so wgmma spreads it over all warps
+      whatever BLOCK_TOPK), and the tail's Q_tail^T dS; each added to the fp32 dkv with relaxed
+      atomics (vector reductions on sm_90), since other queries, the group's other head blocks and
+      duplicate slots add to the same rows.
+    Invalid slots gather zeros, get P = 0 and add nothing; dQ is stored once at the end.
+    """
+    t = tl.program_id(0)
+    g = tl.program_id(1) // head_blocks
+    hb = tl.program_id(1) % head_blocks
+    b = tl.program_id(2).to(tl.int64)
+    BLOCK_DS: tl.constexpr = BLOCK_DV // D_SPLIT
+    offs_d = tl.arange(0, BLOCK_DS)
+    offs_t = tl.arange(0, BLOCK_TOPK)
+    offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    head_ok = offs_h < heads_per_group
+    heads = g * heads_per_group + offs_h
+
+    # Row r of Z: Q of head r (r < BLOCK_H), else dO of head r - BLOCK_H; heads past the group read 0.
+    offs_r = tl.arange(0, 2 * BLOCK_H)
+    is_do = offs_r >= BLOCK_H
+    row_h = hb * BLOCK_H + offs_r % BLOCK_H
+    row_ok = row_h < heads_per_group
+    rows_h = (g * heads_per_group + row_h).to(tl.int64)
+    z_row = tl.where(is_do[:, None], DOUT + b * stride_dob + t.to(tl.int64) * stride_dos + rows_h[:, None] * stride_doh,
+                     Q + b * stride_qb + t.to(tl.int64) * stride_qs + rows_h[:, None] * stride_qh)
+    z = ()
+    for c in tl.static_range(D_SPLIT):
+        z = z + (tl.load(z_row + c * BLOCK_DS + offs_d[None, :],
+                         mask=row_ok[:, None] & (offs_d[None, :] < D_V - c * BLOCK_DS), other=0.0),)
+    if D_TAIL > 0:
+        offs_dt = tl.arange(0, BLOCK_DT)
+        q_tail = tl.load(Q + b * stride_qb + t.to(tl.int64) * stride_qs + heads[:, None].to(tl.int64) * stride_qh
+                         + D_V + offs_dt[None, :], mask=head_ok[:, None] & (offs_dt[None, :] < D_TAIL), other=0.0)
+    m_off = b * stride_mb + t.to(tl.int64) * stride_ms + heads
+    delta = tl.load(DELTA + m_off, mask=head_ok, other=0.0)
+    shift = tl.load(SHIFT + m_off, mask=head_ok, other=float("inf"))
+    qk_scale = sm_scale * LOG2E
+
+    n_slots = topk
+    if HAS_TOPK_LEN:
+        n_slots = tl.minimum(tl.load(TOPK_LEN + b * stride_lb + t.to(tl.int64) * stride_ls), topk)
+    idx_row = IDX + b * stride_ib + t.to(tl.int64) * stride_is + g.to(tl.int64) * stride_ih
+    kv_base = KV + b * stride_kvb + g.to(tl.int64) * stride_kvh
+    dkv_base = DKV + b * stride_dkb + g.to(tl.int64) * stride_dkh
+
+    dq = ()
+    for _ in tl.static_range(D_SPLIT):
+        dq = dq + (tl.zeros([BLOCK_H, BLOCK_DS], tl.float32),)
+    if D_TAIL > 0:
+        dq_tail = tl.zeros([BLOCK_H, BLOCK_DT], tl.float32)
+    for start in range(0, n_slots, BLOCK_TOPK):
+        slots = start + offs_t
+        idx = tl.load(idx_row + slots, mask=slots < n_slots, other=-1)
+        valid = (idx >= 0) & (idx < s_kv)
+        kv_row = kv_base + _row_offsets(idx, valid, stride_kvs, ROWS_I32)
+        k = ()
+        for c in tl.static_range(D_SPLIT):
+            k = k + (_gather_rows(kv_row + c * BLOCK_DS, offs_d, valid, D_V - c * BLOCK_DS, BLOCK_DS),)
+        if D_TAIL > 0:
+            k_tail = _gather_rows(kv_row + D_V, offs_dt, valid, D_TAIL, BLOCK_DT)
+        sdp = tl.dot(z[0], tl.trans(k[0]))
+        for c in tl.static_range(1, D_SPLIT):
+            sdp = tl.dot(z[c], tl.trans(k[c]), sdp)
+        # Rows of Q to S, rows of dO to dP: the split moves them into the same threads.
+        s, dp = tl.split(tl.permute(tl.reshape(sdp, (2, BLOCK_H, BLOCK_TOPK)), (1, 2, 0)))
+        if D_TAIL > 0:
+            s += tl.dot(q_tail, tl.trans(k_tail))
+        p = tl.math.exp2(s * qk_scale - shift[:, None])
+        p = tl.where(valid[None, :], p, 0.0)
+        ds = p * (dp - delta[:, None]) * sm_scale
+        ds16 = ds.to(k[0].dtype)
+        new_dq = ()
+        for c in tl.static_range(D_SPLIT):
+            new_dq = new_dq + (tl.dot(ds16, k[c], dq[c]),)
+        dq = new_dq
+        if D_TAIL > 0:
+            dq_tail = tl.dot(ds16, k_tail, dq_tail)
+        w = tl.reshape(tl.permute(tl.join(ds, p), (2, 0, 1)), (2 * BLOCK_H, BLOCK_TOPK)).to(k[0].dtype)
+        dkv_row = dkv_base + _row_offsets(idx, valid, stride_dks, ROWS_I32)
+        for c in tl.static_range(D_SPLIT):
+            dkv_c = tl.dot(tl.trans(z[c]), w)
+            tl.atomic_add(dkv_row[None, :] + c * BLOCK_DS + offs_d[:, None], dkv_c,
+                          mask=valid[None, :] & (offs_d[:, None] < D_V - c * BLOCK_DS), sem="relaxed")
+        if D_TAIL > 0:
+            dkv_tail = tl.dot(tl.trans(q_tail), ds16)
+            tl.atomic_add(dkv_row[None, :] + D_V + offs_dt[:, None], dkv_tail,
+                          mask=valid[None, :] & (offs_dt[:, None] < D_TAIL), sem="relaxed")
+
+    dq_row = DQ + b * stride_dqb + t.to(tl.int64) * stride_dqs + heads[:, None].to(tl.int64) * stride_dqh
+    for c in tl.static_range(D_SPLIT):
+        tl.store(dq_row + c * BLOCK_DS + offs_d[None, :], dq[c].to(DQ.dtype.element_ty),
+                 mask=head_ok[:, None] & (offs_d[None, :] < D_V - c * BLOCK_DS))
+    if D_TAIL > 0:
+        tl.store(dq_row + D_V + offs_dt[None, :], dq_tail.to(DQ.dtype.element_ty),
+                 mask=head_ok[:, None] & (offs_dt[None, :] < D_TAIL))
+
+
+@triton.jit
+def _sparse_mla_bwd_dq_kernel(
+    Q, KV, IDX, TOPK_LEN, DOUT, DELTA, SHIFT, DQ, PDS,
+    s_kv, topk, heads_per_group, head_blocks, sm_scale,
+    stride_qb, stride_qs, stride_qh,
+    stride_kvb, stride_kvs, stride_kvh,
+    stride_ib, stride_is, stride_ih,
+    stride_lb, stride_ls,
     stride_dob, stride_dos, stride_doh,
     stride_mb, stride_ms,
     stride_dqb, stride_dqs, stride_dqh,
     stride_pb, stride_ps, stride_pg, stride_pt,
     D_V: tl.constexpr, D_TAIL: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DT: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_TOPK: tl.constexpr, HAS_SINK: tl.constexpr, HAS_TOPK_LEN: tl.constexpr,
-    ROWS_I32: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_TOPK: tl.constexpr, HAS_TOPK_LEN: tl.constexpr, ROWS_I32: tl.constexpr,
 ):
-    """Backward, first pass. One program: dQ of BLOCK_H heads of one kv group of one query.
+    """Deterministic backward, first pass. One program: dQ of BLOCK_H heads of one kv group of one query.
 
-    Recomputes P = exp(z - lse_tot) per top-k tile (lse_tot includes the sink), with
-    Delta = rowsum(dO * O), dP = dO V^T, dS = P (dP - Delta); dQ = sum over tiles of dS K stays in
-    registers. Writes dS^T and P^T (16-bit, as the dots consume them) to the workspace PDS
-    [b, s_q, h_kv, topk, 2 * heads_per_group] for the dkv pass: columns h for dS, heads_per_group + h
-    for P, one row per top-k slot it visits (slots past topk_length are not written). Adds
-    d sink[h] = -exp(sink - lse_tot) * Delta atomically (once per head and query).
+    Recomputes P = exp2(z * log2(e) - shift) per top-k tile, with Delta and the shift from the pre
+    pass, dP = dO V^T, dS = P (dP - Delta); dQ = sum over tiles of dS K stays in registers. Writes dS^T
+    and P^T (16-bit, as the dots consume them) to the workspace PDS [b, s_q, h_kv, topk,
+    2 * heads_per_group] for the dkv pass: columns h for dS, heads_per_group + h for P, one row per
+    top-k slot it visits (slots past topk_length are not written).
     """
     t = tl.program_id(0)
     g = tl.program_id(1) // head_blocks
@@ -211,24 +387,11 @@ def _sparse_mla_bwd_dq_kernel(
         offs_dt = tl.arange(0, BLOCK_DT)
         dt_mask = head_ok[:, None] & (offs_dt[None, :] < D_TAIL)
         q_tail = tl.load(q_row + D_V + offs_dt[None, :], mask=dt_mask, other=0.0)
-    o_off = b * stride_ob + t.to(tl.int64) * stride_os + heads[:, None].to(tl.int64) * stride_oh
-    o = tl.load(OUT + o_off + offs_dv[None, :], mask=dv_mask, other=0.0).to(tl.float32)
     do_off = b * stride_dob + t.to(tl.int64) * stride_dos + heads[:, None].to(tl.int64) * stride_doh
     do = tl.load(DOUT + do_off + offs_dv[None, :], mask=dv_mask, other=0.0)
-    delta = tl.sum(o * do.to(tl.float32), 1)
-
     m_off = b * stride_mb + t.to(tl.int64) * stride_ms + heads
-    lse = tl.load(LSE + m_off, mask=head_ok, other=float("inf"))
-    empty = lse == float("inf")
-    lse_tot = tl.where(empty, 0.0, lse)
-    if HAS_SINK:
-        sink = tl.load(SINK + heads, mask=head_ok, other=0.0)
-        hi = tl.maximum(lse_tot, sink)
-        lse_tot = hi + tl.log(tl.exp(lse_tot - hi) + tl.exp(sink - hi))
-        dsink = -tl.exp(sink - lse_tot) * delta
-        tl.atomic_add(DSINK + heads, tl.where(empty, 0.0, dsink), mask=head_ok)
-    # In log2 units, like the forward; empty rows get a +inf shift so every P of theirs is 0.
-    shift = tl.where(empty, float("inf"), lse_tot * LOG2E)
+    delta = tl.load(DELTA + m_off, mask=head_ok, other=0.0)
+    shift = tl.load(SHIFT + m_off, mask=head_ok, other=float("inf"))
     qk_scale = sm_scale * LOG2E
     pds_base = PDS + b * stride_pb + t.to(tl.int64) * stride_ps + g.to(tl.int64) * stride_pg
 
@@ -272,26 +435,27 @@ def _sparse_mla_bwd_dq_kernel(
 
 @triton.jit
 def _sparse_mla_bwd_dkv_kernel(
-    Q, IDX, TOPK_LEN, DOUT, PDS, DKV,
+    Q, IDX, TOPK_LEN, DOUT, PDS, WS,
     s_kv, topk, heads_per_group, topk_tiles,
     stride_qb, stride_qs, stride_qh,
     stride_ib, stride_is, stride_ih,
     stride_lb, stride_ls,
     stride_dob, stride_dos, stride_doh,
     stride_pb, stride_ps, stride_pg, stride_pt,
-    stride_dkb, stride_dks, stride_dkh,
+    stride_wb, stride_ws, stride_wg, stride_wt,
     D_V: tl.constexpr, D_TAIL: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DT: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_TOPK: tl.constexpr, HAS_TOPK_LEN: tl.constexpr, ROWS_I32: tl.constexpr,
 ):
-    """Backward, second pass. One program: the dKV contribution of one top-k tile of one query.
+    """Deterministic backward, second pass. One program: the dKV contribution of one top-k tile of one
+    query.
 
     A GEMM over the group's heads, in chunks of BLOCK_H, from the first pass's dS^T and P^T: every row
     of the tile gets dS^T Q (key role, all d_qk dims) plus P^T dO (value role, first d_v dims). Q's
     value dims and dO are stacked into one [2 * BLOCK_H, d_v] tile against [dS^T | P^T], so one dot
     does both (two accumulating dots in a row would get two layouts for the accumulator from Triton,
-    and a conversion between them every step). Then one fp32 atomic add per selected row and query,
-    since different queries select the same rows (so do duplicate slots of one query). Nothing is
-    gathered: no kv read at all.
+    and a conversion between them every step). Each valid slot's row is stored (fp32) at its own place
+    of the workspace WS [b, s_q, h_kv, topk, d_qk] (ROWS_I32: a query's topk rows are addressed in
+    int32); the sum pass adds them into dkv in a fixed order. Nothing is gathered: no kv read at all.
     """
     t = tl.program_id(0)
     g = tl.program_id(1) // topk_tiles
@@ -338,13 +502,33 @@ def _sparse_mla_bwd_dkv_kernel(
                 ds_t = tl.load(pds_row + offs_h[None, :], mask=valid[:, None] & head_ok[None, :], other=0.0)
                 dkv_tail = tl.dot(ds_t, q_tail, dkv_tail)
 
-        dkv_row = DKV + b * stride_dkb + g.to(tl.int64) * stride_dkh
-        dkv_row += _row_offsets(idx, valid, stride_dks, ROWS_I32)
-        tl.atomic_add(dkv_row[:, None] + offs_dv[None, :], dkv_main,
-                      mask=valid[:, None] & (offs_dv[None, :] < D_V), sem="relaxed")
+        ws_row = WS + b * stride_wb + t.to(tl.int64) * stride_ws + g.to(tl.int64) * stride_wg
+        ws_row += _row_offsets(slots, valid, stride_wt, ROWS_I32)[:, None]
+        tl.store(ws_row + offs_dv[None, :], dkv_main, mask=valid[:, None] & (offs_dv[None, :] < D_V))
         if D_TAIL > 0:
-            tl.atomic_add(dkv_row[:, None] + D_V + offs_dt[None, :], dkv_tail,
-                          mask=valid[:, None] & (offs_dt[None, :] < D_TAIL), sem="relaxed")
+            tl.store(ws_row + D_V + offs_dt[None, :], dkv_tail, mask=valid[:, None] & (offs_dt[None, :] < D_TAIL))
+
+
+@triton.jit
+def _sparse_mla_bwd_sum_kernel(WS, ORDER, SEGMENTS, DKV, d_qk, BLOCK_D: tl.constexpr):
+    """Deterministic backward, third pass. One program: BLOCK_D columns of one row of the fp32 dkv
+    (row r of dkv viewed as [b * s_kv * h_kv, d_qk]).
+
+    Adds to it the workspace rows ORDER[SEGMENTS[r]:SEGMENTS[r + 1]], every valid (query, slot) of the
+    chunk that selected that row, in query and slot order: a fixed summation order, no atomics (the
+    program owns its row). Rows the chunk does not select are not touched.
+    """
+    r = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    mask = offs < d_qk
+    first = tl.load(SEGMENTS + r)
+    last = tl.load(SEGMENTS + r + 1)
+    if first < last:
+        acc = tl.zeros([BLOCK_D], tl.float32)
+        for i in range(first, last):
+            acc += tl.load(WS + tl.load(ORDER + i) * d_qk + offs, mask=mask, other=0.0)
+        dkv = DKV + r * d_qk + offs
+        tl.store(dkv, tl.load(dkv, mask=mask, other=0.0) + acc, mask=mask)
 
 
 # ----------------------------------------------------------------------------- launchers
@@ -402,84 +586,158 @@ def _forward(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, config: Laun
     return outputs
 
 
-# The dq pass hands P and dS to the dkv pass through a workspace of topk * 2 * h_q 16-bit values per
-# query; queries are processed in chunks so that it stays under this many bytes.
+def _capped(config: LaunchConfig, heads_per_group: int) -> dict:
+    """A backward role's blocks as launched: the head block no wider than the group's heads rounded up."""
+    return {**config.blocks, "BLOCK_H": min(config.blocks["BLOCK_H"], group_head_cap(heads_per_group))}
+
+
+def fused_blocks(config: LaunchConfig, heads_per_group: int, block_dv: int) -> dict:
+    """The fused kernel's blocks as launched: the head block capped like every role's, and at most as
+    many D chunks as leave each 16 columns (tl.dot's smallest K), so a config tuned for wide heads runs
+    on narrow ones."""
+    blocks = _capped(config, heads_per_group)
+    return {**blocks, "D_SPLIT": min(blocks["D_SPLIT"], max(1, block_dv // 16))}
+
+
+# The deterministic passes hand P and dS from the dq pass to the dkv pass (topk * 2 * h_q 16-bit values
+# per query) and each (query, slot)'s dkv row from the dkv pass to the sum pass (topk * h_kv * d_qk fp32
+# values) through workspaces; queries are processed in chunks so that they stay under this many bytes.
 WORKSPACE_BYTES = 512 * 2**20
 
 
-def _backward(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, out, lse, dout,
-              dq_config: LaunchConfig, dkv_config: LaunchConfig):
-    """Run the two backward passes (dq, then dkv) on batched-layout tensors, a chunk of queries at a
-    time; returns (dq, dkv, dsink)."""
+def _backward(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, out, lse, dout, config: CallConfig,
+              deterministic: bool):
+    """The backward on batched-layout tensors: the pre pass, then the fused pass, or with
+    `deterministic` the dq, dkv and sum passes (no atomics); returns (dq, dkv, dsink)."""
     b, s_q, h_q, d_qk = q.shape
-    s_kv, h_kv, topk = kv.shape[1], kv.shape[2], indices.shape[-1]
+    h_kv = kv.shape[2]
     heads_per_group = h_q // h_kv
     block_dv, block_dt = dim_blocks(d_qk, d_v)
-    # The dkv pass loads q and dout rows through one pointer tensor: same dtype, unit last stride.
+    # The stacked [Q; dO] tiles load q and dout rows through one pointer tensor: same dtype, unit last stride.
     dout = dout.to(q.dtype)
     dout = dout if dout.stride(-1) == 1 else dout.contiguous()
+    # Delta, the shift and the sink's per-query terms are laid out like lse (one stride pair for all).
+    lse = lse.contiguous()
+    delta, shift = torch.empty_like(lse), torch.empty_like(lse)
+    dsink_rows = torch.empty_like(lse) if attn_sink is not None else None
+    pre = _capped(config["bwd_pre"], heads_per_group)
+    grid, head_blocks = _grid(s_q, h_q, h_kv, b, pre["BLOCK_H"])
+    with nvtx_range("sparse_mla/bwd_pre_kernel"):
+        _sparse_mla_bwd_pre_kernel[grid](
+            attn_sink, out, dout, lse, delta, shift, dsink_rows, heads_per_group, head_blocks,
+            *_strides(out, 3), *_strides(dout, 3), *_strides(lse, 2),
+            D_V=d_v, BLOCK_DV=block_dv, HAS_SINK=attn_sink is not None, **pre, **config["bwd_pre"].knobs(),
+        )
     dq = torch.empty_like(q)
-    dkv = torch.zeros(kv.shape, device=kv.device, dtype=torch.float32)  # fp32 atomics target
-    dsink = torch.zeros(h_q, device=q.device, dtype=torch.float32) if attn_sink is not None else None
+    dkv = torch.zeros(kv.shape, device=kv.device, dtype=torch.float32)
     dims = {"D_V": d_v, "D_TAIL": d_qk - d_v, "BLOCK_DV": block_dv, "BLOCK_DT": block_dt,
-            "HAS_TOPK_LEN": topk_length is not None, "ROWS_I32": _rows_fit_int32(kv, dkv)}
-    per_query = b * h_kv * topk * 2 * heads_per_group * q.element_size()
-    chunk = max(1, min(s_q, WORKSPACE_BYTES // per_query))
-    pds = torch.empty((b, chunk, h_kv, topk, 2 * heads_per_group), device=q.device, dtype=q.dtype)
-    cap = group_head_cap(heads_per_group)
-    dq_blocks = {**dq_config.blocks, "BLOCK_H": min(dq_config.blocks["BLOCK_H"], cap)}
-    dkv_blocks = {**dkv_config.blocks, "BLOCK_H": min(dkv_config.blocks["BLOCK_H"], cap)}
-    topk_tiles = cdiv(topk, dkv_blocks["BLOCK_TOPK"])
-    for c0 in range(0, s_q, chunk):
-        rows = slice(c0, min(s_q, c0 + chunk))
-        q_c, dout_c, idx_c = q[:, rows], dout[:, rows], indices[:, rows]
-        len_c = topk_length[:, rows] if topk_length is not None else None
-        n = q_c.shape[1]
-        grid, head_blocks = _grid(n, h_q, h_kv, b, dq_blocks["BLOCK_H"])
-        _sparse_mla_bwd_dq_kernel[grid](
-            q_c, kv, idx_c, attn_sink, len_c, out[:, rows], dout_c, lse[:, rows], dq[:, rows], dsink, pds,
-            s_kv, topk, heads_per_group, head_blocks, sm_scale,
-            *_strides(q_c, 3), *_strides(kv, 3), *_strides(idx_c, 3), *_strides(len_c, 2),
-            *_strides(out, 3), *_strides(dout, 3), *_strides(lse, 2), *_strides(dq, 3), *_strides(pds, 4),
-            **dims, **dq_blocks, HAS_SINK=attn_sink is not None, **dq_config.knobs(),
-        )
-        _sparse_mla_bwd_dkv_kernel[(n, h_kv * topk_tiles, b)](
-            q_c, idx_c, len_c, dout_c, pds, dkv,
-            s_kv, topk, heads_per_group, topk_tiles,
-            *_strides(q_c, 3), *_strides(idx_c, 3), *_strides(len_c, 2), *_strides(dout, 3), *_strides(pds, 4),
-            *_strides(dkv, 3),
-            **dims, **dkv_blocks, **dkv_config.knobs(),
-        )
+            "HAS_TOPK_LEN": topk_length is not None}
+    if deterministic:
+        _deterministic_passes(q, kv, indices, sm_scale, topk_length, dout, delta, shift, dq, dkv, config, dims)
+    else:
+        blocks = fused_blocks(config["bwd_fused"], heads_per_group, block_dv)
+        grid, head_blocks = _grid(s_q, h_q, h_kv, b, blocks["BLOCK_H"])
+        with nvtx_range("sparse_mla/bwd_fused_kernel"):
+            _sparse_mla_bwd_fused_kernel[grid](
+                q, kv, indices, topk_length, dout, delta, shift, dq, dkv,
+                kv.shape[1], indices.shape[-1], heads_per_group, head_blocks, sm_scale,
+                *_strides(q, 3), *_strides(kv, 3), *_strides(indices, 3), *_strides(topk_length, 2),
+                *_strides(dout, 3), *_strides(lse, 2), *_strides(dq, 3), *_strides(dkv, 3),
+                **dims, ROWS_I32=_rows_fit_int32(kv, dkv), **blocks, **config["bwd_fused"].knobs(),
+            )
+    dsink = None if dsink_rows is None else dsink_rows.sum((0, 1))
     return dq, dkv.to(kv.dtype), dsink
 
 
+def _deterministic_passes(q, kv, indices, sm_scale, topk_length, dout, delta, shift, dq, dkv, config: CallConfig,
+                          dims: dict) -> None:
+    """dq and the fp32 dkv without atomics, a chunk of queries at a time: the dq pass (dq, and dS and P
+    into a workspace), the dkv pass (each selected row's contribution into a second workspace) and the
+    sum pass, which adds those rows into dkv in the order of a stable sort of the chunk's slots by the
+    dkv row they select (no host sync: the sort and its segment bounds stay on the device)."""
+    b, s_q, h_q, d_qk = q.shape
+    s_kv, h_kv, topk = kv.shape[1], kv.shape[2], indices.shape[-1]
+    heads_per_group = h_q // h_kv
+    dq_blocks = _capped(config["bwd_dq"], heads_per_group)
+    dkv_blocks = _capped(config["bwd_dkv"], heads_per_group)
+    sum_blocks = config["bwd_sum"].blocks
+    # Per query: the dS/P workspace, the dkv rows, and the sort's keys, order and sorted keys (int64).
+    per_query = b * h_kv * topk * (2 * heads_per_group * q.element_size() + 4 * d_qk + 24)
+    chunk = max(1, min(s_q, WORKSPACE_BYTES // per_query))
+    pds = torch.empty((b, chunk, h_kv, topk, 2 * heads_per_group), device=q.device, dtype=q.dtype)
+    ws = torch.empty(b * chunk * h_kv * topk * d_qk, device=q.device, dtype=torch.float32)
+    # Slot (b, t, g, j) adds to dkv row (b * s_kv + idx) * h_kv + g; invalid slots get key `rows` and sort last.
+    rows = b * s_kv * h_kv
+    row_base = (torch.arange(b, device=q.device) * s_kv).view(b, 1, 1, 1)
+    group = torch.arange(h_kv, device=q.device).view(1, 1, h_kv, 1)
+    bounds = torch.arange(rows + 1, device=q.device)
+    slot = torch.arange(topk, device=q.device, dtype=torch.int32)
+    rows_i32 = _rows_fit_int32(kv)
+    topk_tiles = cdiv(topk, dkv_blocks["BLOCK_TOPK"])
+    for c0 in range(0, s_q, chunk):
+        span = slice(c0, min(s_q, c0 + chunk))
+        q_c, dout_c, idx_c = q[:, span], dout[:, span], indices[:, span]
+        len_c = topk_length[:, span] if topk_length is not None else None
+        n = q_c.shape[1]
+        valid = (idx_c >= 0) & (idx_c < s_kv)
+        if len_c is not None:
+            valid &= slot < len_c[:, :, None, None]
+        keys = torch.where(valid, (row_base + idx_c) * h_kv + group, rows)
+        sorted_keys, order = torch.sort(keys.flatten(), stable=True)
+        segments = torch.searchsorted(sorted_keys, bounds)
+        ws_c = ws[: b * n * h_kv * topk * d_qk].view(b, n, h_kv, topk, d_qk)
+        grid, head_blocks = _grid(n, h_q, h_kv, b, dq_blocks["BLOCK_H"])
+        with nvtx_range("sparse_mla/bwd_dq_kernel"):
+            _sparse_mla_bwd_dq_kernel[grid](
+                q_c, kv, idx_c, len_c, dout_c, delta[:, span], shift[:, span], dq[:, span], pds,
+                s_kv, topk, heads_per_group, head_blocks, sm_scale,
+                *_strides(q_c, 3), *_strides(kv, 3), *_strides(idx_c, 3), *_strides(len_c, 2),
+                *_strides(dout, 3), *_strides(delta, 2), *_strides(dq, 3), *_strides(pds, 4),
+                **dims, ROWS_I32=rows_i32, **dq_blocks, **config["bwd_dq"].knobs(),
+            )
+        with nvtx_range("sparse_mla/bwd_dkv_kernel"):
+            _sparse_mla_bwd_dkv_kernel[(n, h_kv * topk_tiles, b)](
+                q_c, idx_c, len_c, dout_c, pds, ws_c,
+                s_kv, topk, heads_per_group, topk_tiles,
+                *_strides(q_c, 3), *_strides(idx_c, 3), *_strides(len_c, 2), *_strides(dout, 3), *_strides(pds, 4),
+                *_strides(ws_c, 4),
+                **dims, ROWS_I32=topk * d_qk < 2**31, **dkv_blocks, **config["bwd_dkv"].knobs(),
+            )
+        with nvtx_range("sparse_mla/bwd_sum_kernel"):
+            _sparse_mla_bwd_sum_kernel[(rows, cdiv(d_qk, sum_blocks["BLOCK_D"]))](
+                ws_c, order, segments, dkv, d_qk, **sum_blocks, **config["bwd_sum"].knobs(),
+            )
+
+
 class _SparseMLAFunction(torch.autograd.Function):
-    """Autograd for sparse MLA. The backward accumulates dkv (one add per query and selected row) and
-    d attn_sink with fp32 atomic adds, so its summation order, and the last bits of dkv, vary between
-    runs."""
+    """Autograd for sparse MLA. The default backward adds each query's dkv rows with fp32 atomics, so
+    its summation order, and the last bits of dkv, vary between runs; with `deterministic` (or
+    torch.use_deterministic_algorithms) it takes the passes without atomics."""
 
     @staticmethod
-    def forward(ctx, run_forward, q, kv, indices, sm_scale, d_v, attn_sink, topk_length, config: CallConfig):
+    def forward(ctx, run_forward, q, kv, indices, sm_scale, d_v, attn_sink, topk_length, config: CallConfig,
+                deterministic: bool):
         out, max_logits, lse = run_forward(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, config["fwd"])
         ctx.save_for_backward(q, kv, indices, attn_sink, topk_length, out, lse)
-        ctx.sm_scale, ctx.d_v, ctx.config = sm_scale, d_v, config
+        ctx.sm_scale, ctx.d_v, ctx.config, ctx.deterministic = sm_scale, d_v, config, deterministic
         ctx.mark_non_differentiable(max_logits, lse)
         return out, max_logits, lse
 
     @staticmethod
     def backward(ctx, dout, _dmax, _dlse):
         q, kv, indices, attn_sink, topk_length, out, lse = ctx.saved_tensors
+        deterministic = ctx.deterministic or torch.are_deterministic_algorithms_enabled()
         dq, dkv, dsink = _backward(q, kv, indices, ctx.sm_scale, ctx.d_v, attn_sink, topk_length, out, lse,
-                                   dout, ctx.config["bwd_dq"], ctx.config["bwd_dkv"])
-        return None, dq, dkv, None, None, None, dsink, None, None
+                                   dout, ctx.config, deterministic)
+        return None, dq, dkv, None, None, None, dsink, None, None, None
 
 
 def sparse_mla_forward(args: dict, config: CallConfig, run_forward=_forward) -> SparseMLAOutput:
     """Launch sparse MLA on validated arguments (registry.ops.sparse_mla's dict) with the "fwd" role's
-    config; a backward, when autograd asks for one, runs its dq and dkv passes with the "bwd_dq" and
-    "bwd_dkv" roles' configs. `run_forward` is the forward launcher (batched-layout tensors in,
-    (out, max_logits, lse) out): this module's head-block kernel, or another variant's kernel that
-    shares this backward."""
+    config; a backward, when autograd asks for one, runs the "bwd_pre" and "bwd_fused" roles (or, when
+    deterministic, "bwd_pre", "bwd_dq", "bwd_dkv" and "bwd_sum"). `run_forward` is the forward launcher
+    (batched-layout tensors in, (out, max_logits, lse) out): this module's head-block kernel, or another
+    variant's kernel that shares this backward."""
     q, kv, indices = args["q"], args["kv"], args["indices"]
     batched = q.dim() == 4
     qb, kvb, ib = _batched(q, batched), _batched(kv, batched), _batched(indices, batched)
@@ -489,7 +747,7 @@ def sparse_mla_forward(args: dict, config: CallConfig, run_forward=_forward) -> 
                                               or (sink is not None and sink.requires_grad))
     if wants_grad:
         out, max_logits, lse = _SparseMLAFunction.apply(run_forward, qb, kvb, ib, args["sm_scale"], args["d_v"],
-                                                        sink, lengths, config)
+                                                        sink, lengths, config, args["deterministic"])
     else:
         out, max_logits, lse = run_forward(qb, kvb, ib, args["sm_scale"], args["d_v"], sink, lengths, config["fwd"])
     if not batched:
@@ -504,8 +762,11 @@ def _compile_signature(names: list[str], pointers: dict[str, str], floats: tuple
 
 
 _ROLE_KERNELS = {"fwd": (_sparse_mla_fwd_kernel, ("qk_scale",)),
+                 "bwd_pre": (_sparse_mla_bwd_pre_kernel, ()),
+                 "bwd_fused": (_sparse_mla_bwd_fused_kernel, ("sm_scale",)),
                  "bwd_dq": (_sparse_mla_bwd_dq_kernel, ("sm_scale",)),
-                 "bwd_dkv": (_sparse_mla_bwd_dkv_kernel, ("sm_scale",))}
+                 "bwd_dkv": (_sparse_mla_bwd_dkv_kernel, ()),
+                 "bwd_sum": (_sparse_mla_bwd_sum_kernel, ())}
 
 
 def sparse_mla_compile_specs(key: dict, config: CallConfig, roles: tuple[str, ...], dtype: str = "bf16"
@@ -515,23 +776,29 @@ def sparse_mla_compile_specs(key: dict, config: CallConfig, roles: tuple[str, ..
     block_dv, block_dt = dim_blocks(key["d_qk"], key["d_v"])
     elem = f"*{key.get('dtype', dtype)}"
     pointers = {n: elem for n in ("Q", "KV", "OUT", "DOUT", "DQ", "PDS")}
-    pointers.update({n: "*fp32" for n in ("SINK", "MAX_LOGITS", "LSE", "DKV", "DSINK")})
+    pointers.update({n: "*fp32" for n in ("SINK", "MAX_LOGITS", "LSE", "DKV", "DSINK", "DELTA", "SHIFT", "WS")})
     pointers.update({n: "*i32" for n in ("IDX", "TOPK_LEN")})
+    pointers.update({n: "*i64" for n in ("ORDER", "SEGMENTS")})
     heads_per_group = key["h_q"] // key["h_kv"]
     specs = []
     for role in roles:
         fn, floats = _ROLE_KERNELS[role]
-        blocks = config[role].blocks
-        block_h = min(blocks["BLOCK_H"], group_head_cap(heads_per_group))
+        if role == "bwd_fused":
+            blocks = fused_blocks(config[role], heads_per_group, block_dv)
+        elif "BLOCK_H" in config[role].blocks:
+            blocks = _capped(config[role], heads_per_group)
+        else:
+            blocks = dict(config[role].blocks)
         constexprs = {"D_V": key["d_v"], "D_TAIL": key["d_qk"] - key["d_v"], "BLOCK_DV": block_dv,
-                      "BLOCK_DT": block_dt, "BLOCK_H": block_h, "BLOCK_TOPK": blocks["BLOCK_TOPK"],
-                      "HAS_SINK": True, "HAS_TOPK_LEN": True, "ROWS_I32": True, "D_SPLIT": blocks.get("D_SPLIT")}
+                      "BLOCK_DT": block_dt, "HAS_SINK": True, "HAS_TOPK_LEN": True, "ROWS_I32": True, **blocks}
         constexprs = {n: v for n, v in constexprs.items() if n in fn.arg_names}
         names = [n for n in fn.arg_names if n not in constexprs]
         signature = _compile_signature(names, {n: t for n, t in pointers.items() if n in names}, floats)
-        sizes = {"topk": key["topk"], "heads_per_group": heads_per_group,
-                 "head_blocks": cdiv(heads_per_group, block_h),
-                 "topk_tiles": cdiv(key["topk"], blocks["BLOCK_TOPK"])}
+        sizes = {"topk": key["topk"], "heads_per_group": heads_per_group, "d_qk": key["d_qk"]}
+        if "BLOCK_H" in blocks:
+            sizes["head_blocks"] = cdiv(heads_per_group, blocks["BLOCK_H"])
+        if "BLOCK_TOPK" in blocks:
+            sizes["topk_tiles"] = cdiv(key["topk"], blocks["BLOCK_TOPK"])
         specs.append(CompileSpec(role, fn, signature, constexprs,
                                  values={n: v for n, v in sizes.items() if n in names}))
     return specs
@@ -546,9 +813,11 @@ def heads_fit_group(config: LaunchConfig, key: dict) -> bool:
 
 class SparseMLALaunch:
     """`launch` and `bind` of every sparse_mla variant: its forward launcher (`run_forward`, see
-    sparse_mla_forward) and this module's backward."""
+    sparse_mla_forward) and this module's backward. The deterministic backward's roles are gated and
+    timed under `deterministic=True` (`role_arguments`), the only calls that run them."""
 
     run_forward = staticmethod(_forward)
+    role_arguments = {role: {"deterministic": True} for role in ("bwd_dq", "bwd_dkv", "bwd_sum")}
 
     def launch(self, args: dict, config: CallConfig) -> SparseMLAOutput:
         return sparse_mla_forward(args, config, self.run_forward)
@@ -558,13 +827,14 @@ class SparseMLALaunch:
         return lambda args: sparse_mla_forward(args, config, run_forward)
 
     def backward(self, args: dict, config: CallConfig, outputs: tuple, grad: torch.Tensor) -> dict:
-        """The dq and dkv passes on the forward's saved out and lse (what `_SparseMLAFunction` runs)."""
+        """The backward passes on the forward's saved out and lse (what `_SparseMLAFunction` runs)."""
         batched = args["q"].dim() == 4
         q, kv, indices, lengths, out, lse, dout = (
             _batched(t, batched)
             for t in (args["q"], args["kv"], args["indices"], args["topk_length"], outputs[0], outputs[2], grad))
+        deterministic = args["deterministic"] or torch.are_deterministic_algorithms_enabled()
         dq, dkv, dsink = _backward(q, kv, indices, args["sm_scale"], args["d_v"], args["attn_sink"], lengths, out,
-                                   lse, dout, config["bwd_dq"], config["bwd_dkv"])
+                                   lse, dout, config, deterministic)
         if not batched:
             dq, dkv = dq[0], dkv[0]
         return {"q": dq, "kv": dkv, "attn_sink": dsink}
@@ -574,8 +844,10 @@ class SparseMLAHeadBlockBase(SparseMLALaunch):
     """The head-block variant's logic; each vendor file subclasses it with `Variant` and sets its data:
 
     spaces: a ConfigSpace per role: "fwd" (blocks BLOCK_H, BLOCK_TOPK and D_SPLIT, the value part of
-        d_qk in 1 or 2 D tiles), "bwd_dq" (BLOCK_H, BLOCK_TOPK) and "bwd_dkv" (BLOCK_H, its head chunk,
-        and BLOCK_TOPK); each keeps `heads_fit_group`;
+        d_qk in 1 or 2 D tiles); the default backward's "bwd_pre" (BLOCK_H) and "bwd_fused" (BLOCK_H,
+        BLOCK_TOPK and D_SPLIT, the value part of [Q; dO] in that many column chunks); the deterministic
+        backward's "bwd_dq" (BLOCK_H, BLOCK_TOPK), "bwd_dkv" (BLOCK_H, its head chunk, and BLOCK_TOPK)
+        and "bwd_sum" (BLOCK_D columns per program); each with a head block keeps `heads_fit_group`;
     ACC_REGS_LIMIT: the fp32 accumulator registers per thread (out's BLOCK_H * BLOCK_DV, dq's the same,
         dkv's BLOCK_TOPK * BLOCK_DV, over the threads) above which a config cannot avoid spilling on
         that vendor (AMD's unified VGPR/AGPR file is larger), further capped at half of each thread's
@@ -586,8 +858,9 @@ class SparseMLAHeadBlockBase(SparseMLALaunch):
 
     op = "sparse_mla"
     name = "sparse_mla_headblock"
-    kernels = {"fwd": _sparse_mla_fwd_kernel, "bwd_dq": _sparse_mla_bwd_dq_kernel,
-               "bwd_dkv": _sparse_mla_bwd_dkv_kernel}
+    kernels = {"fwd": _sparse_mla_fwd_kernel, "bwd_pre": _sparse_mla_bwd_pre_kernel,
+               "bwd_fused": _sparse_mla_bwd_fused_kernel, "bwd_dq": _sparse_mla_bwd_dq_kernel,
+               "bwd_dkv": _sparse_mla_bwd_dkv_kernel, "bwd_sum": _sparse_mla_bwd_sum_kernel}
     ACC_REGS_LIMIT = 128
     Q_IN_SHARED = True
 
@@ -598,15 +871,15 @@ class SparseMLAHeadBlockBase(SparseMLALaunch):
         """The space's default with its head block capped by the group's heads."""
         config = super().role_default(role, key, device)
         cap = group_head_cap(key["h_q"] // key["h_kv"])
-        if config.blocks["BLOCK_H"] <= cap:
+        if config.blocks.get("BLOCK_H", 0) <= cap:
             return config
         return config.model_copy(update={"blocks": {**config.blocks, "BLOCK_H": cap}})
 
     def prune_reason(self, role: str, config: LaunchConfig, key: dict, device) -> str | None:
         """Static pruning of what cannot fit; loose on purpose (the compile check is authoritative)."""
-        if device.key == "cpu":
+        if device.key == "cpu" or role == "bwd_sum":
             return None
-        block_dv, _ = dim_blocks(key["d_qk"], key["d_v"])
+        block_dv, block_dt = dim_blocks(key["d_qk"], key["d_v"])
         blocks = config.blocks
         threads = config.num_warps * device.warp_size
         # The accumulator may take at most half of a thread's share of the register file.
@@ -615,17 +888,22 @@ class SparseMLAHeadBlockBase(SparseMLALaunch):
         acc_regs = rows * block_dv // threads
         if acc_regs > limit:
             return f"accumulator needs {acc_regs} registers per thread (> {limit})"
-        if role != "fwd":
+        if role not in ("fwd", "bwd_fused"):
             return None
         tiles = blocks["D_SPLIT"]
         if block_dv // tiles < 16:
             return f"D tiles of {block_dv // tiles} columns (< 16, tl.dot's K)"
         # The value part dominates the tiles: the gathered kv tile stays resident for the pipeline's
-        # stages in flight; Q stays resident on NVIDIA and passes through once on AMD, where the
-        # operands go through LDS one dot (one D tile) at a time.
-        kv_tile = blocks["BLOCK_TOPK"] * block_dv * 2
-        q_tile = blocks["BLOCK_H"] * block_dv * 2
-        resident = kv_tile * max(1, config.num_stages - 1)
+        # stages in flight; Q (the fused backward: [Q; dO] and Q's tail) stays resident on NVIDIA and
+        # passes through once on AMD, where the operands go through LDS one dot (one D tile) at a time.
+        if role == "fwd":
+            kv_tile = blocks["BLOCK_TOPK"] * block_dv * 2
+            q_tile = blocks["BLOCK_H"] * block_dv * 2
+            resident = kv_tile * max(1, config.num_stages - 1)
+        else:
+            kv_tile = blocks["BLOCK_TOPK"] * (block_dv + block_dt) * 2
+            q_tile = blocks["BLOCK_H"] * (2 * block_dv + block_dt) * 2
+            resident = kv_tile * max(1, config.num_stages)
         smem = resident + q_tile if self.Q_IN_SHARED else max(resident, q_tile) // tiles
         if smem > device.shared_mem_bytes:
             return f"needs ~{smem} B of shared memory/LDS (> {device.shared_mem_bytes})"
@@ -637,5 +915,8 @@ class SparseMLAHeadBlockBase(SparseMLALaunch):
 
 # The interpreter's block shapes, shared by both vendors (their defaults first).
 INTERPRETER_FWD = ({"BLOCK_H": 16, "BLOCK_TOPK": 16, "D_SPLIT": 1}, {"BLOCK_H": 16, "BLOCK_TOPK": 32, "D_SPLIT": 2})
+INTERPRETER_PRE = ({"BLOCK_H": 16},)
+INTERPRETER_FUSED = ({"BLOCK_H": 16, "BLOCK_TOPK": 16, "D_SPLIT": 2}, {"BLOCK_H": 32, "BLOCK_TOPK": 32, "D_SPLIT": 1})
 INTERPRETER_DQ = ({"BLOCK_H": 32, "BLOCK_TOPK": 64}, {"BLOCK_H": 16, "BLOCK_TOPK": 32})
 INTERPRETER_DKV = ({"BLOCK_H": 16, "BLOCK_TOPK": 64}, {"BLOCK_H": 16, "BLOCK_TOPK": 32})
+INTERPRETER_SUM = ({"BLOCK_D": 64},)

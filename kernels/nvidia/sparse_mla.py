@@ -51,7 +51,10 @@ from kernels.base import CompileSpec, Variant
 from kernels.common.sparse_mla import (
     INTERPRETER_DKV,
     INTERPRETER_DQ,
+    INTERPRETER_FUSED,
     INTERPRETER_FWD,
+    INTERPRETER_PRE,
+    INTERPRETER_SUM,
     SparseMLAHeadBlockBase,
     _compile_signature,
     forward_launch,
@@ -77,9 +80,29 @@ class SparseMLAHeadBlockNvidia(SparseMLAHeadBlockBase, Variant):
             defaults={"*": {"BLOCK_H": 64, "BLOCK_TOPK": 64, "D_SPLIT": 1, "num_warps": 8, "num_stages": 3}},
             interpreter=INTERPRETER_FWD,
         ),
-        # The backward's defaults: the fastest spill-free pair measured on the H200 at the V3.2 shape
-        # (benchmarks/NOTES.md): dq with 32 heads per program (64 spill), dkv with 64-row tiles and
-        # 16-head chunks (32-head chunks at 3 stages need 240 KB of shared memory at run time).
+        # The default backward: a small pre pass (Delta, shift, sink terms), then the fused pass. Its
+        # default is the widest tile that compiles at every V3.2 preset key for sm_90 with no spill and
+        # fits in shared memory: [Q; dO] of 64 heads (136 KB) and Q's tail stay resident beside the
+        # pipelined 16-slot gathers (190 KB); it runs at 255 registers, and 2 stages spill 8 B at
+        # h_q 64. 32-slot tiles spill at one stage and overflow shared memory at two (242 KB).
+        "bwd_pre": ConfigSpace(
+            blocks={"BLOCK_H": (16, 32)},
+            knobs={"num_warps": (4,)},
+            keep=heads_fit_group,
+            defaults={"*": {"BLOCK_H": 16, "num_warps": 4}},
+            interpreter=INTERPRETER_PRE,
+        ),
+        "bwd_fused": ConfigSpace(
+            blocks={"BLOCK_H": (16, 32, 64), "BLOCK_TOPK": (16, 32), "D_SPLIT": (2, 4)},
+            knobs={"num_warps": (4, 8), "num_stages": (1, 2, 3)},
+            keep=heads_fit_group,
+            defaults={"*": {"BLOCK_H": 64, "BLOCK_TOPK": 16, "D_SPLIT": 4, "num_warps": 8, "num_stages": 3}},
+            interpreter=INTERPRETER_FUSED,
+        ),
+        # The deterministic backward's dq and dkv passes: the fastest spill-free pair measured on the
+        # H200 at the V3.2 shape when they were the default backward (benchmarks/NOTES.md): dq with 32
+        # heads per program (64 spill), dkv with 64-row tiles and 16-head chunks (32-head chunks at 3
+        # stages need 240 KB of shared memory at run time).
         "bwd_dq": ConfigSpace(
             blocks={"BLOCK_H": (16, 32, 64), "BLOCK_TOPK": (32, 64)},
             knobs={"num_warps": (4, 8), "num_stages": (2, 3)},
@@ -93,6 +116,13 @@ class SparseMLAHeadBlockNvidia(SparseMLAHeadBlockBase, Variant):
             keep=heads_fit_group,
             defaults={"*": {"BLOCK_H": 16, "BLOCK_TOPK": 64, "num_warps": 8, "num_stages": 3}},
             interpreter=INTERPRETER_DKV,
+        ),
+        # Adds the dkv pass's rows per kv row: bound by the rows' bytes and the latency of each load.
+        "bwd_sum": ConfigSpace(
+            blocks={"BLOCK_D": (64, 128, 256)},
+            knobs={"num_warps": (1, 2, 4)},
+            defaults={"*": {"BLOCK_D": 128, "num_warps": 1}},
+            interpreter=INTERPRETER_SUM,
         ),
     }
     ACC_REGS_LIMIT = 128
@@ -442,7 +472,7 @@ class SparseMLAWarpSpecializedHopper(SparseMLAHeadBlockNvidia):
         return None
 
     def compile_specs(self, key: dict, config: CallConfig, dtype: str = "bf16") -> list[CompileSpec]:
-        """This forward (with sink and topk_length) and the head-block backward's two passes."""
+        """This forward (with sink and topk_length) and the head-block variant's backward kernels."""
         fn = _sparse_mla_fwd_ws_kernel
         constexprs = {"D_V": key["d_v"], "D_TAIL": key["d_qk"] - key["d_v"], "HAS_SINK": True, "HAS_TOPK_LEN": True,
                       **config["fwd"].blocks}
@@ -455,4 +485,4 @@ class SparseMLAWarpSpecializedHopper(SparseMLAHeadBlockNvidia):
                   "head_blocks": triton.cdiv(heads_per_group, BLOCK_H.value)}
         forward = CompileSpec("fwd", fn, _compile_signature(names, pointers, ("qk_scale",)), constexprs,
                               {"num_warps": 4}, values)
-        return [forward, *sparse_mla_compile_specs(key, config, ("bwd_dq", "bwd_dkv"), dtype)]
+        return [forward, *sparse_mla_compile_specs(key, config, self.roles[1:], dtype)]

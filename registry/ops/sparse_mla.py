@@ -64,11 +64,12 @@ def validate(
     d_v: int = 512,
     attn_sink: torch.Tensor | None = None,
     topk_length: torch.Tensor | None = None,
+    deterministic: bool = False,
 ) -> dict:
     """Sparse MLA forward (DeepSeek-V3.2), FlashMLA-compatible.
 
-    sparse_mla(q, kv, indices, sm_scale=None, d_v=512, attn_sink=None, topk_length=None)
-        -> SparseMLAOutput(out, max_logits, lse)
+    sparse_mla(q, kv, indices, sm_scale=None, d_v=512, attn_sink=None, topk_length=None,
+               deterministic=False) -> SparseMLAOutput(out, max_logits, lse)
 
     Layouts (unbatched, or batched with a leading b and indices local to each batch row):
         q            [s_q, h_q, d_qk]     or [b, s_q, h_q, d_qk]      bf16/fp16 (fp32: reference only)
@@ -94,11 +95,15 @@ def validate(
     lse [.., s_q, h_q] fp32).
 
     Differentiable for q, kv (through its key and its value role) and attn_sink; max_logits carries no
-    gradient. Kernel backwards may accumulate dkv with atomics (non-deterministic summation order).
+    gradient. Kernel backwards may accumulate dkv with atomics (a summation order, and so last bits of
+    dkv, that vary between runs); `deterministic=True` (a keyword after FlashMLA's arguments, so its
+    call form is unchanged), or torch.use_deterministic_algorithms(True), asks for a backward without
+    atomics whose gradients are bitwise identical from run to run, at a measured cost
+    (benchmarks/sparse_mla.py).
 
     Raises ValueError/TypeError naming the argument for wrong ranks, shapes, dtypes (indices and
     topk_length int32, attn_sink fp32) or devices, a non-contiguous last dimension, h_q not divisible
-    by h_kv, d_v > d_qk, or an empty tensor.
+    by h_kv, d_v > d_qk, an empty tensor, or a non-bool deterministic.
     """
     # Each tensor attribute read costs ~0.1-0.4 us: fast compares first, the helpers only word errors.
     main = (("q", q), ("kv", kv), ("indices", indices))
@@ -176,8 +181,10 @@ def validate(
             require_same_device([("q", q), ("topk_length", topk_length)])
         if topk_length.stride(-1) != 1:
             require_last_contiguous("topk_length", topk_length)
+    if deterministic is not True and deterministic is not False:
+        raise TypeError(f"deterministic: expected a bool, got {type(deterministic).__name__}")
     args = Args(q=q, kv=kv, indices=indices, sm_scale=sm_scale, d_v=d_v, attn_sink=attn_sink,
-                topk_length=topk_length)
+                topk_length=topk_length, deterministic=deterministic)
     # A contiguous kv's strides are multiples of d_qk: 16-element multiples when d_qk is.
     aligned = kv.data_ptr() % 16 == 0 and (d_qk % 16 == 0 if kv_contiguous else kv_rows_aligned(kv))
     args.key = (qs, ks, js, dtype, d_v, aligned)
@@ -192,8 +199,10 @@ def reference(
     d_v: int,
     attn_sink: torch.Tensor | None = None,
     topk_length: torch.Tensor | None = None,
+    deterministic: bool = False,
 ) -> SparseMLAOutput:
-    """The PyTorch semantics of `sparse_mla` (see `validate`), in fp32, chunked over queries.
+    """The PyTorch semantics of `sparse_mla` (see `validate`), in fp32, chunked over queries
+    (`deterministic` changes nothing here).
 
     fp64 inputs (tests' gradcheck only) are computed and returned in fp64.
     """
