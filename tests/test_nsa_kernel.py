@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from kernels.common.nsa import NSAForward, nsa_forward_parts
+from kernels.common.nsa_backward import ROLES as BACKWARD_ROLES
 from registry.catalog import load_all
 from registry.device import CPU, detect, preset
 from registry.ops import OPS
@@ -247,6 +248,6 @@ def test_defaults_fit_the_targets_without_compiling():
                                 (VARIANTS["amd"], "mi300x"), (VARIANTS["amd"], "mi355x")):
             device = preset(target)
             config = variant.default_config(key, device)
-            assert set(config.roles()) == {"compress", "cmp", "swa", "slc"}
+            assert set(config.roles()) == {"compress", "cmp", "swa", "slc", *BACKWARD_ROLES}
             for role in config.roles():
                 assert variant.prune_reason(role, config[role], key, device) is None, (target, role, config[role])

@@ -268,7 +268,7 @@ def test_presets_and_reduce_shape():
                     "window": 512}
     assert short == {**full, "t": 8192}
     assert OP.reduce_shape(full) == {**full, "t": 2048}
-    assert not OP.differentiable and OP.outputs == ("out",)
+    assert OP.grad_inputs == ("q", "k", "v", "g_cmp", "g_slc", "g_swa") and OP.outputs == ("out",)
 
 
 def test_tuning_key_buckets_length():

@@ -15,6 +15,7 @@ from dataclasses import replace
 from kernels.amd.flash_attention import AttentionAmd
 from kernels.base import Variant
 from kernels.common.nsa import INTERPRETER_TILES, NSAGroupCentricBase, cmp_tokens, slc_heads
+from kernels.common.nsa_backward import INTERPRETER, SWA_ROLES
 from kernels.common.tiles import dot_block, next_pow2
 from registry.catalog import register
 from tuning.space import ConfigSpace
@@ -60,6 +61,38 @@ class NSAGroupCentricAmd(NSAGroupCentricBase, Variant):
             defaults={"*": {"BLOCK_N": 64, "num_warps": 4, "num_stages": 1, **_DEFAULT_KNOBS}},
             interpreter=INTERPRETER_TILES["slc"],
         ),
+        # Backward (kernels/common/nsa_backward.py). Defaults compile without spills for gfx942 and
+        # gfx950 at d 128, group 16; 8-warp 64-row dK/dV tiles spill on gfx942.
+        "bwd_gate": ConfigSpace(
+            blocks={"BLOCK_M": (16, 32, 64)}, knobs={"num_warps": (4, 8), "num_stages": (1,)},
+            defaults={"*": {"BLOCK_M": 32, "num_warps": 4, "num_stages": 1}}, interpreter=INTERPRETER["bwd_gate"],
+        ),
+        "bwd_cmp_dq": ConfigSpace(
+            blocks={"BLOCK_M": (32, 64, 128), "BLOCK_N": (16, 32, 64)}, knobs=_KNOBS,
+            arch={"gfx942": {"kpack": (1, 2)}},
+            defaults={"*": {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1, **_DEFAULT_KNOBS}},
+            interpreter=INTERPRETER["bwd_cmp_dq"],
+        ),
+        "bwd_cmp_dkv": ConfigSpace(
+            blocks={"BLOCK_M": (16, 32), "BLOCK_N": (32, 64, 128), "BLOCK_T": (1024, 2048, 4096)}, knobs=_KNOBS,
+            arch={"gfx942": {"kpack": (1, 2)}},
+            defaults={"*": {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_T": 2048, "num_warps": 4, "num_stages": 1,
+                            **_DEFAULT_KNOBS}},
+            interpreter=INTERPRETER["bwd_cmp_dkv"],
+        ),
+        "bwd_slc_dq": ConfigSpace(
+            blocks={"BLOCK_N": (16, 32, 64)}, knobs={**_KNOBS, "matrix_instr_nonkdim": (16,)},
+            arch={"gfx942": {"kpack": (1, 2)}},
+            defaults={"*": {"BLOCK_N": 64, "num_warps": 4, "num_stages": 1, **_DEFAULT_KNOBS}},
+            interpreter=INTERPRETER["bwd_slc_dq"],
+        ),
+        "bwd_slc_dkv": ConfigSpace(
+            blocks={"BLOCK_M": (16, 32), "BLOCK_N": (32, 64)}, knobs=_KNOBS, arch={"gfx942": {"kpack": (1, 2)}},
+            defaults={"*": {"BLOCK_M": 16, "BLOCK_N": 64, "num_warps": 4, "num_stages": 1, **_DEFAULT_KNOBS}},
+            interpreter=INTERPRETER["bwd_slc_dkv"],
+        ),
+        **{role: replace(AttentionAmd.spaces[name], interpreter=INTERPRETER[role])
+           for role, name in SWA_ROLES.items()},
     }
     HEAD_DIM_DEFAULTS = {
         "cmp": ((128, {}), (256, {"BLOCK_M": 64, "num_warps": 4, "waves_per_eu": 1})),

@@ -78,6 +78,8 @@ from kernels.common.attention import (
     attention_forward,
 )
 from kernels.common.gsa_sparse_attention import rows_fit_int32
+from kernels.common.nsa_backward import KERNELS as BACKWARD_KERNELS
+from kernels.common.nsa_backward import SWA_ROLES, nsa_backward, nsa_backward_compile_specs
 from kernels.common.tiles import cdiv, dot_block, next_pow2
 from tuning_db.records import CallConfig, LaunchConfig
 
@@ -455,16 +457,56 @@ def _run(args: dict, config: CallConfig, parts: bool) -> NSAForward:
     return NSAForward(out, o_cmp, lse_cmp, o_slc, lse_slc, o_swa, lse_swa, blocks)
 
 
-def nsa_forward(args: dict, config: CallConfig) -> torch.Tensor:
-    """nsa on validated arguments (registry.ops.nsa's dict) with one config per role ("compress",
-    "cmp", "swa", "slc"): out only; o_slc and the lse tensors are never stored."""
-    return _run(args, config, parts=False).out
-
-
 def nsa_forward_parts(args: dict, config: CallConfig) -> NSAForward:
     """nsa on validated arguments, keeping what a backward needs: every branch's ungated output and
     lse, and the block ids attended (`NSAForward`)."""
     return _run(args, config, parts=True)
+
+
+GRAD_INPUTS = ("q", "k", "v", "g_cmp", "g_slc", "g_swa")
+
+
+def nsa_gradients(args: dict, config: CallConfig, parts: NSAForward, dout: torch.Tensor) -> dict:
+    """The backward kernels (kernels.common.nsa_backward) on a forward's parts: gradients by argument
+    name (q, k, v and the three gates)."""
+    grads = nsa_backward(
+        args["q"], args["k"], args["v"], args["g_cmp"], args["g_slc"], args["g_swa"], dout,
+        block_size=args["block_size"], window=args["window"], sm_scale=args["sm_scale"],
+        block_indices=parts.block_indices, o_cmp=parts.o_cmp, lse_cmp=parts.lse_cmp, o_slc=parts.o_slc,
+        lse_slc=parts.lse_slc, o_swa=parts.o_swa, lse_swa=parts.lse_swa, config=config)
+    return dict(zip(GRAD_INPUTS, grads, strict=True))
+
+
+
+class _NSAFunction(torch.autograd.Function):
+    """Autograd for an eager call: the forward keeps its parts (branch outputs, lse, block ids) for the
+    backward kernels. The selection is not differentiable; gradients flow to q, k, v and the gates."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g_cmp, g_slc, g_swa, args: dict, config: CallConfig):
+        parts = nsa_forward_parts(args, config)
+        ctx.save_for_backward(q, k, v, g_cmp, g_slc, g_swa, *parts[1:])
+        ctx.rest = {name: args[name] for name in ("block_size", "block_count", "window", "sm_scale")}
+        ctx.config = config
+        return parts.out
+
+    @staticmethod
+    def backward(ctx, dout):
+        saved = ctx.saved_tensors
+        args = {**dict(zip(GRAD_INPUTS, saved[:6], strict=True)), **ctx.rest}
+        parts = NSAForward(None, *saved[6:])
+        grads = nsa_gradients(args, ctx.config, parts, dout)
+        return (*(grads[name] for name in GRAD_INPUTS), None, None)
+
+
+def nsa_forward(args: dict, config: CallConfig) -> torch.Tensor:
+    """nsa on validated arguments (registry.ops.nsa's dict) with one config per role: out. Without
+    gradients o_slc and the lse tensors are never stored; with them the call runs under
+    `_NSAFunction`, whose backward launches the bwd_* roles."""
+    tensors = [args[name] for name in GRAD_INPUTS]
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return _NSAFunction.apply(*tensors, args, config)
+    return _run(args, config, parts=False).out
 
 
 # ----------------------------------------------------------------------------- offline compiles
@@ -501,7 +543,7 @@ def nsa_compile_specs(key: dict, config: CallConfig, dtype: str = "fp16") -> lis
     for spec in attention_compile_specs(window_key, CallConfig({"fwd": config["swa"]}), ("fwd",), dtype):
         if not spec.constexprs["IS_VARLEN"]:
             specs.append(replace(spec, role="swa"))
-    return specs
+    return specs + nsa_backward_compile_specs(key, config, key.get("dtype", dtype))
 
 
 # ----------------------------------------------------------------------------- the variant
@@ -531,7 +573,7 @@ class NSAGroupCentricBase:
     op = "nsa"
     name = "nsa_group_centric"
     kernels = {"compress": _nsa_compress_kernel, "cmp": _nsa_cmp_kernel, "swa": _attention_fwd_kernel,
-               "slc": _nsa_slc_kernel}
+               "slc": _nsa_slc_kernel, **BACKWARD_KERNELS}
     HEAD_DIM_DEFAULTS: dict = {}
     WINDOW = None
 
@@ -544,6 +586,10 @@ class NSAGroupCentricBase:
     def _shared(self, role: str, config: LaunchConfig, key: dict) -> int:
         if role == "swa":
             return self.WINDOW.shared_bytes("fwd", config, dot_block(key["d"]), 2)
+        if role in SWA_ROLES:
+            return self.WINDOW.shared_bytes(SWA_ROLES[role], config, dot_block(key["d"]), 2)
+        if role.startswith("bwd_"):
+            return 0  # no estimate: the sweep's offline compile decides
         return self.shared_bytes(role, config, key)
 
     def prune_reason(self, role: str, config: LaunchConfig, key: dict, device) -> str | None:
@@ -559,7 +605,9 @@ class NSAGroupCentricBase:
         spans = {"slc": {"BLOCK_N": next_pow2(key["block_size"]) * next_pow2(key["block_count"])},
                  "compress": {"BLOCK_N": next_pow2(key["block_size"])},
                  "swa": {"BLOCK_M": key["t"], "BLOCK_N": key["t"]},
-                 "cmp": {"BLOCK_N": max(1, key["t"] // key["block_size"])}}[role]
+                 "cmp": {"BLOCK_N": max(1, key["t"] // key["block_size"])},
+                 "bwd_slc_dq": {"BLOCK_N": next_pow2(key["block_size"])},
+                 "bwd_slc_dkv": {"BLOCK_N": next_pow2(key["block_size"])}}.get(role, {})
         for block, span in spans.items():
             if blocks[block] > span and blocks[block] > smallest[block]:
                 return f"{block}={blocks[block]} is longer than the {span} it covers"
@@ -579,7 +627,11 @@ class NSAGroupCentricBase:
         if device.key == "cpu":
             return base
         fields = {**base.blocks, **base.knobs()}
-        rows = self.WINDOW.HEAD_DIM_DEFAULTS.get("fwd", ()) if role == "swa" else self.HEAD_DIM_DEFAULTS.get(role, ())
+        window_role = {"swa": "fwd", **SWA_ROLES}.get(role)
+        if window_role:
+            rows = self.WINDOW.HEAD_DIM_DEFAULTS.get(window_role, ())
+        else:
+            rows = self.HEAD_DIM_DEFAULTS.get(role, ())
         fields.update(next((row for d_max, row in rows if key["d"] <= d_max), {}))
         smallest = {n: min(v) for n, v in space.block_values(device).items()}
         # No tile longer than what it covers (down to the space's smallest); a selected-branch step
@@ -597,7 +649,7 @@ class NSAGroupCentricBase:
         while self.prune_reason(role, config, key, device) is not None:
             if config.num_stages > 1:
                 config = config.model_copy(update={"num_stages": config.num_stages - 1})
-            elif config.blocks["BLOCK_N"] > 16:
+            elif config.blocks.get("BLOCK_N", 0) > 16:
                 blocks = {**config.blocks, "BLOCK_N": config.blocks["BLOCK_N"] // 2}
                 config = config.model_copy(update={"blocks": LaunchConfig(blocks=blocks).blocks})
             else:
@@ -609,6 +661,11 @@ class NSAGroupCentricBase:
 
     def bind(self, config: CallConfig):
         return lambda args: nsa_forward(args, config)
+
+    def backward(self, args: dict, config: CallConfig, outputs: tuple, grad: torch.Tensor) -> dict:
+        """The backward kernels for the custom op's autograd: its saved output is `out` alone, so the
+        forward runs again to keep the parts (one more forward, about a third of the backward)."""
+        return nsa_gradients(args, config, nsa_forward_parts(args, config), grad)
 
     def compile_specs(self, key: dict, config: CallConfig, dtype: str = "fp16") -> list[CompileSpec]:
         return nsa_compile_specs(key, config, dtype)

@@ -70,7 +70,8 @@ def validate(
 
     Window branch: softmax attention over the keys [max(0, i - window + 1), i].
 
-    Returns out [b, t, h_q, d] like q. Not differentiable here.
+    Returns out [b, t, h_q, d] like q. Differentiable in q, k, v and the three gates; the selection
+    (block ids) is not, so no gradient flows through which blocks were chosen.
 
     Raises ValueError/TypeError naming the argument for wrong shapes, dtypes (block_indices int32) or
     devices, a non-contiguous last dimension, h_q not divisible by h_kv, a block_size, block_count or
@@ -421,4 +422,5 @@ OP = Op(
     length_dims=("t",),
     output_specs=output_specs,
     error=output_error,
+    grad_inputs=("q", "k", "v", "g_cmp", "g_slc", "g_swa"),
 )
