@@ -105,7 +105,9 @@ def test_compile_error_is_a_report(tmp_path):
         report = compile_config(spec, LaunchConfig(), preset(sys.argv[1]))
         print(json.dumps({"fits": report.fits, "reason": report.reason, "registers": report.registers}))
     """))
-    proc = subprocess.run([sys.executable, str(script), "mi355x"], cwd=ROOT, env={**_env(), "PYTHONPATH": str(ROOT)},
+    # The repo first, then whatever path supplies the dependencies (a GPU machine's carried wheels).
+    path = os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))
+    proc = subprocess.run([sys.executable, str(script), "mi355x"], cwd=ROOT, env={**_env(), "PYTHONPATH": path},
                           capture_output=True, text=True, timeout=120)
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert report["fits"] is False and report["registers"] is None

@@ -5,18 +5,11 @@ out-of-range ids, duplicates and rows without a valid id, and the reference's ow
 
 The saved forward tensors (each branch's ungated output, stored in the input dtype, and its lse) come
 from an fp32 torch model of the branches written here. On the CPU the kernels run in the Triton
-interpreter in fp16; on a GPU in bf16. The offline compile check of the proposed default configs (sm_90,
-gfx942, gfx950) runs in a subprocess without TRITON_INTERPRET.
+interpreter in fp16; on a GPU in bf16. The variant's default configs are compiled for sm_90, gfx942
+and gfx950 by tests/test_shipped_and_default_configs.py.
 """
 
 from __future__ import annotations
-
-import json
-import os
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
 
 import pytest
 import torch
@@ -30,7 +23,6 @@ from .conftest import HAS_GPU, gpu
 from .test_ref_nsa import make_case
 
 DTYPE = torch.bfloat16 if HAS_GPU else torch.float16
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _config(which: int = 0) -> CallConfig:
@@ -187,72 +179,27 @@ def test_block_lists_match_a_loop():
 # ----------------------------------------------------------------------------- proposed defaults
 # The default configs proposed for each vendor's variant (d 128, h_q / h_kv 16, block 64): compiled
 # below for sm_90, gfx942 and gfx950 without spills; the GPU test runs them.
-_AMD = {"num_stages": 1, "waves_per_eu": 2, "matrix_instr_nonkdim": 16, "kpack": 1}
-PROPOSED = {
-    "nvidia": {
-        "bwd_gate": {"blocks": {"BLOCK_M": 32}, "num_warps": 4, "num_stages": 1},
-        "bwd_cmp_dq": {"blocks": {"BLOCK_M": 128, "BLOCK_N": 32}, "num_warps": 8, "num_stages": 3},
-        "bwd_cmp_dkv": {"blocks": {"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_T": 2048}, "num_warps": 8, "num_stages": 2},
-        "bwd_slc_dq": {"blocks": {"BLOCK_N": 64}, "num_warps": 4, "num_stages": 2},
-        "bwd_slc_dkv": {"blocks": {"BLOCK_M": 32, "BLOCK_N": 64}, "num_warps": 8, "num_stages": 2},
-        "bwd_swa_pre": {"blocks": {"BLOCK_M": 64}, "num_warps": 4},
-        "bwd_swa_dkv": {"blocks": {"BLOCK_M": 16, "BLOCK_N": 128}, "num_warps": 8, "num_stages": 2},
-        "bwd_swa_dq": {"blocks": {"BLOCK_M": 128, "BLOCK_N": 32}, "num_warps": 8, "num_stages": 3},
-    },
-    "amd": {
-        "bwd_gate": {"blocks": {"BLOCK_M": 32}, "num_warps": 4, "num_stages": 1},
-        "bwd_cmp_dq": {"blocks": {"BLOCK_M": 64, "BLOCK_N": 32}, "num_warps": 4, **_AMD},
-        "bwd_cmp_dkv": {"blocks": {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_T": 2048}, "num_warps": 4, **_AMD},
-        "bwd_slc_dq": {"blocks": {"BLOCK_N": 64}, "num_warps": 4, **_AMD},
-        "bwd_slc_dkv": {"blocks": {"BLOCK_M": 16, "BLOCK_N": 64}, "num_warps": 4, **_AMD},
-        "bwd_swa_pre": {"blocks": {"BLOCK_M": 64}, "num_warps": 4, "num_stages": 1},
-        "bwd_swa_dkv": {"blocks": {"BLOCK_M": 16, "BLOCK_N": 64}, "num_warps": 4, **_AMD},
-        "bwd_swa_dq": {"blocks": {"BLOCK_M": 64, "BLOCK_N": 32}, "num_warps": 4, **_AMD},
-    },
-}
 TARGET_KEY = {"block_count": 16, "block_indices": False, "block_size": 64, "d": 128, "dtype": "bf16", "h_kv": 4,
               "h_q": 64, "t": 65536, "window": 512}
-_COMPILE = textwrap.dedent("""
-    import json, sys
-    from kernels.common.nsa_backward import nsa_backward_compile_specs
+
+
+def _default_config(vendor: str) -> CallConfig:
+    """The registered nsa variant's default call config (backward roles included) at the target key."""
+    from registry.catalog import load_all
     from registry.device import preset
-    from tuning.compile_check import compile_config
-    from tuning_db.records import CallConfig
 
-    key, configs = json.loads(sys.argv[1]), json.loads(sys.argv[2])
-    for target in ("h200", "mi300x", "mi355x"):
-        device = preset(target)
-        config = CallConfig(configs[device.vendor])
-        for spec in nsa_backward_compile_specs(key, config):
-            r = compile_config(spec, config[spec.role], device)
-            print(json.dumps({"arch": device.arch, "role": spec.role, "kernel": r.kernel, "registers": r.registers,
-                              "spills": r.spills, "shared": r.shared_bytes, "fits": r.fits, "reason": r.reason}))
-""")
-
-
-def test_proposed_defaults_compile_without_spills(tmp_path):
-    """Every kernel of the backward (its eight roles) at the proposed defaults compiles for sm_90, gfx942
-    and gfx950 with no spills and within shared memory/LDS (in a process without TRITON_INTERPRET)."""
-    script = tmp_path / "compile_nsa_backward.py"
-    script.write_text(_COMPILE)
-    env = {**{k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, str(script), json.dumps(TARGET_KEY), json.dumps(PROPOSED)], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=600)
-    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert proc.returncode == 0 and rows, proc.stderr[-3000:]
-    for arch in ("sm_90", "gfx942", "gfx950"):
-        assert sorted(r["role"] for r in rows if r["arch"] == arch) == sorted(ROLES), arch
-    unfit = [r for r in rows if not r["fits"] or r["spills"] != 0]
-    assert not unfit, unfit
+    variant = next(v for v in load_all()["nsa"] if v.vendor == vendor)
+    return variant.default_config(TARGET_KEY, preset("h200" if vendor == "nvidia" else "mi355x"))
 
 
 @gpu
-def test_gpu_target_like_shape_with_proposed_defaults():
+def test_gpu_target_like_shape_with_default_configs():
     """The issue's head layout (d 128, 16 query heads per kv head, block 64, 16 blocks, window 512) on a
-    longer sequence, the vendor's proposed defaults, both id sources; bitwise reproducible."""
+    longer sequence, the variant's default configs, both id sources; bitwise reproducible. (The defaults'
+    offline compiles for sm_90/gfx942/gfx950 are tests/test_shipped_and_default_configs.py's.)"""
     from registry.device import detect
 
-    config = CallConfig(PROPOSED[detect().vendor])
+    config = _default_config(detect().vendor)
     case = dict(b=1, t=2113, h_q=32, h_kv=2, d=128, block_size=64, block_count=16, window=512)
     _check(case, config=config, repeat=True)
     _check(case, blocks="select", config=config, seed=7)
@@ -262,7 +209,7 @@ def test_compile_specs_name_every_role_with_its_kernel():
     """One spec per launched kernel, tagged with its role, and the role's kernel is the one KERNELS names."""
     from kernels.common.nsa_backward import KERNELS, nsa_backward_compile_specs
 
-    specs = nsa_backward_compile_specs(TARGET_KEY, CallConfig(PROPOSED["nvidia"]))
+    specs = nsa_backward_compile_specs(TARGET_KEY, _default_config("nvidia"))
     assert [s.role for s in specs] == list(ROLES)
     assert all(s.fn is KERNELS[s.role] for s in specs)
     slc_dq = next(s for s in specs if s.role == "bwd_slc_dq")

@@ -18,7 +18,7 @@ from registry.ops import OPS
 OPS_WITH_NVIDIA = [name for name in OPS if any(v.vendor == "nvidia" for v in load_all().get(name, []))]
 # Ops whose kernels came after the last GPU sweep. Strict: once their tables ship, the test passes, the
 # marker fails it, and the entry goes.
-AWAITING_TABLES = {"nsa": "issue 15: nsa's tables come from an H200/H100 sweep not run yet"}
+AWAITING_TABLES: dict[str, str] = {}
 OP_PARAMS = [pytest.param(name, marks=pytest.mark.xfail(strict=True, reason=AWAITING_TABLES[name]))
              if name in AWAITING_TABLES else name for name in OPS_WITH_NVIDIA]
 
