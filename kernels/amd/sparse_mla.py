@@ -7,11 +7,11 @@ kpack is forced to 1 on gfx950 by Triton, so the space offers it there only.
 
 from kernels.base import Variant
 from kernels.common.sparse_mla import (
+    BWD_PRE_SPACE,
     INTERPRETER_DKV,
     INTERPRETER_DQ,
     INTERPRETER_FUSED,
     INTERPRETER_FWD,
-    INTERPRETER_PRE,
     INTERPRETER_SUM,
     SparseMLAHeadBlockBase,
     heads_fit_group,
@@ -44,13 +44,7 @@ class SparseMLAHeadBlockAmd(SparseMLAHeadBlockBase, Variant):
         # The default backward: the pre pass, then the fused pass. With 8 warps (256 VGPRs per lane)
         # every fused tile spills, so the space keeps 4; there 32 heads x 32 slots fits on both targets
         # (64 heads spill). Its dkv atomics are scalar global_atomic_add_f32 (no vector f32 atomics).
-        "bwd_pre": ConfigSpace(
-            blocks={"BLOCK_H": (16, 32)},
-            knobs={"num_warps": (4,)},
-            keep=heads_fit_group,
-            defaults={"*": {"BLOCK_H": 16, "num_warps": 4}},
-            interpreter=INTERPRETER_PRE,
-        ),
+        "bwd_pre": BWD_PRE_SPACE,
         "bwd_fused": ConfigSpace(
             blocks={"BLOCK_H": (16, 32, 64), "BLOCK_TOPK": (16, 32), "D_SPLIT": (2, 4)},
             knobs={"num_warps": (4,), "num_stages": (1,), "waves_per_eu": (0, 1), "matrix_instr_nonkdim": (16,),

@@ -30,6 +30,7 @@ from kernels.base import CompileSpec
 from kernels.common.tiles import cdiv, dot_block
 from registry.nvtx import nvtx_range
 from registry.ops.sparse_mla import SparseMLAOutput
+from tuning.space import ConfigSpace
 from tuning_db.records import CallConfig, LaunchConfig
 
 # Kernels can only read globals that are constexprs.
@@ -916,6 +917,10 @@ class SparseMLAHeadBlockBase(SparseMLALaunch):
 # The interpreter's block shapes, shared by both vendors (their defaults first).
 INTERPRETER_FWD = ({"BLOCK_H": 16, "BLOCK_TOPK": 16, "D_SPLIT": 1}, {"BLOCK_H": 16, "BLOCK_TOPK": 32, "D_SPLIT": 2})
 INTERPRETER_PRE = ({"BLOCK_H": 16},)
+# The pre pass (Delta, shift, sink terms: row reductions, no products) has no vendor-specific knob:
+# both vendors' variants take this space.
+BWD_PRE_SPACE = ConfigSpace(blocks={"BLOCK_H": (16, 32)}, knobs={"num_warps": (4,)}, keep=heads_fit_group,
+                            defaults={"*": {"BLOCK_H": 16, "num_warps": 4}}, interpreter=INTERPRETER_PRE)
 INTERPRETER_FUSED = ({"BLOCK_H": 16, "BLOCK_TOPK": 16, "D_SPLIT": 2}, {"BLOCK_H": 32, "BLOCK_TOPK": 32, "D_SPLIT": 1})
 INTERPRETER_DQ = ({"BLOCK_H": 32, "BLOCK_TOPK": 64}, {"BLOCK_H": 16, "BLOCK_TOPK": 32})
 INTERPRETER_DKV = ({"BLOCK_H": 16, "BLOCK_TOPK": 64}, {"BLOCK_H": 16, "BLOCK_TOPK": 32})

@@ -49,11 +49,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from kernels.base import CompileSpec, Variant
 from kernels.common.sparse_mla import (
+    BWD_PRE_SPACE,
     INTERPRETER_DKV,
     INTERPRETER_DQ,
     INTERPRETER_FUSED,
     INTERPRETER_FWD,
-    INTERPRETER_PRE,
     INTERPRETER_SUM,
     SparseMLAHeadBlockBase,
     _compile_signature,
@@ -85,13 +85,7 @@ class SparseMLAHeadBlockNvidia(SparseMLAHeadBlockBase, Variant):
         # fits in shared memory: [Q; dO] of 64 heads (136 KB) and Q's tail stay resident beside the
         # pipelined 16-slot gathers (190 KB); it runs at 255 registers, and 2 stages spill 8 B at
         # h_q 64. 32-slot tiles spill at one stage and overflow shared memory at two (242 KB).
-        "bwd_pre": ConfigSpace(
-            blocks={"BLOCK_H": (16, 32)},
-            knobs={"num_warps": (4,)},
-            keep=heads_fit_group,
-            defaults={"*": {"BLOCK_H": 16, "num_warps": 4}},
-            interpreter=INTERPRETER_PRE,
-        ),
+        "bwd_pre": BWD_PRE_SPACE,
         "bwd_fused": ConfigSpace(
             blocks={"BLOCK_H": (16, 32, 64), "BLOCK_TOPK": (16, 32), "D_SPLIT": (2, 4)},
             knobs={"num_warps": (4, 8), "num_stages": (1, 2, 3)},
