@@ -54,31 +54,33 @@ class NSAGroupCentricNvidia(NSAGroupCentricBase, Variant):
             defaults={"*": {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3}},
             interpreter=INTERPRETER_TILES["slc"],
         ),
-        # Backward (kernels/common/nsa_backward.py). Defaults compile without spills for sm_90 at d 128,
-        # group 16; the selected-branch dK/dV keeps 8 warps with 64 key rows (a block holds 64 keys;
-        # at 4 warps only 16 query rows fit in registers).
+        # Backward (kernels/common/nsa_backward.py). Defaults: the H200 sweep's picks at the target (t
+        # 65536, d 128, group 16; backward 102.8 -> 69.1 ms), no spills on sm_90. The selected-branch
+        # dK/dV runs 32 key rows against 64 query rows a step at 4 warps (64 key rows need 8 warps and
+        # fit only 32 query rows; half the rows a step was 1.7x slower there).
         "bwd_gate": ConfigSpace(
             blocks={"BLOCK_M": (16, 32, 64)}, knobs={"num_warps": (4, 8), "num_stages": (1,)},
             defaults={"*": {"BLOCK_M": 32, "num_warps": 4, "num_stages": 1}}, interpreter=INTERPRETER["bwd_gate"],
         ),
         "bwd_cmp_dq": ConfigSpace(
             blocks={"BLOCK_M": (64, 128), "BLOCK_N": (32, 64)}, knobs={"num_warps": (4, 8), "num_stages": (2, 3)},
-            defaults={"*": {"BLOCK_M": 128, "BLOCK_N": 32, "num_warps": 8, "num_stages": 3}},
+            defaults={"*": {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}},
             interpreter=INTERPRETER["bwd_cmp_dq"],
         ),
         "bwd_cmp_dkv": ConfigSpace(
             blocks={"BLOCK_M": (16, 32), "BLOCK_N": (64, 128), "BLOCK_T": (1024, 2048, 4096)},
             knobs={"num_warps": (4, 8), "num_stages": (2, 3)},
-            defaults={"*": {"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_T": 2048, "num_warps": 8, "num_stages": 2}},
+            defaults={"*": {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_T": 1024, "num_warps": 4, "num_stages": 3}},
             interpreter=INTERPRETER["bwd_cmp_dkv"],
         ),
         "bwd_slc_dq": ConfigSpace(
             blocks={"BLOCK_N": (32, 64)}, knobs={"num_warps": (2, 4, 8), "num_stages": (1, 2, 3)},
-            defaults={"*": {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2}}, interpreter=INTERPRETER["bwd_slc_dq"],
+            defaults={"*": {"BLOCK_N": 64, "num_warps": 2, "num_stages": 2}}, interpreter=INTERPRETER["bwd_slc_dq"],
         ),
         "bwd_slc_dkv": ConfigSpace(
-            blocks={"BLOCK_M": (16, 32, 64), "BLOCK_N": (32, 64)}, knobs={"num_warps": (4, 8), "num_stages": (1, 2)},
-            defaults={"*": {"BLOCK_M": 32, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2}},
+            blocks={"BLOCK_M": (16, 32, 64), "BLOCK_N": (32, 64)},
+            knobs={"num_warps": (4, 8), "num_stages": (1, 2, 3)},
+            defaults={"*": {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}},
             interpreter=INTERPRETER["bwd_slc_dkv"],
         ),
         **{role: replace(AttentionNvidia.spaces[name], interpreter=INTERPRETER[role])
