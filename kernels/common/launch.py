@@ -158,7 +158,9 @@ class LaunchCache:
             for rec in site.records:
                 if rec.matches(grid, args, kwargs):
                     device = rec.current_device()
-                    if device != rec.device or _hooks_set():
+                    if device != rec.device:
+                        continue  # another device's record
+                    if _hooks_set():
                         break
                     compiled = rec.compiled
                     # No hook is set: the launcher gets None for the metadata and both hooks and skips
