@@ -188,7 +188,7 @@ class OpHandle:
     The hot path after a key's first call: the op's validation, one read of the device, two dict
     lookups (the device, then the raw key validation returns as `Args.key`: shapes, dtype and flags as
     read), the raw key's launcher: the variant's `bind_cached`, whose launches skip Triton's
-    per-launch specialization when it provably matches the key's previous launch
+    per-launch specialization when they provably match an earlier launch of the key
     (kernels/common/launch.py). The canonical tuning key is computed only on a miss; new raw keys that
     map to a known tuning key (another sequence length in its bucket, the other layout) reuse its
     resolution. Validation runs on every call: a call signature that would let it be skipped costs as
