@@ -2,13 +2,17 @@
 (decode-like) shapes where a call is bound by the host: eagerly, and replayed inside a CUDA graph.
 
 Eager rows time host microseconds per call (interleaved repeats of many calls, the GPU drained
-between repeats) of three ways to run one call: `registry.get(op)(...)` (the handle's lookup,
-validation, two dict lookups, the cached launcher); `variant.launch(args, config)` on arguments
-validated once ("direct": what a user who picked the variant and config would call); and the cached
-launcher on those arguments ("bound": the launch alone, what the config fixes read out of it once).
-Graph rows time a replay of a CUDA graph of CALLS calls captured through each path: dispatch runs only
-at capture, so the replays launch the same kernels. `python -m benchmarks.dispatch` prints the
-dispatch alone (a stub launcher, no GPU work) on any device, the interpreter's on a CPU.
+between repeats) of four ways to run one call: `registry.get(op)(...)` (the handle's lookup,
+validation, two dict lookups, the raw key's launcher); `variant.launch(args, config)` on arguments
+validated once ("direct": what a user who picked the variant and config would call, launching through
+Triton's `kernel[grid](...)`); the variant's `bind(config)` launcher on those arguments ("bound": the
+config read out once, Triton's launch); and the launcher the registry keeps for the call's raw key
+("cached": `bind_cached`, whose launches skip Triton's specialization when it matches the previous
+launch, kernels/common/launch.py). registry - cached is what dispatch itself costs; registry - direct
+is what a user sees against launching the kernels themselves. Graph rows time a replay of a CUDA graph
+of CALLS calls captured through registry and direct: dispatch runs only at capture, so the replays
+launch the same kernels. `python -m benchmarks.dispatch` prints the dispatch alone (a stub launcher, no
+GPU work) on any device, the interpreter's on a CPU.
 """
 
 from __future__ import annotations
@@ -83,7 +87,7 @@ def stub_dispatch_us(name: str, device: str, dtype: torch.dtype, vendor: str | N
     op = OPS[name]
     args, kwargs = _positional(name, op.make_inputs(SHAPES[name], device=device, dtype=dtype, seed=0))
     probe = OpHandle(op, vendor, None)
-    probe.choice(*args, **kwargs)
+    probe.launcher(*args, **kwargs)
     for launchers in probe._launchers.values():
         for key in launchers:
             launchers[key] = _stub
@@ -116,15 +120,17 @@ def run(dtype: torch.dtype = torch.bfloat16) -> list[Measurement]:
         handle = registry.get(name)
         validated = op.validate(**kw)
         choice = handle.choice(**kw)
+        cached = handle.launcher(**kw)
         paths = {
             "registry": lambda n=name, a=args, k=kwargs: registry.get(n)(*a, **k),
             "direct": lambda c=choice, v=validated: c.variant.launch(v, c.config),
             "bound": lambda c=choice, v=validated: c.launcher(v),
+            "cached": lambda c=cached, v=validated: c(v),
         }
         label = LABELS[name]
         err = checked(op, validated, lambda a, n=name: registry.get(n)(**a))
         host = host_us(paths)
-        graph = {path: _graph_us(fn) for path, fn in paths.items() if path != "bound"}
+        graph = {path: _graph_us(paths[path]) for path in ("registry", "direct")}
         for path, provider in (("registry", PROVIDER), ("direct", "direct-launch")):
             rel_err = err if path == "registry" else None
             out.append(Measurement(f"dispatch {name} (host)", label, provider, _quantiles_ms(host[path]),
@@ -136,8 +142,9 @@ def run(dtype: torch.dtype = torch.bfloat16) -> list[Measurement]:
         validate_us, dispatch_us = stub_dispatch_us(name, "cuda", dtype)
         _notes.append(
             f"dispatch {name}: registry {med['registry']:.2f} us/call, direct launch {med['direct']:.2f}, bound "
-            f"launcher {med['bound']:.2f} -> registry adds {med['registry'] - med['direct']:+.2f} us over direct "
-            f"({med['registry'] - med['bound']:+.2f} over bound); alone (stub launcher): validation "
+            f"launcher {med['bound']:.2f}, cached launcher {med['cached']:.2f} -> registry adds "
+            f"{med['registry'] - med['direct']:+.2f} us over direct ({med['registry'] - med['cached']:+.2f} over "
+            f"the cached launcher it runs: the dispatch); alone (stub launcher): validation "
             f"{validate_us:.2f} us, validation + dispatch {dispatch_us:.2f} us; CUDA graph replay "
             f"{graphs['registry']:.2f} vs {graphs['direct']:.2f} us/call "
             f"({graphs['registry'] - graphs['direct']:+.2f})")

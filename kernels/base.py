@@ -118,6 +118,12 @@ class Variant:
         launch = self.launch
         return lambda args: launch(args, config)
 
+    def bind_cached(self, config: CallConfig) -> Callable[[dict], Any]:
+        """A callable(args) that dispatch keeps for one raw key (`Args.key`: the same shapes, dtype and
+        flags on every call): `bind`'s, but free to keep state across its calls, such as the compiled
+        kernels of its launches (`kernels.common.launch.LaunchCache`). The default is `bind(config)`."""
+        return self.bind(config)
+
     def compile_specs(self, key: dict, config: CallConfig, dtype: str = "fp16") -> list[CompileSpec]:
         """The kernels one call with this key and call config launches, for offline compile checks."""
         raise NotImplementedError

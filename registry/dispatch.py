@@ -2,7 +2,8 @@
 
 Lookup order on a cache miss (docs/architecture.md): user database -> shipped tables -> nearest tuned
 key for the same op and device -> the highest-priority supporting variant's heuristic default. After
-the first call for a key, a call costs the op's validation, a read of the device and two dict lookups.
+the first call for a key, a call costs the op's validation, a read of the device, two dict lookups and
+the raw key's launcher, which keeps the compiled kernels of its launches (`Variant.bind_cached`).
 """
 
 from __future__ import annotations
@@ -176,15 +177,24 @@ def resolve(op: Op, vendor: str, variant: str | None, key: tuple, device: Device
     return _bound(chosen, chosen.default_config(dims, device), "default", dims, device)
 
 
+# Raw keys whose launchers a handle keeps per device; past it the oldest is dropped (varlen calls make a
+# new raw key for every new set of lengths).
+MAX_RAW_KEYS = 1024
+
+
 class OpHandle:
     """`registry.get(op)`: validates a call, dispatches it, and caches the launcher per key.
 
     The hot path after a key's first call: the op's validation, one read of the device, two dict
     lookups (the device, then the raw key validation returns as `Args.key`: shapes, dtype and flags as
-    read), the cached launcher. The canonical tuning key is computed only on a miss; new raw keys that
+    read), the raw key's launcher: the variant's `bind_cached`, whose launches skip Triton's
+    per-launch specialization when they provably match an earlier launch of the key
+    (kernels/common/launch.py). The canonical tuning key is computed only on a miss; new raw keys that
     map to a known tuning key (another sequence length in its bucket, the other layout) reuse its
-    resolution. Under torch.compile the call becomes the op's `kreg::<op>` custom op instead
-    (registry/library.py), which runs this same eager path at run time.
+    resolution. Validation runs on every call: a call signature that would let it be skipped costs as
+    much to read as the validation (benchmarks/NOTES.md, "Dispatch v4"). Under torch.compile the call
+    becomes the op's `kreg::<op>` custom op instead (registry/library.py), which runs this same eager
+    path at run time.
     """
 
     def __init__(self, op: Op, vendor: str | None, variant: str | None) -> None:
@@ -195,7 +205,8 @@ class OpHandle:
         self.variant = variant
         self._validate = op.validate
         self._device_arg = next(iter(inspect.signature(op.validate).parameters))
-        # torch.device -> {raw key: launcher}; torch.device -> (vendor, or "" for the reference; DeviceInfo).
+        # torch.device -> {raw key: its launcher (bind_cached)}; torch.device -> (vendor, or "" for the
+        # reference; DeviceInfo).
         self._launchers: dict[torch.device, dict[Any, Callable[[dict], Any]]] = {}
         self._targets: dict[torch.device, tuple[str, DeviceInfo]] = {}
         self._by_tuning_key: dict[tuple[str, tuple], Choice] = {}
@@ -210,7 +221,7 @@ class OpHandle:
         try:
             launch = self._launchers[a[self._device_arg].device][a.key]
         except (KeyError, AttributeError):  # a new key or device, or a plain-dict validation
-            launch = self._choose(a).launcher
+            launch = self._launcher(a)
         return launch(a)
 
     def eager(self, kwargs: dict) -> Any:
@@ -219,8 +230,27 @@ class OpHandle:
         try:
             launch = self._launchers[a[self._device_arg].device][a.key]
         except (KeyError, AttributeError):
-            launch = self._choose(a).launcher
+            launch = self._launcher(a)
         return launch(a)
+
+    def launcher(self, *args: Any, **kwargs: Any) -> Callable[[dict], Any]:
+        """The launcher a call with these arguments runs after validation (its raw key's, made as a
+        call would make it), without launching anything: `handle.launcher(...)(validated args)`."""
+        return self._launcher(self._validate(*args, **kwargs))
+
+    def _launcher(self, a: dict) -> Callable[[dict], Any]:
+        choice = self._choose(a)
+        if choice.variant is None:
+            return choice.launcher
+        raw = a.key if a.__class__ is Args else self.op.tuning_key(a)
+        launchers = self._launchers.setdefault(a[self._device_arg].device, {})
+        launch = launchers.get(raw)
+        if launch is None:
+            if len(launchers) >= MAX_RAW_KEYS:  # shapes that change on every call: drop the oldest
+                launchers.pop(next(iter(launchers), None), None)
+            # setdefault: of two threads making a raw key's launcher, both keep the one stored first.
+            launch = launchers.setdefault(raw, choice.variant.bind_cached(choice.config))
+        return launch
 
     def _target(self, dev: torch.device) -> tuple[str, DeviceInfo]:
         """(vendor, or "" when the PyTorch reference runs; DeviceInfo) for a device, checked once."""
@@ -245,21 +275,18 @@ class OpHandle:
         return found
 
     def _choose(self, a: dict) -> Choice:
-        """The choice for validated arguments, resolved on the first call of its key and cached (the
-        reference's for a plain CPU call)."""
+        """The choice for validated arguments, resolved on the first call of its tuning key and cached
+        (the reference's for a plain CPU call)."""
         dev = a[self._device_arg].device
         vendor, info = self._target(dev)
         if not vendor:
             return self._reference_choice
-        raw = a.key if a.__class__ is Args else self.op.tuning_key(a)
-        launchers = self._launchers.setdefault(dev, {})
         with self._lock:
             key = self.op.tuning_key(a)
             choice = self._by_tuning_key.get((info.key, key))
             if choice is None:
                 choice = resolve(self.op, vendor, self.variant, key, info, a)
                 self._by_tuning_key[(info.key, key)] = choice
-            launchers[raw] = choice.launcher
         return choice
 
     def choice(self, *args: Any, **kwargs: Any) -> Choice:

@@ -38,13 +38,15 @@ entry point (`attention_call`), offline compile specs, the variant logic. Semant
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 
 from kernels.base import CompileSpec
+from kernels.common.launch import LaunchCache, triton_launch
 from kernels.common.tiles import cdiv, dot_block
 from tuning_db.records import CallConfig, LaunchConfig
 
@@ -650,10 +652,11 @@ def _masks(args: Mapping, rows_k: int) -> dict:
             "IS_CAUSAL": bool(args["causal"]), "HAS_WINDOW": window is not None}
 
 
-def attention_forward(args: Mapping, config: LaunchConfig, keep_lse: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Allocate out (and lse, when returned or kept for a backward) and run the forward kernel. The
-    grid comes from shapes and max_seqlen_q only: no tensor value is read on the host, so this can be
-    captured in a CUDA graph."""
+def attention_forward(args: Mapping, config: LaunchConfig, keep_lse: bool, launch: Callable[..., Any] = triton_launch
+                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Allocate out (and lse, when returned or kept for a backward) and run the forward kernel (through
+    `launch`: Triton's own launch, or a dispatch plan's `LaunchCache`). The grid comes from shapes and
+    max_seqlen_q only: no tensor value is read on the host, so this can be captured in a CUDA graph."""
     q, k, v = args["q"], args["k"], args["v"]
     sinks = args.get("sinks")
     varlen, batch, rows_q, rows_k, span_q, _ = _geometry(args)
@@ -669,7 +672,8 @@ def attention_forward(args: Mapping, config: LaunchConfig, keep_lse: bool) -> tu
     window = masks.pop("window")
     cu_q, cu_k = (args["cu_seqlens_q"], args["cu_seqlens_k"]) if varlen else (q, q)  # q: unused placeholder
     block_m, block_n = config.blocks["BLOCK_M"], config.blocks["BLOCK_N"]
-    _attention_fwd_kernel[(cdiv(span_q, block_m), h_q, batch)](
+    launch(
+        _attention_fwd_kernel, (cdiv(span_q, block_m), h_q, batch),
         q, k, v, sinks, out, lse if lse is not None else out, cu_q, cu_k,
         float(args["sm_scale"]) * LOG2E.value, rows_q, rows_k, window, h_q // h_kv,
         *_strides(q, varlen), *_strides(k, varlen), *_strides(v, varlen), *_strides(out, varlen),
@@ -751,19 +755,20 @@ class _AttentionFunction(torch.autograd.Function):
         return dq, dk, dv, dsinks, None, None
 
 
-def attention_call(args: Mapping, config: CallConfig):
+def attention_call(args: Mapping, config: CallConfig, launch: Callable[..., Any] = triton_launch):
     """flash_attention or sink_attention on the op contract's validated args (sink_attention's carry
     `sinks`): `out`, or `(out, lse)` with `return_lse`.
 
     The forward runs with the "fwd" role's config; when grad is enabled and an input requires grad it
     runs under `_AttentionFunction`, whose backward launches the "bwd_pre", "bwd_dkv" and "bwd_dq"
-    roles' configs. `deterministic` needs nothing: no kernel here uses atomics.
+    roles' configs. `deterministic` needs nothing: no kernel here uses atomics. `launch` runs the
+    forward kernel of a call without autograd (a dispatch plan's `LaunchCache`, or Triton's launch).
     """
     q, k, v = args["q"], args["k"], args["v"]
     sinks = args.get("sinks")
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, sinks)):
         return _AttentionFunction.apply(q, k, v, sinks, args, config)
-    out, lse = attention_forward(args, config["fwd"], keep_lse=False)
+    out, lse = attention_forward(args, config["fwd"], keep_lse=False, launch=launch)
     return (out, lse) if args["return_lse"] else out
 
 
@@ -903,6 +908,10 @@ class AttentionTiledBase:
 
     def bind(self, config: CallConfig):
         return lambda args: attention_call(args, config)
+
+    def bind_cached(self, config: CallConfig):
+        launches = LaunchCache()
+        return lambda args: attention_call(args, config, launches)
 
     def backward(self, args: dict, config: CallConfig, outputs: tuple, grad: torch.Tensor) -> dict:
         """The backward kernels on the forward's saved out and lse (registry/library.py's custom op);

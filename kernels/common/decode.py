@@ -23,7 +23,9 @@ entries past a sequence's length are never read. Semantics: `registry.ops.decode
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import triton
@@ -31,6 +33,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from kernels.base import CompileSpec
+from kernels.common.launch import LaunchCache, triton_launch
 from kernels.common.tiles import cdiv, dot_block, next_pow2
 from tuning.space import ConfigSpace
 from tuning_db.records import CallConfig, LaunchConfig
@@ -247,11 +250,12 @@ class DecodePlan:
                    split.knobs(), combine.knobs())
 
 
-def decode_forward(args: dict, plan: DecodePlan):
+def decode_forward(args: dict, plan: DecodePlan, launch: Callable[..., Any] = triton_launch):
     """Run the split and combine kernels on the decode contract's validated args: `out`, or
     `(out, lse)` with `return_lse`. Outputs and the workspace are allocated here (a CUDA graph
     captures them with the launches). A 3-D q (one token) is passed with a token stride of 0 and its
-    outputs are allocated 3-D: no view is made, each would cost a microsecond of host time."""
+    outputs are allocated 3-D: no view is made, each would cost a microsecond of host time. `launch`
+    runs each kernel: Triton's own launch, or a dispatch plan's `LaunchCache`."""
     q, k_cache, v_cache, table = args["q"], args["k_cache"], args["v_cache"], args["block_table"]
     one_token = q.dim() == 3
     if one_token:
@@ -274,7 +278,8 @@ def decode_forward(args: dict, plan: DecodePlan):
     lse_part = torch.empty((b, s_q, h_q, splits), device=q.device, dtype=torch.float32)
     block_d = dot_block(d)
     pdl = programmatic_launch(device_index)
-    _decode_split_kernel[(b * h_kv, splits)](
+    launch(
+        _decode_split_kernel, (b * h_kv, splits),
         q, k_cache, v_cache, args["cache_seqlens"], table if paged else args["cache_seqlens"], o_part, lse_part,
         float(args["sm_scale"]) * LOG2E.value, window or 0, capacity, k_cache.shape[0], s_q, group, h_kv, split_len,
         *q_strides, *k_cache.stride()[:3], *v_cache.stride()[:3], table.stride(0) if paged else 0,
@@ -291,7 +296,8 @@ def decode_forward(args: dict, plan: DecodePlan):
     lse_strides = (sl[0], sl[1], 0) if one_token else sl
     sinks = args["sinks"]
     rows, per_program = b * s_q * h_q, plan.rows
-    _decode_combine_kernel[(cdiv(rows, per_program),)](
+    launch(
+        _decode_combine_kernel, (cdiv(rows, per_program),),
         o_part, lse_part, sinks if sinks is not None else lse_part, out, lse if lse is not None else lse_part,
         rows, s_q, h_q, splits,
         *o_part.stride()[:4], *lse_part.stride()[:3], *out_strides, *lse_strides,
@@ -372,6 +378,10 @@ class DecodeSplitKVBase:
     def bind(self, config: CallConfig):
         plan = DecodePlan.of(config)
         return lambda args: decode_forward(args, plan)
+
+    def bind_cached(self, config: CallConfig):
+        plan, launches = DecodePlan.of(config), LaunchCache()
+        return lambda args: decode_forward(args, plan, launches)
 
     def compile_specs(self, key: dict, config: CallConfig, dtype: str = "fp16") -> list[CompileSpec]:
         return decode_compile_specs(key, config, dtype, pdl=self.vendor == "nvidia")

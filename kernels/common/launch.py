@@ -1,0 +1,179 @@
+"""Launching a Triton kernel again without Triton's per-launch specialization, when it provably matches.
+
+`kernel[grid](*args, **kwargs)` costs Triton 3.6 tens of microseconds of host time per launch on a GPU
+host, most of it in `JITFunction.run` working out the specialization of every argument again (one
+`native_specialize_impl` call each, then a string key over all of them). Dispatch keeps one launcher per
+raw key (registry/dispatch.py: the same shapes, dtype and flags on every call), so its launches repeat
+the same kernels with the same specialization. `LaunchCache` keeps the compiled kernel of such a launch
+with what it specialized on, and launches it directly when a later launch matches. What it compares is
+everything Triton 3.6 specializes on:
+
+- the grid, and the keyword arguments (constexprs and launch options) by type and value;
+- the type of every positional argument, and the value of every one after the last tensor (sizes,
+  strides, flags): equal ints specialize alike (== 1, divisible by 16, int32 or int64 range); floats
+  always specialize as fp32, so their values are not compared;
+- each tensor's dtype, and that every tensor is 16-byte aligned (a launch with a misaligned tensor is
+  never recorded); None where the recorded launch had None;
+- the current device (a compiled kernel is loaded per device).
+
+Anything else takes Triton's own path: a launch that matches no record, a kernel that is not a compiled
+JIT function (the interpreter), a launch with a scalar among its tensors, a Triton other than the 3.6
+series (whose launch protocol this follows), a kernel with pre-run hooks, or any launch hook (profilers)
+set. A launch through the cache is the one Triton would make: the same compiled kernel and launcher, on
+the current stream (so CUDA-graph capture works). Not seen by it: a change of Triton's runtime knobs
+(`debug`, instrumentation) or of a global a kernel reads after it was recorded; `registry.clear_caches()`
+drops every cache.
+"""
+
+from __future__ import annotations
+
+from functools import reduce
+from operator import attrgetter, itemgetter, or_
+from typing import Any
+
+import torch
+import triton
+from triton import knobs
+from triton.runtime.driver import driver
+
+# The launch protocol below (CompiledKernel.run's arguments, the launch hooks) is Triton 3.6's; another
+# version keeps Triton's own path.
+SUPPORTED = triton.__version__.startswith("3.6.")
+_dtype = attrgetter("dtype")
+_data_ptr = torch.Tensor.data_ptr  # raises TypeError for anything but a tensor
+
+
+def triton_launch(kernel: Any, grid: tuple, *args: Any, **kwargs: Any) -> Any:
+    """`kernel[grid](*args, **kwargs)`: the launch of a launcher that keeps no cache."""
+    return kernel[grid](*args, **kwargs)
+
+
+class _Record:
+    """What one launch of a kernel specialized on, and the compiled kernel it ran. Holds no tensor."""
+
+    __slots__ = ("grid", "grid3", "kwargs", "kwarg_types", "arg_types", "split", "scalars", "exact", "exact_values",
+                 "tensors", "dtypes", "tail", "device", "compiled", "current_device", "current_stream")
+
+    def matches(self, grid: tuple, args: tuple, kwargs: dict) -> bool:
+        """Whether a launch specializes as the recorded one: the checks are maps and compares that run
+        in C, types before values (an int compared with a tensor would compare elementwise)."""
+        if grid != self.grid or tuple(map(type, kwargs.values())) != self.kwarg_types or kwargs != self.kwargs:
+            return False
+        if tuple(map(type, args)) != self.arg_types:
+            return False
+        scalars = args[self.split:]
+        # Floats specialize only as fp32: another value (a new sm_scale) still matches.
+        if scalars != self.scalars and self.exact(scalars) != self.exact_values:
+            return False
+        tensors = self.tensors(args)
+        # Every recorded tensor was 16-byte aligned: the OR of the addresses has its low bits clear.
+        return tuple(map(_dtype, tensors)) == self.dtypes and not reduce(or_, map(_data_ptr, tensors), 0) & 15
+
+
+def _record(kernel: Any, compiled: Any, grid: tuple, args: tuple, kwargs: dict) -> _Record | None:
+    """The record of a launch Triton just made, or None when later launches must take Triton's path."""
+    if not SUPPORTED or getattr(kernel, "pre_run_hooks", True) or not all(
+            hasattr(compiled, name) for name in ("function", "packed_metadata", "run")):
+        return None
+    if not 1 <= len(grid) <= 3 or not all(type(g) is int for g in grid):
+        return None
+    positions = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+    split = positions[-1] + 1 if positions else 0
+    if any(args[i] is not None for i in range(split) if i not in positions):
+        return None  # a scalar among the tensors: it would not be compared
+    if any(args[i].data_ptr() % 16 for i in positions):
+        return None  # a misaligned pointer: rare enough to leave to Triton
+    if any(isinstance(value, torch.Tensor) for value in kwargs.values()):
+        return None  # a tensor by keyword: only positional tensors are compared
+    names = kernel.arg_names[len(args):]
+    if any(name not in kwargs for name in names):
+        return None  # a parameter left to its default
+    rec = _Record()
+    rec.grid, rec.grid3 = grid, (*grid, 1, 1)[:3]
+    rec.kwargs, rec.kwarg_types = dict(kwargs), tuple(map(type, kwargs.values()))
+    rec.arg_types, rec.split, rec.scalars = tuple(map(type, args)), split, args[split:]
+    rec.exact = _picker([i for i, a in enumerate(rec.scalars) if type(a) is not float])
+    rec.exact_values = rec.exact(rec.scalars)
+    rec.tensors = _picker(positions)
+    rec.dtypes = tuple(args[i].dtype for i in positions)
+    rec.tail = tuple(kwargs[name] for name in names)
+    rec.current_device = driver.active.get_current_device
+    rec.current_stream = driver.active.get_current_stream
+    rec.device = rec.current_device()
+    rec.compiled = compiled
+    return rec
+
+
+def _picker(positions: list[int]):
+    """A function of a tuple returning its items at `positions`, as a tuple (itemgetter's, in C)."""
+    if len(positions) > 1:
+        return itemgetter(*positions)
+    if positions:
+        one = itemgetter(positions[0])
+        return lambda items: (one(items),)
+    return lambda items: ()
+
+
+def _hooks_set() -> bool:
+    """Whether a launch hook (a profiler's) is set: Triton 3.6 keeps them in HookChains; anything else
+    set there counts as a hook."""
+    runtime = knobs.runtime
+    return bool(getattr(runtime.launch_enter_hook, "calls", True) or getattr(runtime.launch_exit_hook, "calls", True))
+
+
+# Specializations kept per kernel (a flag outside the raw key, such as return_lse, on and off).
+MAX_RECORDS = 4
+# Launches through Triton after a kernel's first, past which it stops recording: its launches differ
+# every time (each record costs about as much host time as Triton's own specialization).
+MAX_MISSES = 16
+
+
+class _Site:
+    """One kernel's records in a cache, newest first, and how many of its launches went through Triton
+    after its first."""
+
+    __slots__ = ("records", "misses")
+
+    def __init__(self) -> None:
+        self.records: tuple[_Record, ...] = ()
+        self.misses = 0
+
+
+class LaunchCache:
+    """The kernels of one raw key's launches: `cache(kernel, grid, *args, **kwargs)` launches as
+    `kernel[grid](*args, **kwargs)` does, skipping Triton's specialization when the launch matches one
+    recorded for the kernel (the module docstring says what is compared). A kernel's first launch in a
+    cache records nothing (a raw key called once, as varlen calls with new lengths are, costs nothing
+    more); later launches through Triton record theirs, up to MAX_RECORDS per kernel and MAX_MISSES
+    launches."""
+
+    __slots__ = ("_sites",)
+
+    def __init__(self) -> None:
+        self._sites: dict[Any, _Site] = {}
+
+    def __call__(self, kernel: Any, grid: tuple, *args: Any, **kwargs: Any) -> Any:
+        site = self._sites.get(kernel)
+        if site is not None:
+            for rec in site.records:
+                if rec.matches(grid, args, kwargs):
+                    device = rec.current_device()
+                    if device != rec.device:
+                        continue  # another device's record
+                    if _hooks_set():
+                        break
+                    compiled = rec.compiled
+                    # No hook is set: the launcher gets None for the metadata and both hooks and skips
+                    # them (Triton passes its empty hook chains, which do nothing).
+                    compiled.run(*rec.grid3, rec.current_stream(device), compiled.function,
+                                 compiled.packed_metadata, None, None, None, *args, *rec.tail)
+                    return compiled
+        compiled = kernel[grid](*args, **kwargs)
+        if site is None:
+            self._sites[kernel] = _Site()
+        elif site.misses < MAX_MISSES:
+            site.misses += 1
+            rec = None if _hooks_set() else _record(kernel, compiled, grid, args, kwargs)
+            if rec is not None:
+                site.records = (rec, *site.records[: MAX_RECORDS - 1])
+        return compiled

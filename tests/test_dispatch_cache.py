@@ -1,0 +1,414 @@
+"""The dispatch hot path's caches (registry/dispatch.py, kernels/common/launch.py): a raw key's launcher
+serves every call of that key, whatever its strides, alignment and scalars, and bad input raises on
+every call; a `LaunchCache` launches a recorded compiled kernel only for a launch Triton would
+specialize alike (checked on CPU with a stand-in kernel), and on a GPU its launches give Triton's bits,
+survive views, hooks and CUDA-graph capture."""
+
+from __future__ import annotations
+
+import gc
+import inspect
+import types
+import weakref
+
+import pytest
+import torch
+from triton import knobs
+
+import registry
+from kernels.common import launch
+from registry import dispatch
+from registry.ops import OPS
+from registry.testing import TOLERANCE, assert_close
+from tuning.space import INTERPRETER_DTYPE
+
+from .conftest import HAS_GPU, gpu
+
+DEVICE = "cuda" if HAS_GPU else "cpu"
+DTYPE = torch.bfloat16 if HAS_GPU else INTERPRETER_DTYPE
+VENDOR = "nvidia" if not HAS_GPU or torch.version.hip is None else "amd"
+DECODE = {"b": 3, "s_q": 1, "h_q": 4, "h_kv": 2, "d": 32, "n": 37, "block_size": None, "sinks": True, "window": None,
+          "ragged": True}
+FLASH = {"b": 1, "s_q": 19, "s_k": 19, "h_q": 4, "h_kv": 2, "d": 32, "causal": True, "window": None}
+SHAPES = {"decode": DECODE, "flash_attention": FLASH}
+
+
+@pytest.fixture(autouse=True)
+def _fresh():
+    registry.clear_caches()
+    yield
+    registry.clear_caches()
+
+
+def _inputs(name: str, seed: int = 0, dtype: torch.dtype = DTYPE) -> dict:
+    return OPS[name].make_inputs(SHAPES[name], device=DEVICE, dtype=dtype, seed=seed)
+
+
+def _reference(name: str, kw: dict):
+    op = OPS[name]
+    return op.reference(**op.validate(**kw))
+
+
+def _misaligned(t: torch.Tensor) -> torch.Tensor:
+    """`t`'s values in a view whose address is one element past a 16-byte boundary."""
+    buffer = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
+    view = buffer[1:].view(t.shape)
+    view.copy_(t)
+    assert view.data_ptr() % 16
+    return view
+
+
+def _strided(t: torch.Tensor) -> torch.Tensor:
+    """`t`'s values in a view with the same shape and a contiguous last dim but other strides."""
+    wide = torch.zeros((*t.shape[:-1], t.shape[-1] + 8), dtype=t.dtype, device=t.device)
+    view = wide[..., : t.shape[-1]]
+    view.copy_(t)
+    assert view.stride() != t.stride()
+    return view
+
+
+def _launch_cache(handle) -> launch.LaunchCache:
+    """The LaunchCache of the handle's only raw-key launcher."""
+    (launchers,) = handle._launchers.values()
+    (launcher,) = launchers.values()
+    return inspect.getclosurevars(launcher).nonlocals["launches"]
+
+
+# ----------------------------------------------------------------------------- dispatch (any device)
+BAD_DECODE = {
+    "cache_seqlens int64": (lambda kw: {**kw, "cache_seqlens": kw["cache_seqlens"].long()}, TypeError, "cache_seqlens"),
+    "q last dim strided": (lambda kw: {**kw, "q": kw["q"].transpose(1, 2).contiguous().transpose(1, 2)},
+                           ValueError, "contiguous"),
+    "k_cache on meta": (lambda kw: {**kw, "k_cache": kw["k_cache"].to("meta")}, ValueError, "k_cache"),
+    "v_cache fp32": (lambda kw: {**kw, "v_cache": kw["v_cache"].float()}, TypeError, "v_cache"),
+    "window 0": (lambda kw: {**kw, "window": 0}, ValueError, "window"),
+    "num_splits True": (lambda kw: {**kw, "num_splits": True}, ValueError, "num_splits"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_DECODE))
+def test_bad_input_raises_on_every_call_after_good_calls_of_its_raw_key(case):
+    make, error, match = BAD_DECODE[case]
+    handle = registry.get("decode", vendor=VENDOR)
+    kw = _inputs("decode")
+    for _ in range(2):
+        handle(**kw)
+    bad = make(kw)
+    for _ in range(2):
+        with pytest.raises(error, match=match):
+            handle(**bad)
+    assert_close(handle(**kw), _reference("decode", kw), TOLERANCE[DTYPE], what="a good call after bad ones")
+
+
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_views_of_one_raw_key_and_other_dtypes_match_the_reference(name):
+    """Strided and misaligned views share the raw key of contiguous inputs (validation reads no strides
+    but the last and no address), so their calls reuse its launcher: each must still be right. fp32 is
+    another raw key, where the reference runs (neither op has an fp32 kernel)."""
+    handle = registry.get(name, vendor=VENDOR)
+    kw = _inputs(name)
+    k = "k" if name == "flash_attention" else "k_cache"
+    calls = [kw, kw, {**kw, "q": _strided(kw["q"])}, {**kw, "q": _misaligned(kw["q"])}, {**kw, k: _misaligned(kw[k])},
+             kw]
+    for n, call in enumerate(calls):
+        assert_close(handle(**call), _reference(name, call), TOLERANCE[DTYPE], what=f"{name} call {n}")
+    assert sum(len(launchers) for launchers in handle._launchers.values()) == 1
+    wide = _inputs(name, seed=1, dtype=torch.float32)
+    with pytest.warns(RuntimeWarning, match="reference"):
+        assert_close(handle(**wide), _reference(name, wide), TOLERANCE[torch.float32], what=f"{name} fp32")
+
+
+def test_raw_key_launchers_are_capped_per_device(monkeypatch):
+    monkeypatch.setattr(dispatch, "MAX_RAW_KEYS", 2)
+    handle = registry.get("decode", vendor=VENDOR)
+    made = []
+    for n in (37, 38, 39):
+        kw = OPS["decode"].make_inputs({**DECODE, "n": n}, device=DEVICE, dtype=DTYPE, seed=0)
+        made.append(handle.launcher(**kw))
+    (launchers,) = handle._launchers.values()
+    assert list(launchers.values()) == made[1:]
+
+
+# ----------------------------------------------------------------------------- LaunchCache (a stand-in kernel)
+class _Compiled:
+    """Stands for a compiled kernel: records the launches made through it directly."""
+
+    function = "function"
+    packed_metadata = (4, 1, 0)
+
+    def __init__(self) -> None:
+        self.direct: list[tuple] = []
+
+    def run(self, *args) -> None:
+        self.direct.append(args)
+
+
+class _Kernel:
+    """Stands for a JIT kernel: `kernel[grid](...)` is Triton's path (recorded), returning its compiled
+    kernel."""
+
+    arg_names = ["X", "Y", "n", "scale", "stride", "BLOCK", "FLAG"]
+    pre_run_hooks: list = []
+
+    def __init__(self) -> None:
+        self.compiled = _Compiled()
+        self.through_triton: list[tuple] = []
+
+    def __getitem__(self, grid):
+        def run(*args, **kwargs):
+            self.through_triton.append((grid, args, kwargs))
+            return self.compiled
+
+        return run
+
+
+@pytest.fixture
+def fake_device(monkeypatch):
+    """The current device of Triton's driver, as a settable one-element list (device 0 at first)."""
+    current = [0]
+    active = types.SimpleNamespace(get_current_device=lambda: current[0], get_current_stream=lambda d: 100 + d)
+    monkeypatch.setattr(launch, "driver", types.SimpleNamespace(active=active))
+    return current
+
+
+def _tensors(dtype=torch.float16):
+    return torch.randn(64, dtype=dtype), torch.randn(32, dtype=dtype)
+
+
+def _launch(cache, kernel, x, y, grid=(4, 2), n=64, scale=0.5, stride=16, BLOCK=32, FLAG=True):  # noqa: N803
+    return cache(kernel, grid, x, y, n, scale, stride, BLOCK=BLOCK, FLAG=FLAG, num_warps=4)
+
+
+def test_the_second_launch_records_and_the_third_launches_the_compiled_kernel(fake_device):
+    cache, kernel = launch.LaunchCache(), _Kernel()
+    x, y = _tensors()
+    for _ in range(3):
+        assert _launch(cache, kernel, x, y) is kernel.compiled
+    assert len(kernel.through_triton) == 2
+    # What Triton's launch passes: grid, stream, function, metadata, no hooks, then every parameter.
+    assert kernel.compiled.direct == [(4, 2, 1, 100, "function", (4, 1, 0), None, None, None, x, y, 64, 0.5, 16, 32,
+                                       True)]
+
+
+CHANGES = {
+    "grid": lambda x, y: {"grid": (4, 3)},
+    "constexpr value": lambda x, y: {"BLOCK": 64},
+    "constexpr type (1 for True)": lambda x, y: {"FLAG": 1},
+    "int value": lambda x, y: {"n": 65},
+    "int equal to 1": lambda x, y: {"n": 1},
+    "int as float": lambda x, y: {"stride": 16.0},
+    "tensor dtype": lambda x, y: {"x": x.float()},
+    "misaligned tensor": lambda x, y: {"x": _misaligned(x)},
+    "None for a tensor": lambda x, y: {"y": None},
+    "tensor for an int": lambda x, y: {"n": torch.ones(())},
+}
+
+
+@pytest.mark.parametrize("change", list(CHANGES))
+def test_a_launch_that_specializes_otherwise_goes_through_triton(change, fake_device):
+    cache, kernel = launch.LaunchCache(), _Kernel()
+    x, y = _tensors()
+    for _ in range(2):
+        _launch(cache, kernel, x, y)
+    changed = {"x": x, "y": y, **CHANGES[change](x, y)}
+    _launch(cache, kernel, **changed)
+    assert len(kernel.through_triton) == 3 and not kernel.compiled.direct
+    _launch(cache, kernel, x, y)  # the recorded launch is still served
+    assert len(kernel.compiled.direct) == 1
+
+
+def test_another_current_device_or_a_launch_hook_goes_through_triton(fake_device):
+    cache, kernel = launch.LaunchCache(), _Kernel()
+    x, y = _tensors()
+    for _ in range(2):
+        _launch(cache, kernel, x, y)
+    fake_device[0] = 1
+    _launch(cache, kernel, x, y)
+    fake_device[0] = 0
+    hook = lambda metadata: None  # noqa: E731
+    knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        _launch(cache, kernel, x, y)
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
+    assert len(kernel.through_triton) == 4 and not kernel.compiled.direct
+
+
+def test_a_new_float_value_needs_no_new_record(fake_device):
+    """Triton specializes floats only as fp32: a new sm_scale launches the recorded kernel."""
+    cache, kernel = launch.LaunchCache(), _Kernel()
+    x, y = _tensors()
+    for scale in (0.5, 0.5, 0.25, 2.0):
+        _launch(cache, kernel, x, y, scale=scale)
+    assert len(kernel.through_triton) == 2
+    assert [args[12] for args in kernel.compiled.direct] == [0.25, 2.0]
+
+
+def test_misaligned_launches_are_never_recorded(fake_device):
+    cache, kernel = launch.LaunchCache(), _Kernel()
+    x, y = _tensors()
+    x = _misaligned(x)
+    for _ in range(4):
+        _launch(cache, kernel, x, y)
+    assert len(kernel.through_triton) == 4 and not kernel.compiled.direct
+
+
+def test_alternating_specializations_are_both_kept(fake_device):
+    cache, kernel = launch.LaunchCache(), _Kernel()
+    x, y = _tensors()
+    for _ in range(5):
+        _launch(cache, kernel, x, y, FLAG=True)
+        _launch(cache, kernel, x, y, FLAG=False)
+    assert len(kernel.through_triton) == 3 and len(kernel.compiled.direct) == 7
+
+
+def test_launches_that_change_every_time_stop_recording(fake_device, monkeypatch):
+    records = []
+    real = launch._record
+    monkeypatch.setattr(launch, "_record", lambda *a: records.append(1) or real(*a))
+    cache, kernel = launch.LaunchCache(), _Kernel()
+    x, y = _tensors()
+    for n in range(100, 150):
+        _launch(cache, kernel, x, y, n=n)
+    assert len(records) == launch.MAX_MISSES
+    (site,) = cache._sites.values()
+    assert len(site.records) == launch.MAX_RECORDS
+    assert len(kernel.through_triton) == 50 and not kernel.compiled.direct
+
+
+def test_records_hold_no_tensor(fake_device):
+    cache, kernel = launch.LaunchCache(), _Kernel()
+    x, y = _tensors()
+    for _ in range(3):
+        _launch(cache, kernel, x, y)
+    kernel.through_triton.clear()
+    kernel.compiled.direct.clear()
+    alive = weakref.ref(x)
+    del x
+    gc.collect()
+    assert alive() is None
+
+
+def test_interpreted_kernels_always_go_through_triton():
+    """In the interpreter a launch returns no compiled kernel: nothing is ever recorded."""
+    if HAS_GPU:
+        pytest.skip("the interpreter runs only without a GPU")
+    handle = registry.get("decode", vendor=VENDOR)
+    kw = _inputs("decode")
+    for _ in range(3):
+        handle(**kw)
+    cache = _launch_cache(handle)
+    assert cache._sites and not any(site.records for site in cache._sites.values())
+
+
+# ----------------------------------------------------------------------------- GPU: real compiled kernels
+@pytest.fixture
+def triton_runs(monkeypatch):
+    """Counts launches that go through Triton's JITFunction.run (as opposed to a LaunchCache's)."""
+    from triton.runtime.jit import JITFunction
+
+    calls = []
+    real = JITFunction.run
+
+    def counting(self, *args, **kwargs):
+        calls.append(self.fn.__name__)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(JITFunction, "run", counting)
+    return calls
+
+
+def _direct(name: str, kw: dict):
+    """The call launched by the chosen variant through Triton's own launch."""
+    choice = registry.get(name).choice(**kw)
+    return choice.variant.launch(OPS[name].validate(**kw), choice.config)
+
+
+@gpu
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_cached_launches_give_tritons_bits(name, triton_runs):
+    handle = registry.get(name)
+    kw = _inputs(name)
+    for _ in range(2):
+        handle(**kw)
+    for seed in (1, 2, 3):
+        fresh = _inputs(name, seed=seed)
+        triton_runs.clear()
+        out = handle(**fresh)
+        assert not triton_runs, f"{name}: launched through Triton: {triton_runs}"
+        expected = _direct(name, fresh)
+        assert torch.equal(out, expected), f"{name}: cached launch differs from Triton's (seed {seed})"
+        assert_close(out, _reference(name, fresh), TOLERANCE[DTYPE], what=f"{name} seed {seed}")
+
+
+@gpu
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_views_after_cached_launches_take_tritons_path_and_are_right(name, triton_runs):
+    handle = registry.get(name)
+    kw = _inputs(name)
+    for _ in range(3):
+        handle(**kw)
+    triton_runs.clear()
+    for make in (_misaligned, _strided):
+        call = {**kw, "q": make(kw["q"])}
+        assert_close(handle(**call), _reference(name, call), TOLERANCE[DTYPE], what=f"{name} {make.__name__} q")
+    assert triton_runs, f"{name}: a view with other strides or alignment reused a recorded launch"
+    out = handle(**kw)
+    assert torch.equal(out, _direct(name, kw))
+
+
+@gpu
+def test_a_new_sm_scale_reuses_the_recorded_launches(triton_runs):
+    handle = registry.get("decode")
+    kw = _inputs("decode")
+    for _ in range(2):
+        handle(**kw, sm_scale=0.1)
+    triton_runs.clear()
+    call = {**kw, "sm_scale": 0.2}
+    assert_close(handle(**call), _reference("decode", call), TOLERANCE[DTYPE], what="decode sm_scale 0.2")
+    assert not triton_runs
+
+
+@gpu
+def test_launch_hooks_see_every_launch():
+    handle = registry.get("decode")
+    kw = _inputs("decode")
+    for _ in range(3):
+        handle(**kw)
+    seen = []
+    hook = lambda metadata: seen.append(metadata.get()["name"])  # noqa: E731
+    knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        handle(**kw)
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
+    assert len(seen) == 2, seen  # the split and the combine kernel
+
+
+@gpu
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_cuda_graph_capture_of_cached_launches(name, triton_runs):
+    """Capture after the launches are recorded: the captured launches are the cache's (no Triton run
+    during capture), and replays follow new values in the captured tensors."""
+    handle = registry.get(name)
+    kw = _inputs(name)
+    for _ in range(3):
+        handle(**kw)
+    torch.cuda.synchronize()
+    triton_runs.clear()
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        handle(**kw)
+        with torch.cuda.graph(graph, stream=stream):
+            captured = handle(**kw)
+    torch.cuda.current_stream().wait_stream(stream)
+    assert not triton_runs, f"{name}: launched through Triton while capturing: {triton_runs}"
+    gen = torch.Generator().manual_seed(99)
+    for value in kw.values():
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            value.copy_(torch.randn(value.shape, generator=gen))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, handle(**kw))
