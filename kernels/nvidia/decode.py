@@ -4,7 +4,9 @@ Decoding reads every cached key and value once and does little arithmetic per by
 kernel is bound by memory bandwidth: what matters is enough programs in flight to cover all 132 SMs
 (WAVES) and key tiles long enough for wide, pipelined loads (BLOCK_N, num_stages). KV_HEADS kv heads
 per program make each key position one contiguous read of KV_HEADS * d elements; a step reads 64..256
-key rows (KV_HEADS * BLOCK_N), so several heads come with shorter tiles.
+key rows (KV_HEADS * BLOCK_N), so several heads come with shorter tiles, and each warp owns whole heads
+(num_warps <= KV_HEADS). Pages of 16 with KV_HEADS 4-8 x BLOCK_N 16 read one whole page of every head
+per step after one block-table load.
 """
 
 from kernels.base import Variant
