@@ -149,18 +149,87 @@ def test_non_contiguous_inputs(device):
     _check(OP.validate(**{**args, "q": q, "k_cache": k, "v_cache": v}), splits=(None, 2))
 
 
+def _with_split(variant, args, **blocks):
+    """The variant's default call config with the split role's blocks replaced."""
+    from tuning_db.records import LaunchConfig
+
+    default = variant.default_config(dict(OP.tuning_key(args)), INFO)
+    return default.replace("split", LaunchConfig(blocks=blocks, **default["split"].knobs()))
+
+
+KV_HEADS_CASES = {
+    # (b, s_q, h_q, h_kv, d, lens, capacity, block_size, window, block_ns, splits): pages of 16 with
+    # tiles of 16 (one table entry per tile) and 32 (one per key), a zero length, a length-1 sequence
+    # and an invalid block id in use; tiles aligned to pages under a window; one kv head, and two,
+    # with more asked for.
+    "h8-paged16-spec2": (3, 2, 16, 8, 64, [45, 0, 1], 64, 16, None, (16, 32), (3,)),
+    "h8-paged32-window9": (2, 1, 8, 8, 64, [61, 20], 64, 32, 9, (16, 32), (4,)),
+    "h1-contiguous": (2, 1, 4, 1, 64, [33, 7], 40, None, None, (16,), (4,)),
+    "h2-contiguous-window5": (2, 3, 4, 2, 64, [29, 3], 32, None, 5, (16,), (3,)),
+}
+
+
+@pytest.mark.parametrize("kv_heads", [2, 4, 8])
+@pytest.mark.parametrize("case", list(KV_HEADS_CASES), ids=list(KV_HEADS_CASES))
+def test_several_kv_heads_per_program(case, kv_heads, device):
+    """KV_HEADS kv heads per split program: each head's rows see only that head's keys; a KV_HEADS
+    above h_kv (or not dividing it) runs with the largest power of two dividing h_kv."""
+    b, s_q, h_q, h_kv, d, lens, capacity, block_size, window, block_ns, splits = KV_HEADS_CASES[case]
+    args = _inputs(device, b=b, s_q=s_q, h_q=h_q, h_kv=h_kv, d=d, lens=lens, capacity=capacity,
+                   block_size=block_size, window=window, seed=kv_heads + sum(map(ord, case)),
+                   sinks=torch.linspace(-3.0, 3.0, h_q))
+    if block_size is not None:
+        table = args["block_table"].clone()
+        table[0, 1] = args["k_cache"].shape[0] + 3  # inside sequence 0's blocks: its keys are masked
+        args = {**args, "block_table": table}
+    expected = OP.reference(**args)
+    for variant in VARIANTS:
+        for block_n in block_ns:
+            config = _with_split(variant, args, BLOCK_N=block_n, WAVES=1, KV_HEADS=kv_heads)
+            for num_splits in splits:
+                got = variant.launch({**args, "num_splits": num_splits}, config)
+                assert_close(got, expected, TOL, what=f"{variant.vendor} {config} splits={num_splits}")
+
+
+def test_split_space_keeps_whole_heads_and_one_warp_per_head_or_more():
+    """The split spaces hold KV_HEADS values that divide h_kv, 64..256 (NVIDIA) or 32..128 (AMD) key
+    rows a step, and num_warps <= KV_HEADS with several heads; a KV_HEADS above h_kv is cut down."""
+    from kernels.common.decode import heads_per_program
+    from registry.device import preset
+
+    assert [heads_per_program(h_kv, 8) for h_kv in (1, 2, 6, 8, 16)] == [1, 2, 2, 8, 8]
+    key = dict(OP.tuning_key(OP.validate(**OP.make_inputs(OP.presets["targets"][0], device="meta",
+                                                          dtype=torch.bfloat16, seed=0))))
+    for variant in load_all()["decode"]:
+        target = preset("h200" if variant.vendor == "nvidia" else "mi300x")
+        low, high = (64, 256) if variant.vendor == "nvidia" else (32, 128)
+        for h_kv in (1, 2, 8):
+            configs = variant.space({**key, "h_kv": h_kv, "h_q": 8 * h_kv}, target)["split"]
+            heads = {c.blocks["KV_HEADS"] for c in configs}
+            assert heads == {k for k in (1, 2, 4, 8) if k <= h_kv}
+            for c in configs:
+                assert low <= c.blocks["KV_HEADS"] * c.blocks["BLOCK_N"] <= high
+                assert c.blocks["KV_HEADS"] == 1 or c.num_warps <= c.blocks["KV_HEADS"]
+
+
 def test_split_count_depends_on_shapes_only():
     """num_splits comes from the device and shapes (no cache_seqlens value), is capped by the key tiles
-    of the longest range a sequence can need, and a window shrinks that range."""
-    from kernels.common.decode import MAX_SPLITS, choose_splits
+    of the longest range a sequence can need, and a window shrinks that range (plus a tile less one
+    key when tiles are aligned to pages)."""
+    from kernels.common.decode import MAX_SPLITS, choose_splits, key_range
 
-    one_long = choose_splits(1, 8, 131072, 1, None, 132, 64, 2)
+    one_long = choose_splits(1 * 8, key_range(131072, 1, None), 132, 64, 2)
     assert one_long == 33  # 2 waves of 132 SMs over 8 programs
-    assert choose_splits(32, 8, 8192, 1, None, 132, 64, 2) == 2
-    assert choose_splits(128, 8, 8192, 1, None, 132, 64, 2) == 1
-    assert choose_splits(1, 1, 1 << 20, 1, None, 132, 16, 4) == MAX_SPLITS
-    assert choose_splits(1, 8, 131072, 1, 128, 132, 64, 2) == 2  # a window of 128: two tiles
-    assert choose_splits(1, 8, 40, 1, None, 132, 64, 2) == 1
+    assert choose_splits(1, key_range(131072, 1, None), 132, 64, 2) == MAX_SPLITS  # all 8 heads in one: 264 wanted
+    assert choose_splits(32 * 8, 8192, 132, 64, 2) == 2
+    assert choose_splits(32 * 2, 8192, 132, 64, 2) == 5  # four kv heads per program: a quarter of the programs
+    assert choose_splits(128 * 8, 8192, 132, 64, 2) == 1
+    assert choose_splits(1, 1 << 20, 132, 16, 4) == MAX_SPLITS
+    assert choose_splits(8, key_range(131072, 1, 128), 132, 64, 2) == 2  # a window of 128: two tiles
+    assert key_range(131072, 1, 128, align=64) == 128 + 63  # the first tile aligned down to a page's tiles
+    assert choose_splits(8, key_range(131072, 1, 128, align=64), 132, 64, 2) == 3
+    assert key_range(100, 4, 128, align=64) == 100
+    assert choose_splits(8, 40, 132, 64, 2) == 1
 
 
 @pytest.mark.skipif(not HAS_GPU, reason="CUDA graphs need a GPU")

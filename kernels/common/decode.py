@@ -2,9 +2,11 @@
 
 A call is two kernels, two roles:
 
-- `split` (`_decode_split_kernel`): one program per (sequence, kv head, split). Its tile's rows are
-  every query head of the kv head's GQA group times every new token (`s_q * group` rows), so each K/V
-  tile is read once for all of them. The keys a sequence can see, [lo, hi) with hi its length and lo
+- `split` (`_decode_split_kernel`): one program per (sequence, KV_HEADS kv heads, split). Its tile's
+  rows are, for each of its kv heads, every query head of the GQA group times every new token
+  (`s_q * group` rows), so each K/V tile is read once for all of them; with several kv heads the
+  tiles carry a leading head dimension, the products are batched over it, and each key position is
+  one contiguous read of KV_HEADS * d elements. The keys a sequence can see, [lo, hi) with hi its length and lo
   the first query's window start, are cut into `num_splits` equal ranges of whole key tiles; a split
   that the length or the window leaves empty writes an empty partial (lse -inf) after reading one
   length. It writes each row's normalized partial output and its lse (natural log) to a workspace.
@@ -15,7 +17,9 @@ A call is two kernels, two roles:
 `num_splits` comes from shapes and the device only (never from cache_seqlens values, so no host sync
 and CUDA-graph capture works): about WAVES programs per SM, at most one split per key tile of the
 longest range a sequence could need (its capacity, or the window plus s_q - 1). Paged caches gather
-each key row through the block table; a block id outside [0, num_blocks) masks its keys, and table
+keys through the block table: one entry per key tile when a page holds whole tiles (block_size >=
+BLOCK_N, fixed at compile time; a window's first tile is then aligned down to a page-aligned
+multiple of BLOCK_N), else one per key; a block id outside [0, num_blocks) masks its keys, and table
 entries past a sequence's length are never read. Semantics: `registry.ops.decode.reference`
 (docs/op-contracts.md).
 """
@@ -23,7 +27,8 @@ entries past a sequence's length are never read. Semantics: `registry.ops.decode
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,15 +40,47 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from kernels.base import CompileSpec
 from kernels.common.launch import LaunchCache, triton_launch
 from kernels.common.tiles import cdiv, dot_block, next_pow2
-from tuning.space import ConfigSpace
+from tuning.space import ConfigSpace, Keep
 from tuning_db.records import CallConfig, LaunchConfig
 
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
-MAX_SPLITS = 128
+MAX_SPLITS = 256
 
 
 # ----------------------------------------------------------------------------- Triton kernels
+@triton.jit
+def _per_head_rows(x, step, KV_HEADS: tl.constexpr):
+    """Offsets `x [rows]` of the first kv head, as they are (one head) or as [KV_HEADS, rows] with kv
+    head j's `j * step` added."""
+    if KV_HEADS == 1:
+        return x
+    else:
+        return (tl.arange(0, KV_HEADS) * step)[:, None] + x[None, :]
+
+
+@triton.jit
+def _per_head_tile(x, step, KV_HEADS: tl.constexpr):
+    """Offsets `x [keys, d]` of the first kv head, as they are (one head) or as [KV_HEADS, keys, d]."""
+    if KV_HEADS == 1:
+        return x
+    else:
+        return (tl.arange(0, KV_HEADS) * step)[:, None, None] + x[None, :, :]
+
+
+@triton.jit
+def _dot_keys(a, b, TRANS_B: tl.constexpr):
+    """a @ b (b transposed in its last two dims when TRANS_B) for 2-D tiles, or batched over the kv
+    heads for 3-D ones: Triton gives a batched dot's warps to the batch dimension, so one head stays
+    2-D and several heads want num_warps <= KV_HEADS."""
+    if TRANS_B:
+        if len(b.shape) == 2:
+            b = tl.trans(b)
+        else:
+            b = tl.trans(b, 0, 2, 1)
+    return tl.dot(a, b)
+
+
 @triton.jit
 def _decode_split_kernel(
     Q, K, V, SEQLENS, TABLE, O_PART, LSE_PART,
@@ -55,75 +92,99 @@ def _decode_split_kernel(
     stride_ob, stride_os, stride_oh, stride_op,
     stride_lb, stride_ls, stride_lh,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PAGED: tl.constexpr, PAGE: tl.constexpr, HAS_WINDOW: tl.constexpr, PDL: tl.constexpr,
+    KV_HEADS: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    PDL: tl.constexpr,
 ):
-    """One program: split `program_id(1)` of the keys of one (sequence, kv head), for all its
-    `s_q * group` query rows (row r: token r // group, query head kv_head * group + r % group).
+    """One program: split `program_id(1)` of the keys of one sequence for KV_HEADS consecutive kv
+    heads (`h_kv % KV_HEADS == 0`), each with all its `s_q * group` query rows (row r of kv head j:
+    token r // group, query head j * group + r % group).
 
-    Online softmax in log2 units (`qk_scale` = sm_scale * log2(e)); writes the partial output
-    (normalized by its own row sum) and the partial lse in natural log, -inf for an empty partial."""
-    b = tl.program_id(0) // h_kv
-    kv_head = tl.program_id(0) % h_kv
+    With one kv head the tiles are 2-D ([rows or keys, d]); with several they carry a leading
+    [KV_HEADS] dimension and both products are batched over it, so each key position's KV_HEADS * d
+    contiguous elements are read by one program in one step. Online softmax in log2 units (`qk_scale`
+    = sm_scale * log2(e)); writes the partial output (normalized by its own row sum) and the partial
+    lse in natural log, -inf for an empty partial. A paged cache whose pages hold whole key tiles
+    (PAGE >= BLOCK_N, tiles starting at multiples of BLOCK_N) reads one table entry per tile; with
+    smaller pages, one per key."""
+    b = tl.program_id(0) // (h_kv // KV_HEADS)
+    kv0 = (tl.program_id(0) % (h_kv // KV_HEADS)) * KV_HEADS
     split = tl.program_id(1)
 
     length = tl.minimum(tl.maximum(tl.load(SEQLENS + b), 0), capacity)
     lo = 0
     if HAS_WINDOW:
         lo = tl.maximum(length - s_q - window + 1, 0)
+        if PAGED:
+            if PAGE >= BLOCK_N:
+                lo = lo // BLOCK_N * BLOCK_N  # tiles stay inside pages; the window mask drops the extra keys
     start = lo + split * split_len
     end = tl.minimum(start + split_len, length)
 
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     token = offs_m // group
-    head = kv_head * group + offs_m % group
+    head = kv0 * group + offs_m % group  # the query heads of the first kv head's rows
     row_ok = offs_m < s_q * group
     pos = length - s_q + token  # each row's absolute position (bottom-right aligned)
     d_ok = offs_d < HEAD_DIM
-    q = tl.load(Q + b.to(tl.int64) * stride_qb + token[:, None] * stride_qs + head[:, None] * stride_qh
-                + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    q_rows = _per_head_rows(token * stride_qs + head * stride_qh, group * stride_qh, KV_HEADS)
+    q = tl.load(Q + b.to(tl.int64) * stride_qb + tl.expand_dims(q_rows, -1) + offs_d,
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
 
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    m_i = tl.full(q_rows.shape, float("-inf"), tl.float32)
+    l_i = tl.zeros(q_rows.shape, tl.float32)
+    acc = tl.zeros(q.shape, tl.float32)
     offs_n = tl.arange(0, BLOCK_N)
     for n0 in range(start, end, BLOCK_N):
         keys = n0 + offs_n
         key_ok = keys < end
         if PAGED:
-            # Only entries of positions below the length are read; an invalid block id masks its keys.
-            block = tl.load(TABLE + b.to(tl.int64) * stride_tb + keys // PAGE, mask=key_ok, other=-1)
-            key_ok = key_ok & (block >= 0) & (block < num_blocks)
-            block = tl.where(key_ok, block, 0).to(tl.int64)
-            k_row = block * stride_kb + (keys % PAGE) * stride_kn
-            v_row = block * stride_vb + (keys % PAGE) * stride_vn
+            if PAGE >= BLOCK_N:
+                # The tile lies in one page: one table entry (below the length, so inside the table).
+                block = tl.load(TABLE + b.to(tl.int64) * stride_tb + n0 // PAGE)
+                block_ok = (block >= 0) & (block < num_blocks)
+                key_ok = key_ok & block_ok
+                block = tl.where(block_ok, block, 0).to(tl.int64)
+                in_page = (n0 % PAGE + offs_n).to(tl.int64)
+                k_row = block * stride_kb + in_page * stride_kn
+                v_row = block * stride_vb + in_page * stride_vn
+            else:
+                # Only entries of positions below the length are read; an invalid block id masks its keys.
+                block = tl.load(TABLE + b.to(tl.int64) * stride_tb + keys // PAGE, mask=key_ok, other=-1)
+                key_ok = key_ok & (block >= 0) & (block < num_blocks)
+                block = tl.where(key_ok, block, 0).to(tl.int64)
+                k_row = block * stride_kb + (keys % PAGE) * stride_kn
+                v_row = block * stride_vb + (keys % PAGE) * stride_vn
         else:
             k_row = b.to(tl.int64) * stride_kb + keys.to(tl.int64) * stride_kn
             v_row = b.to(tl.int64) * stride_vb + keys.to(tl.int64) * stride_vn
         kv_mask = key_ok[:, None] & d_ok[None, :]
-        k = tl.load(K + k_row[:, None] + kv_head * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(V + v_row[:, None] + kv_head * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k)) * qk_scale
+        k = tl.load(K + kv0 * stride_kh + _per_head_tile(k_row[:, None] + offs_d[None, :], stride_kh, KV_HEADS),
+                    mask=kv_mask, other=0.0)
+        v = tl.load(V + kv0 * stride_vh + _per_head_tile(v_row[:, None] + offs_d[None, :], stride_vh, KV_HEADS),
+                    mask=kv_mask, other=0.0)
+        s = _dot_keys(q, k, True) * qk_scale
         allowed = key_ok[None, :] & (keys[None, :] <= pos[:, None])
         if HAS_WINDOW:
             allowed = allowed & (keys[None, :] > pos[:, None] - window)
         s = tl.where(allowed, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_new = tl.maximum(m_i, tl.max(s, -1))
         # Rows with no allowed key so far keep m = -inf: shift by 0 so exp2 gives 0 instead of NaN.
         shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(s - shift[:, None])
+        p = tl.math.exp2(s - tl.expand_dims(shift, -1))
         alpha = tl.math.exp2(m_i - shift)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        l_i = l_i * alpha + tl.sum(p, -1)
+        acc = acc * tl.expand_dims(alpha, -1) + _dot_keys(p.to(v.dtype), v, False)
         m_i = m_new
 
     empty = l_i == 0.0
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * LN2)
-    out = acc / tl.where(empty, 1.0, l_i)[:, None]
-    o_ptr = O_PART + b.to(tl.int64) * stride_ob + token[:, None] * stride_os + head[:, None] * stride_oh \
-        + split * stride_op + offs_d[None, :]
-    tl.store(o_ptr, out, mask=row_ok[:, None] & d_ok[None, :])
-    tl.store(LSE_PART + b.to(tl.int64) * stride_lb + token * stride_ls + head * stride_lh + split, lse, mask=row_ok)
+    out = acc / tl.expand_dims(tl.where(empty, 1.0, l_i), -1)
+    o_rows = _per_head_rows(token * stride_os + head * stride_oh, group * stride_oh, KV_HEADS)
+    tl.store(O_PART + b.to(tl.int64) * stride_ob + split * stride_op + tl.expand_dims(o_rows, -1) + offs_d, out,
+             mask=row_ok[:, None] & d_ok[None, :])
+    lse_rows = _per_head_rows(token * stride_ls + head * stride_lh, group * stride_lh, KV_HEADS)
+    tl.store(LSE_PART + b.to(tl.int64) * stride_lb + split + lse_rows, lse, mask=row_ok)
     if PDL:
         gdc_launch_dependents()  # the combine may start launching; it waits for this grid's writes
 
@@ -198,21 +259,28 @@ def _decode_combine_kernel(
 
 # ----------------------------------------------------------------------------- launchers
 def rows_block(s_q: int, group: int) -> int:
-    """BLOCK_M: the split kernel's rows, every token of every head of a GQA group."""
+    """BLOCK_M: the split kernel's rows per kv head, every token of every head of a GQA group."""
     return dot_block(s_q * group)
 
 
-def key_range(capacity: int, s_q: int, window: int | None) -> int:
-    """The most keys one sequence's queries can see: its capacity, or the window plus s_q - 1."""
-    return capacity if window is None else min(capacity, window + s_q - 1)
+def heads_per_program(h_kv: int, kv_heads: int) -> int:
+    """The kv heads one split program takes: the config's KV_HEADS (a power of two) cut down to the
+    largest power of two dividing h_kv, so every program has only real heads."""
+    return math.gcd(h_kv, kv_heads)
 
 
-def choose_splits(batch: int, h_kv: int, capacity: int, s_q: int, window: int | None, num_sms: int,
-                  block_n: int, waves: int) -> int:
-    """About `waves` split programs per SM, never more splits than key tiles in the longest range, at
-    most MAX_SPLITS. Shapes and the device only: no cache_seqlens value is read."""
-    wanted = -(-waves * num_sms // (batch * h_kv))
-    return max(1, min(wanted, cdiv(key_range(capacity, s_q, window), block_n), MAX_SPLITS))
+def key_range(capacity: int, s_q: int, window: int | None, align: int = 1) -> int:
+    """The most keys one sequence's split programs walk: its capacity, or the window plus s_q - 1,
+    plus align - 1 when the first key is rounded down to a multiple of `align`."""
+    return capacity if window is None else min(capacity, window + s_q - 1 + align - 1)
+
+
+def choose_splits(programs: int, reach: int, num_sms: int, block_n: int, waves: int) -> int:
+    """About `waves` split programs per SM over the `programs` (sequence, kv heads) pairs, never more
+    splits than key tiles in the `reach` keys a sequence may need, at most MAX_SPLITS. Shapes and the
+    device only: no cache_seqlens value is read."""
+    wanted = -(-waves * num_sms // programs)
+    return max(1, min(wanted, cdiv(reach, block_n), MAX_SPLITS))
 
 
 @functools.cache
@@ -238,6 +306,7 @@ class DecodePlan:
 
     block_n: int
     waves: int
+    kv_heads: int
     rows: int
     chunk: int
     split_knobs: dict
@@ -246,8 +315,8 @@ class DecodePlan:
     @classmethod
     def of(cls, config: CallConfig) -> DecodePlan:
         split, combine = config["split"], config["combine"]
-        return cls(split.blocks["BLOCK_N"], split.blocks["WAVES"], combine.blocks["ROWS"], combine.blocks["CHUNK"],
-                   split.knobs(), combine.knobs())
+        return cls(split.blocks["BLOCK_N"], split.blocks["WAVES"], split.blocks["KV_HEADS"], combine.blocks["ROWS"],
+                   combine.blocks["CHUNK"], split.knobs(), combine.knobs())
 
 
 def decode_forward(args: dict, plan: DecodePlan, launch: Callable[..., Any] = triton_launch):
@@ -270,22 +339,25 @@ def decode_forward(args: dict, plan: DecodePlan, launch: Callable[..., Any] = tr
     capacity = table.shape[1] * page if paged else k_cache.shape[1]
     window = args["window"]
     block_n = plan.block_n
+    kv_heads = heads_per_program(h_kv, plan.kv_heads)
+    programs = b * (h_kv // kv_heads)
+    # Pages holding whole tiles: the kernel aligns a window's first tile down to a multiple of block_n.
+    reach = key_range(capacity, s_q, window, block_n if paged and page >= block_n else 1)
     device_index = q.get_device()
-    splits = args["num_splits"] or choose_splits(
-        b, h_kv, capacity, s_q, window, _sm_count(device_index), block_n, plan.waves)
-    split_len = cdiv(cdiv(key_range(capacity, s_q, window), splits), block_n) * block_n
+    splits = args["num_splits"] or choose_splits(programs, reach, _sm_count(device_index), block_n, plan.waves)
+    split_len = cdiv(cdiv(reach, splits), block_n) * block_n
     o_part = torch.empty((b, s_q, h_q, splits, d), device=q.device, dtype=torch.float32)
     lse_part = torch.empty((b, s_q, h_q, splits), device=q.device, dtype=torch.float32)
     block_d = dot_block(d)
     pdl = programmatic_launch(device_index)
     launch(
-        _decode_split_kernel, (b * h_kv, splits),
+        _decode_split_kernel, (programs, splits),
         q, k_cache, v_cache, args["cache_seqlens"], table if paged else args["cache_seqlens"], o_part, lse_part,
         float(args["sm_scale"]) * LOG2E.value, window or 0, capacity, k_cache.shape[0], s_q, group, h_kv, split_len,
         *q_strides, *k_cache.stride()[:3], *v_cache.stride()[:3], table.stride(0) if paged else 0,
         *o_part.stride()[:4], *lse_part.stride()[:3],
-        HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=rows_block(s_q, group), BLOCK_N=block_n, PAGED=paged, PAGE=page,
-        HAS_WINDOW=window is not None, PDL=pdl, **plan.split_knobs,
+        HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=rows_block(s_q, group), BLOCK_N=block_n, KV_HEADS=kv_heads,
+        PAGED=paged, PAGE=page, HAS_WINDOW=window is not None, PDL=pdl, **plan.split_knobs,
     )
     out = torch.empty(q.shape, device=q.device, dtype=q.dtype)
     lse = None
@@ -320,7 +392,8 @@ def decode_compile_specs(key: dict, config: CallConfig, dtype: str = "fp16", pdl
     pointers = {"Q": elem, "K": elem, "V": elem, "SEQLENS": "*i32", "TABLE": "*i32", "O_PART": "*fp32",
                 "LSE_PART": "*fp32"}
     constexprs = {"HEAD_DIM": key["d"], "BLOCK_D": dot_block(key["d"]), "BLOCK_M": rows_block(key["s_q"], group),
-                  "BLOCK_N": split["BLOCK_N"], "PAGED": bool(key["paged"]), "PAGE": key["block_size"] or 1,
+                  "BLOCK_N": split["BLOCK_N"], "KV_HEADS": heads_per_program(key["h_kv"], split["KV_HEADS"]),
+                  "PAGED": bool(key["paged"]), "PAGE": key["block_size"] or 1,
                   "HAS_WINDOW": key["window"] is not None, "PDL": pdl}
     signature = {n: pointers.get(n, "fp32" if n in floats else "i32") for n in names if n not in constexprs}
     split_spec = CompileSpec("split", _decode_split_kernel, signature, constexprs,
@@ -338,8 +411,27 @@ def decode_compile_specs(key: dict, config: CallConfig, dtype: str = "fp16", pdl
 
 
 # ----------------------------------------------------------------------------- the variant
-# The interpreter's block shapes of the split kernel, both vendors (the default first).
-INTERPRETER_SPLIT = ({"BLOCK_N": 16, "WAVES": 2}, {"BLOCK_N": 32, "WAVES": 1})
+# The interpreter's block shapes of the split kernel, both vendors (the default first): with pages of 16
+# the first reads one table entry per tile and the second one per key; the second takes two kv heads.
+INTERPRETER_SPLIT = ({"BLOCK_N": 16, "WAVES": 2, "KV_HEADS": 1}, {"BLOCK_N": 32, "WAVES": 1, "KV_HEADS": 2})
+
+
+def key_rows_between(low: int, high: int) -> Keep:
+    """A `keep` predicate for the split space: KV_HEADS divides the key's h_kv (a larger value would be
+    cut down to a config already in the space); a step's key rows, KV_HEADS * BLOCK_N, are in
+    [low, high] (fewer leave the loads short, more only add registers and shared memory); and with
+    several kv heads, num_warps <= KV_HEADS (a batched dot's warps go to the heads: more warps would
+    repeat the same products)."""
+
+    def key_rows(config: LaunchConfig, key: Mapping) -> bool:
+        heads, block_n = config.blocks["KV_HEADS"], config.blocks["BLOCK_N"]
+        return (key["h_kv"] % heads == 0 and low <= heads * block_n <= high
+                and (heads == 1 or config.num_warps <= heads))
+
+    key_rows.__name__ = f"key_rows_between_{low}_{high}"
+    return key_rows
+
+
 # The combine kernel is a few hundred bytes per row on either vendor: one space for both.
 COMBINE_SPACE = ConfigSpace(
     blocks={"ROWS": (1, 2, 4), "CHUNK": (4, 8, 16)},
@@ -351,8 +443,9 @@ COMBINE_SPACE = ConfigSpace(
 
 class DecodeSplitKVBase:
     """The split-KV variant's logic; each vendor file subclasses it with `Variant` and sets `spaces`:
-    "split" (blocks BLOCK_N, the key tile, and WAVES, the split programs per SM that num_splits aims
-    for) and "combine" (COMBINE_SPACE: blocks ROWS, the rows per program, and CHUNK, the splits per load)."""
+    "split" (blocks BLOCK_N, the key tile, WAVES, the split programs per SM that num_splits aims for,
+    and KV_HEADS, the kv heads per program) and "combine" (COMBINE_SPACE: blocks ROWS, the rows per
+    program, and CHUNK, the splits per load)."""
 
     op = "decode"
     name = "decode_splitkv"
@@ -364,10 +457,11 @@ class DecodeSplitKVBase:
     def prune_reason(self, role: str, config: LaunchConfig, key: dict, device) -> str | None:
         if role != "split" or device.key == "cpu":
             return None
-        # K and V tiles in flight per stage, next to Q; 16-bit elements.
+        # K and V tiles of every kv head in flight per stage, next to Q; 16-bit elements.
         block_d = dot_block(key["d"])
         rows = rows_block(key["s_q"], key["h_q"] // key["h_kv"])
-        need = 2 * block_d * (rows + 2 * config.blocks["BLOCK_N"] * max(1, config.num_stages - 1))
+        heads = heads_per_program(key["h_kv"], config.blocks["KV_HEADS"])
+        need = 2 * block_d * heads * (rows + 2 * config.blocks["BLOCK_N"] * max(1, config.num_stages - 1))
         if need > device.shared_mem_bytes:
             return f"needs ~{need} B of shared memory/LDS (> {device.shared_mem_bytes})"
         return None
