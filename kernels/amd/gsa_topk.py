@@ -1,18 +1,19 @@
-"""gsa_topk on AMD CDNA3/CDNA4 (MI300X gfx942, MI355X gfx950): the shared streaming kernel with AMD's
-knobs. 64-lane wavefronts and the 512-register unified file hold wide score and compaction tiles; the
-MI300X has 304 CUs and the MI355X 256, so WAVES programs per CU already put a thousand lists in
-flight; num_stages 1-2 as usual on AMD; kpack 2 on gfx942 only (Triton forces 1 on gfx950).
+"""gsa_topk on AMD CDNA3/CDNA4 (MI300X gfx942, MI355X gfx950): the shared radix-select kernel with AMD's
+knobs. 64-lane wavefronts and the 512-register unified file hold wide score and counter tiles; the
+MI300X has 304 CUs and the MI355X 256, so one or two programs per CU already deal out every query
+block of a long sequence; num_stages 1-2 as usual on AMD; kpack 2 on gfx942 only (Triton forces 1 on
+gfx950).
 """
 
 from kernels.base import Variant
 from kernels.common.gsa_indexer import score_tile_fits
-from kernels.common.gsa_topk import INTERPRETER_TOPK, GSATopkStreamingBase
+from kernels.common.gsa_topk import INTERPRETER_TOPK, GSATopkRadixBase
 from registry.catalog import register
 from tuning.space import ConfigSpace
 
 
 @register
-class GSATopkStreamingAmd(GSATopkStreamingBase, Variant):
+class GSATopkRadixAmd(GSATopkRadixBase, Variant):
     vendor = "amd"
     spaces = {"fwd": ConfigSpace(
         blocks={"BLOCK_Q": (16, 32, 64), "BLOCK_K": (32, 64, 128), "TILE": (32, 64, 128, 256), "WAVES": (1, 2, 4)},
@@ -20,8 +21,8 @@ class GSATopkStreamingAmd(GSATopkStreamingBase, Variant):
                "matrix_instr_nonkdim": (16, 32), "kpack": (1,)},
         arch={"gfx942": {"kpack": (1, 2)}},
         keep=score_tile_fits,
-        # Untimed (no AMD GPU here); 167-180 VGPRs without spills on gfx942 and gfx950.
-        defaults={"*": {"BLOCK_Q": 32, "BLOCK_K": 64, "TILE": 64, "WAVES": 1, "num_warps": 8, "num_stages": 1,
+        # Untimed (no AMD GPU here).
+        defaults={"*": {"BLOCK_Q": 16, "BLOCK_K": 64, "TILE": 64, "WAVES": 1, "num_warps": 4, "num_stages": 1,
                         "waves_per_eu": 0, "matrix_instr_nonkdim": 16, "kpack": 1}},
         interpreter=INTERPRETER_TOPK,
     )}
