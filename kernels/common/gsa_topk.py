@@ -3,41 +3,43 @@ The Triton kernel body both vendors share (version 2: a radix select that recomp
 
 Design. One program owns BLOCK_Q queries of one batch row at a time and streams their causal key blocks
 through the indexer math (`kernels.common.gsa_indexer._gated_scores_by_key`: one dot for every index
-head, gating in registers, the tile [keys, queries] so that its head sum stays in-thread) several
+head, gating in registers, the tile [keys, queries] so that its head sum stays in-thread) a few
 times, keeping no scores, only counts:
 
-- Keys. Every score s lies in [0, G], G the query's sum of gates sigmoid(w[h]). The bits u of the
-  float s + G (an int32 in [bits(G), bits(2G)], 2^23 values) never decrease as s grows (rounding is
-  monotone; a positive float's bits order like its value), are about linear in s and as fine as the
-  floats near G: two scores closer than that tie. Selection works on u alone.
+- Keys. Every score s lies in [0, G], G the query's sum of gates sigmoid(w[h]). With C = G (1 +
+  2^-18) (above G by more than the roundings of s), the bits u of the float s + C are an int32 in
+  [bits(C), bits(C) + 2^23) (bits(2C) = bits(C) + 2^23) that never decreases as s grows (rounding is
+  monotone; a positive float's bits order like its value), about linear in s and as fine as the
+  floats near C: two scores closer than that tie. Selection works on u alone.
 - Brackets. Each query keeps a bracket [lo, lo + 2^wbits) of u that holds its n-th best key (n =
   min(k, i + 1, topk_length)), the count `above` of its keys beyond the bracket (< n) and the count
-  `inside` of keys in it (above + inside >= n). It starts as [bits(G), bits(G) + 2^24).
+  `inside` of keys in it (above + inside >= n). It starts as [bits(C), bits(C) + 2^23).
 - Counting passes narrow the bracket 16-fold: every key in it adds one to its bin of 16 (two int32
   words of eight 4-bit counters per key position, summed over the key positions every FLUSH blocks,
-  so a key costs a few integer operations), and the bin holding the n-th best becomes the bracket. The
-  first pass always runs (it is cheaper than the list select below on all of a row's keys); further
-  passes only while a bracket holds more than CAP keys.
-- The emit pass writes each key beyond the bracket to the next output slot, and the keys in it to a
-  per-query list of at most CAP entries (u and key id, in a global workspace). When the bracket is
-  a single value (ties) or holds exactly the missing count, its keys go to the output directly, the
-  first ones in stream order.
-- The list select narrows the bracket the same way over the list (a few L2 reads of <= CAP entries),
-  until it is a single value or holds exactly what is missing; the list's keys beyond the bracket and
-  the bracket's first missing ones fill the remaining slots. -1 fills slots n..k-1.
-- Slots come from per-row prefix sums within a block (two counts packed in one int32 cumsum), so a
-  program owning its rows needs no atomics. Counting and emitting are one loop (a branch on the pass),
-  so every pass computes the same scores bit for bit, which the counts rely on.
+  so a key costs about a dozen integer operations), and the bin holding the n-th best becomes the
+  bracket. The first pass always runs (cheaper than a list select over all of a row's keys); more
+  run only while some bracket holds more than CAP keys.
+- The emit pass writes each query's keys beyond its bracket (fewer than n) and the keys in it (at
+  most CAP) to its list in a global workspace, int64 entries u << 32 | key id; when the bracket is one
+  value (ties) or holds exactly what is missing, only its first keys in stream order.
+- The list select narrows the bracket the same way over the list (a few reads of <= CAP entries),
+  until it is one value or holds exactly what is missing. The keys beyond the first bracket, those
+  beyond the final one, then the final one's first missing keys fill slots 0..n-1; -1 the rest.
+- Positions come from per-query prefix sums within a block (two counts packed in one int32 cumsum),
+  so a program owning its queries needs no atomics for them. Counting and emitting are one loop (a
+  branch on the pass), so every pass computes the same scores bit for bit, which the counts rely on.
 
-Random scores need one counting pass: 16 bins over [0, G] leave ~5-20% of a row's keys in the boundary
-bin, below CAP = 2 max(k', BLOCK_K) (k' = min(k, t)); so a row costs two streams of its keys and a list
-select on a few thousand entries. Scores crowded in a narrow range cost one more stream per 16-fold.
+Random scores need one counting pass: 16 bins over [0, G] leave up to ~15% of a row's keys in the
+boundary bin at T 32768 and k 2048 (a few thousand), under CAP = 3 max(k', BLOCK_K) (k' = min(k, t));
+so a row costs two streams of its keys and a list select. Scores crowded into a narrow range cost one
+more stream per 16-fold.
 
-Grid: WAVES persistent programs per SM, each with its own list slot (so the workspace does not grow
-with t); query blocks are dealt heaviest first (the last blocks of every batch row, then earlier ones)
-through an atomic counter, which balances the causal triangle.
+Grid: WAVES persistent programs per SM, each with its own list slot (so the workspace, BLOCK_Q (k' +
+CAP) entries per program, does not grow with t); query blocks are dealt heaviest first (the last
+blocks of every batch row, then earlier ones) through an atomic counter, which balances the causal
+triangle.
 
-Reads top-down: the counting helpers, the placement helper, the kernel, its launcher, compile specs,
+Reads top-down: the counting helpers, the placement helpers, the kernel, its launcher, compile specs,
 the variant's logic. Semantics: `registry.ops.gsa_topk.reference`; a tie may break either way.
 """
 
@@ -64,12 +66,11 @@ from tuning_db.records import CallConfig, LaunchConfig
 
 BINS = tl.constexpr(16)  # bins per counting step: two int32 words of eight 4-bit counters
 LOG_BINS = tl.constexpr(4)
-# The first bracket of a query is [bits(G), bits(G) + 2^24): every key bits(s + G), s in [0, G] (and
-# the rare s + G a rounding puts past 2G), lies in it.
-KEY_BITS = tl.constexpr(24)
-# Steps (key blocks or list tiles) between two flushes of the 4-bit counters: each counts at most one
-# key per step; a flush sums them over <= 256 positions in 16-bit fields (15 * 256 < 2^16). Tests lower
-# it to 1 or 2 to cover several flushes on short rows.
+KEY_BITS = tl.constexpr(23)  # the first bracket of a query: [bits(C), bits(C) + 2^23)
+ABOVE_G = tl.constexpr(1.0 + 2.0**-18)  # C / G
+# Steps (key blocks or list tiles) between two flushes of the 4-bit counters, at most 15: each counts
+# at most one key per step; a flush sums them over <= 256 positions in 16-bit fields (15 * 256 < 2^16).
+# Tests lower it to cover several flushes on short rows.
 FLUSH_STEPS = 15
 
 
@@ -135,7 +136,8 @@ def _bracket_tiles(lo, wbits, ROWS: tl.constexpr, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
-def _list_counts(lists, rows, listed, lo, wbits, BLOCK_Q: tl.constexpr, TILE: tl.constexpr, FLUSH: tl.constexpr):
+def _list_counts(lists, rows, listed, lo, wbits,
+                 BLOCK_Q: tl.constexpr, TILE: tl.constexpr, FLUSH: tl.constexpr):
     """`_tally` over each query's list (int64 entries u << 32 | key id at lists + rows, rows [1, queries]
     offsets, `listed` of them): [queries, BINS] counts."""
     offs = tl.arange(0, TILE)
@@ -210,9 +212,8 @@ def _gsa_topk_radix_kernel(
     """One persistent program: query blocks program_id(0), then those the counter NEXT deals out (block
     index + num_programs; blocks ordered last query block of every batch row first), each BLOCK_Q
     queries of one batch row: counting passes and an emit pass over their causal keys, a select over
-    the list slot program_id(0) (LISTS [programs, BLOCK_Q, min(k, t) + cap], int64 entries u << 32 | key
-    id); writes
-    each query's n = min(k, i + 1, topk_length) best key ids, then -1 up to k."""
+    the list slot program_id(0) (LISTS [programs, BLOCK_Q, min(k, t) + cap], int64 entries u << 32 |
+    key id); writes each query's n = min(k, i + 1, topk_length) best key ids, then -1 up to k."""
     pid = tl.program_id(0)
     offs_q = tl.arange(0, BLOCK_Q)
     offs_k = tl.arange(0, BLOCK_K)
@@ -239,10 +240,11 @@ def _gsa_topk_radix_kernel(
         out_rows = (offs_q * stride_ot)[None, :]
         q, gate, bias2 = _load_index_queries_by_head(Q, W, BIAS, b, q0, t, h_i, d_i, stride_qb, stride_qt,
                                                      stride_qh, stride_wb, stride_wt, BLOCK_Q, H_PAD, BLOCK_D)
-        gates = tl.sum(tl.reshape(gate, [H_PAD, BLOCK_Q]), 0)
+        # C: s + C < 2C whatever the roundings in s (module docstring).
+        offset = tl.sum(tl.reshape(gate, [H_PAD, BLOCK_Q]), 0) * ABOVE_G
         kend = tl.where(tl.max(n) > 0, tl.minimum(q0 + BLOCK_Q, t), 0)
 
-        lo = gates.to(tl.int32, bitcast=True)
+        lo = offset.to(tl.int32, bitcast=True)
         wbits = tl.full([BLOCK_Q], KEY_BITS, tl.int32)
         above = tl.zeros([BLOCK_Q], tl.int32)
         inside = tl.where(row_ok, rows + 1, 0)
@@ -270,7 +272,7 @@ def _gsa_topk_radix_kernel(
                 for k0 in range(c0, tl.minimum(c0 + FLUSH * BLOCK_K, kend), BLOCK_K):
                     keys = _load_index_keys(K, b, k0, t, d_i, stride_kb, stride_kt, BLOCK_K, BLOCK_D)
                     scores = _gated_scores_by_key(keys, q, gate, bias2, qk_scale2, BLOCK_Q, H_PAD, BLOCK_K)
-                    u = (scores + gates[None, :]).to(tl.int32, bitcast=True)
+                    u = (scores + offset[None, :]).to(tl.int32, bitcast=True)
                     if k0 >= diagonal:
                         u = tl.where(offs_k[:, None] <= (last - k0)[None, :], u, -1)
                     # One loop for both kinds of pass, so that every pass computes the same scores.
@@ -324,9 +326,10 @@ def _gsa_topk_radix_kernel(
 
 # ----------------------------------------------------------------------------- launcher
 def list_capacity(k: int, t: int, block_k: int) -> int:
-    """CAP: list entries per query, twice the most it selects (min(k, t)) and at least two key blocks:
-    random scores leave a few thousandths to a fifth of a row's keys in the boundary bin."""
-    return 2 * max(min(k, t), block_k)
+    """CAP: the most keys of a bracket a query's list holds, three times the most it selects (min(k, t))
+    and at least three key blocks: after one counting pass random scores leave up to ~3 k' in the
+    boundary bin at T 32768 (more would cost another counting pass)."""
+    return 3 * max(min(k, t), block_k)
 
 
 @functools.cache
