@@ -420,7 +420,8 @@ class GSATopkRadixBase:
         return gsa_topk_compile_specs(key, config, dtype)
 
 
-# The interpreter's block shapes, both vendors (the default first): 16-key blocks make lists small
-# (CAP 2 max(k', 16)) next to the tiny presets' rows, so brackets narrow over several passes.
+# The interpreter's block shapes, both vendors (the default first): 16-key blocks keep CAP (3 max(k',
+# 16)) small next to the test rows, so lists narrow over several steps and crowded scores take several
+# counting passes.
 INTERPRETER_TOPK = ({"BLOCK_Q": 16, "BLOCK_K": 16, "TILE": 16, "WAVES": 1},
                     {"BLOCK_Q": 16, "BLOCK_K": 32, "TILE": 32, "WAVES": 2})
