@@ -16,8 +16,9 @@ FLOPs of the layer: its projections (2 * T * D * out features each), the indexer
 
 The standalone tool (flags: `python -m benchmarks.gsa --help`) verifies the registry backend against the
 reference on a short sequence, then prints throughput (tokens/s) and peak memory of both backends across
-T (a backend that runs out of memory says so, and the sweep goes on), writes them as long-format CSV and,
-when matplotlib is installed, a plot of time and peak memory against T. `--profile` and `--ncu` run
+T (a backend that runs out of memory says so, and the sweep goes on), writes them as long-format CSV
+and, when matplotlib is installed, a plot of time and peak memory against T; `--only topk` (or layer,
+attention) prints one target's rows of `run()` instead, such as the top-k pair alone. `--profile` and `--ncu` run
 warm-up passes outside a `torch.cuda.profiler.start()/stop()` capture for Nsight Systems
 (`--capture-range=cudaProfilerApi`) and Nsight Compute (`--profile-from-start off`); the README's GSA
 section has the commands. NVTX ranges name every step of the layer (`gsa/<step>`), every kernel launch
@@ -301,10 +302,14 @@ def _attention_measurements(dtype: torch.dtype) -> list[Measurement]:
     return out
 
 
-def run(dtype: torch.dtype = torch.bfloat16) -> list[Measurement]:
-    """The targets' rows (module docstring); peak memories and OOMs go to `notes()`."""
+TARGET_ROWS = {"layer": _layer_measurements, "topk": _topk_measurements, "attention": _attention_measurements}
+
+
+def run(dtype: torch.dtype = torch.bfloat16, only: tuple[str, ...] = tuple(TARGET_ROWS)) -> list[Measurement]:
+    """The targets' rows (module docstring), those of `only` (TARGET_ROWS' names); peak memories and
+    OOMs go to `notes()`."""
     _NOTES.clear()
-    return _layer_measurements(dtype) + _topk_measurements(dtype) + _attention_measurements(dtype)
+    return [m for name in only for m in TARGET_ROWS[name](dtype)]
 
 
 def notes() -> list[str]:
@@ -335,6 +340,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--ref-max-T", type=int, default=16384, help="longest T the reference is timed at")
     p.add_argument("--out-dir", type=Path, default=Path("."), help="where the CSV and the plot go")
     p.add_argument("--targets", action="store_true", help="also the performance targets' rows (run())")
+    p.add_argument("--only", choices=tuple(TARGET_ROWS), default=None,
+                   help="only these target rows (topk: the fused top-k against the indexer + torch.topk at "
+                        "T 8192 and 32768), without the layer table")
     p.add_argument("--profile", action="store_true", help="nsys mode: capture --profile-iters passes")
     p.add_argument("--profile-T", type=int, default=2048)
     p.add_argument("--profile-B", type=int, default=1)
@@ -349,6 +357,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.profile and args.ncu:
         p.error("--profile and --ncu: choose one capture")
+    if args.only and (args.profile or args.ncu):
+        p.error("--only: target rows are timed, not captured; drop --profile/--ncu")
     for prefix in ("profile", "ncu"):
         if getattr(args, f"{prefix}_ref_only") and getattr(args, f"{prefix}_opt_only"):
             p.error(f"--{prefix}-ref-only and --{prefix}-opt-only: choose at most one")
@@ -370,6 +380,10 @@ def main(argv: list[str] | None = None) -> int:
     dtype = DTYPES[args.dtype]
     if dtype == torch.float32:
         print("fp32: the GSA kernels take bf16/fp16, so both backends run the references")
+    if args.only:
+        print(f"{device.name}, {args.dtype}: the {args.only} target rows")
+        _print_targets(run(dtype, (args.only,)))
+        return 0
     ref, opt = make_models(dtype)
     if args.profile or args.ncu:
         mode = "profile" if args.profile else "ncu"
@@ -398,13 +412,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.targets:
         del ref, opt
         torch.cuda.empty_cache()
-        for m in run(dtype):
-            rate = f"{m.rate():8.2f} {m.unit}"
-            err = "-" if m.rel_err is None else f"{m.rel_err:.1e}"
-            print(f"{m.op:26s} {m.shape:34s} {m.provider:44s} {m.median_ms:10.3f} ms {rate}  err {err}")
-        for line in notes():
-            print(line)
+        _print_targets(run(dtype))
     return 0
+
+
+def _print_targets(measurements: list[Measurement]) -> None:
+    for m in measurements:
+        rate = f"{m.rate():8.2f} {m.unit}"
+        err = "-" if m.rel_err is None else f"{m.rel_err:.1e}"
+        print(f"{m.op:26s} {m.shape:34s} {m.provider:44s} {m.median_ms:10.3f} ms {rate}  err {err}")
+    for line in notes():
+        print(line)
 
 
 if __name__ == "__main__":

@@ -58,12 +58,13 @@ def test_gsa_tool_without_a_gpu_and_its_arguments(capsys):
     assert gsa.main([]) == 2
     assert "need a CUDA or ROCm GPU" in capsys.readouterr().err
     for bad in (["--profile", "--ncu"], ["--profile-ref-only", "--profile-opt-only"], ["--T", "0"],
-                ["--dtype", "int8"]):
+                ["--dtype", "int8"], ["--only", "topk", "--ncu"], ["--only", "nothing"]):
         with pytest.raises(SystemExit) as stop:
             gsa.parse_args(bad)
         assert stop.value.code == 2
     args = gsa.parse_args(["--T", "256,512", "--profile", "--profile-T", "1024", "--profile-opt-only"])
     assert args.T == [256, 512] and args.profile_T == 1024 and gsa._which(False, True) == ("registry",)
+    assert gsa.parse_args(["--only", "topk"]).only == "topk" and set(gsa.TARGET_ROWS) == {"layer", "topk", "attention"}
     cfg = {**gsa.LAYER, "d_model": 8, "n_heads": 2, "n_kv_heads": 1, "head_dim": 4, "d_indexer": 2,
            "n_indexer_heads": 3, "k": 2}
     # t 3: projections 2*3*8*(3*2*4 + 3*1*4 + 3*2 + 2 + 3); scoring 2*3*6*2; attention 4*2*(1+2+2)*4.

@@ -75,6 +75,41 @@ def _gated_scores(q, gate, bias2, keys, qk_scale2,
     return tl.sum(tl.reshape(gated, [BLOCK_Q, H_PAD, BLOCK_K]), 1)
 
 
+@triton.jit
+def _load_index_queries_by_head(Q, W, BIAS, b, q0, t, h_i, d_i,
+                                stride_qb, stride_qt, stride_qh, stride_wb, stride_wt,
+                                BLOCK_Q: tl.constexpr, H_PAD: tl.constexpr, BLOCK_D: tl.constexpr):
+    """`_load_index_queries` with the rows head-major: row r = head * BLOCK_Q + query, for
+    `_gated_scores_by_key`."""
+    rows = tl.arange(0, H_PAD * BLOCK_Q)
+    query = q0 + rows % BLOCK_Q
+    head = rows // BLOCK_Q
+    row_ok = (query < t) & (head < h_i)
+    offs_d = tl.arange(0, BLOCK_D)
+    q_ptr = Q + b * stride_qb + query.to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :]
+    q = tl.load(q_ptr, mask=row_ok[:, None] & (offs_d[None, :] < d_i), other=0.0)
+    w = tl.load(W + b * stride_wb + query.to(tl.int64) * stride_wt + head, mask=row_ok, other=0.0).to(tl.float32)
+    gate = tl.where(row_ok, 1.0 / (1.0 + tl.math.exp2(-w * LOG2E)), 0.0)
+    bias2 = tl.load(BIAS + head, mask=row_ok, other=0.0).to(tl.float32) * LOG2E
+    return q, gate, bias2
+
+
+@triton.jit
+def _gated_scores_by_key(keys, q, gate, bias2, qk_scale2,
+                         BLOCK_Q: tl.constexpr, H_PAD: tl.constexpr, BLOCK_K: tl.constexpr):
+    """`_gated_scores` transposed: [BLOCK_K, BLOCK_Q] scores of a key block against a head-major Q tile
+    (`_load_index_queries_by_head`). Keys are the dot's rows and (head, query) its columns, so on
+    NVIDIA's MMA layouts every head of a query lands in the same thread's registers: the head sum is
+    in-thread and leaves a tile that is not replicated across lanes (heads as rows put them on lanes,
+    and all work after the sum would run once per head)."""
+    logits = tl.dot(keys, tl.trans(q))
+    # sigmoid(z) = r^2 with r = rsqrt(1 + 2^-z): two MUFU operations and no division (fp32 `/` is
+    # div.full on NVIDIA, a range check around its reciprocal); -z in one FMA.
+    r = tl.math.rsqrt(1.0 + tl.math.exp2(logits * -qk_scale2 - bias2[None, :]))
+    gated = gate[None, :] * r * r
+    return tl.sum(tl.reshape(gated, [BLOCK_K, H_PAD, BLOCK_Q]), 1)
+
+
 # ----------------------------------------------------------------------------- the indexer kernel
 @triton.jit
 def _gsa_indexer_kernel(
