@@ -16,13 +16,6 @@ from registry.device import preset
 from registry.ops import OPS
 
 OPS_WITH_NVIDIA = [name for name in OPS if any(v.vendor == "nvidia" for v in load_all().get(name, []))]
-# Ops whose kernels came after the last GPU sweep. Strict: once their tables ship, the test passes, the
-# marker fails it, and the entry goes.
-AWAITING_TABLES: dict[str, str] = {
-    "gsa_topk": "gsa_topk_radix replaced gsa_topk_streaming; scripts/gsa_topk_gpu.sh sweeps it on an H200",
-}
-OP_PARAMS = [pytest.param(name, marks=pytest.mark.xfail(strict=True, reason=AWAITING_TABLES[name]))
-             if name in AWAITING_TABLES else name for name in OPS_WITH_NVIDIA]
 
 
 @pytest.fixture(autouse=True)
@@ -33,7 +26,7 @@ def _fresh():
 
 
 @pytest.mark.parametrize("device_name", ["h200", "h100"])
-@pytest.mark.parametrize("op_name", OP_PARAMS)
+@pytest.mark.parametrize("op_name", OPS_WITH_NVIDIA)
 def test_every_preset_shape_in_every_layout_resolves_to_a_shipped_entry(op_name, device_name):
     op, device = OPS[op_name], preset(device_name)
     resolved = []
