@@ -239,17 +239,18 @@ class OpHandle:
         return self._launcher(self._validate(*args, **kwargs))
 
     def _launcher(self, a: dict) -> Callable[[dict], Any]:
+        """The raw key's launcher, made on its first call and kept (the reference's too, when no kernel
+        variant serves the key, so that such calls also skip the tuning key after their first)."""
         choice = self._choose(a)
-        if choice.variant is None:
-            return choice.launcher
         raw = a.key if a.__class__ is Args else self.op.tuning_key(a)
         launchers = self._launchers.setdefault(a[self._device_arg].device, {})
         launch = launchers.get(raw)
         if launch is None:
             if len(launchers) >= MAX_RAW_KEYS:  # shapes that change on every call: drop the oldest
                 launchers.pop(next(iter(launchers), None), None)
+            made = choice.launcher if choice.variant is None else choice.variant.bind_cached(choice.config)
             # setdefault: of two threads making a raw key's launcher, both keep the one stored first.
-            launch = launchers.setdefault(raw, choice.variant.bind_cached(choice.config))
+            launch = launchers.setdefault(raw, made)
         return launch
 
     def _target(self, dev: torch.device) -> tuple[str, DeviceInfo]:
