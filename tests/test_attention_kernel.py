@@ -464,7 +464,10 @@ def test_compile_specs_type_every_kernel_argument():
             assert spec.constexprs["BLOCK_M"] == config[spec.role].blocks["BLOCK_M"]
             assert spec.constexprs["HEAD_DIM"] == key["d"] and spec.constexprs["BLOCK_D"] == 128
             assert spec.constexprs.get("HAS_SINKS", key.get("sinks", False)) == key.get("sinks", False)
-        assert specs[0].signature["Q"] == "*bf16" and specs[0].values == {"group": key["h_q"] // key["h_kv"]}
+        group = key["h_q"] // key["h_kv"]
+        # The forward takes the GQA group as a constant, the backward kernels as a specialized integer.
+        assert specs[0].signature["Q"] == "*bf16" and specs[0].constexprs["GROUP"] == group
+        assert specs[3].values == {"group": group}
     forward_only = variant.compile_specs(key, CallConfig({"fwd": config["fwd"]}))
     assert [s.role for s in forward_only] == ["fwd", "fwd"]
 
