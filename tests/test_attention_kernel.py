@@ -54,8 +54,9 @@ def _variants():
 
 
 # Tiles other than the interpreter defaults for every role: other block shapes (16 rows against 32
-# keys and the reverse), more blocks per loop, other stage boundaries.
-OTHER_TILES = CallConfig({"fwd": LaunchConfig(blocks={"BLOCK_M": 16, "BLOCK_N": 16}),
+# keys and the reverse), more blocks per loop, other stage boundaries; the forward packs a GQA group's
+# heads along its rows (two heads: 16 rows of 8 tokens, where the case's group is even).
+OTHER_TILES = CallConfig({"fwd": LaunchConfig(blocks={"BLOCK_M": 16, "BLOCK_N": 16, "HEADS": 2}),
                           "bwd_pre": LaunchConfig(blocks={"BLOCK_M": 16}),
                           "bwd_dkv": LaunchConfig(blocks={"BLOCK_M": 32, "BLOCK_N": 16}),
                           "bwd_dq": LaunchConfig(blocks={"BLOCK_M": 16, "BLOCK_N": 32})})
@@ -409,16 +410,24 @@ def test_spaces_differ_only_by_vendor_data():
 def test_prune_reasons():
     nvidia, amd = _variant(F, "nvidia"), _variant(S, "amd")
     h200, mi300x = PRESETS["h200"], PRESETS["mi300x"]
-    huge = LaunchConfig(blocks={"BLOCK_M": 128, "BLOCK_N": 128}, num_warps=8, num_stages=5)
+    huge = LaunchConfig(blocks={"BLOCK_M": 128, "BLOCK_N": 128, "HEADS": 1}, num_warps=8, num_stages=5)
     assert "shared memory" in nvidia.prune_reason("fwd", huge, KEY, h200)
     assert nvidia.prune_reason("fwd", huge.model_copy(update={"num_stages": 2}), KEY, h200) is None
-    wide = LaunchConfig(blocks={"BLOCK_M": 128, "BLOCK_N": 128}, num_warps=8, num_stages=2, kpack=1)
+    wide = LaunchConfig(blocks={"BLOCK_M": 128, "BLOCK_N": 128, "HEADS": 1}, num_warps=8, num_stages=2, kpack=1)
     assert "LDS" in amd.prune_reason("fwd", wide, {**KEY, "d": 256}, mi300x)
     short = {**KEY, "s_q": 16}
-    assert "s_q bucket" in nvidia.prune_reason("bwd_dq", huge.model_copy(update={"num_stages": 2}), short, h200)
-    small = LaunchConfig(blocks={"BLOCK_M": 64, "BLOCK_N": 64}, num_warps=4, num_stages=2)
+    wide_dq = LaunchConfig(blocks={"BLOCK_M": 128, "BLOCK_N": 128}, num_warps=8, num_stages=2)
+    assert "s_q bucket" in nvidia.prune_reason("bwd_dq", wide_dq, short, h200)
+    small = LaunchConfig(blocks={"BLOCK_M": 64, "BLOCK_N": 64, "HEADS": 1}, num_warps=4, num_stages=2)
     assert nvidia.prune_reason("fwd", small, short, h200) is None  # the smallest BLOCK_M always survives
     assert "blocks must be" in nvidia.prune_reason("bwd_pre", small, KEY, h200)
+    # Packed query heads must divide the GQA group (and so BLOCK_M): 4 of a group of 8 may run, 16 not.
+    gqa8 = {**KEY, "h_q": 64, "h_kv": 8}
+    packed = small.model_copy(update={"blocks": {**small.blocks, "HEADS": 4}})
+    assert nvidia.prune_reason("fwd", packed, gqa8, h200) is None
+    assert "must divide the GQA group" in nvidia.prune_reason("fwd", packed, {**gqa8, "h_kv": 64}, h200)
+    too_many = small.model_copy(update={"blocks": {**small.blocks, "HEADS": 16}})
+    assert "must divide the GQA group" in nvidia.prune_reason("fwd", too_many, gqa8, h200)
     assert nvidia.prune_reason("bwd_pre", LaunchConfig(blocks={"BLOCK_M": 128}), KEY, h200) is None
 
 

@@ -47,8 +47,9 @@ class AttentionAmd:
 
     vendor = "amd"
     spaces = {
-        "fwd": _space("fwd", {"BLOCK_M": (64, 128), "BLOCK_N": (32, 64)},
-                      {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 1, **_DEFAULT_KNOBS}),
+        "fwd": _space("fwd", {"BLOCK_M": (64, 128), "BLOCK_N": (32, 64), "HEADS": (1, 2, 4, 8, 16)},
+                      {"BLOCK_M": 128, "BLOCK_N": 64, "HEADS": 1, "num_warps": 8, "num_stages": 1,
+                       **_DEFAULT_KNOBS}),
         "bwd_pre": ConfigSpace(
             blocks={"BLOCK_M": (32, 64, 128)},
             knobs={"num_warps": (4, 8), "num_stages": (1,)},

@@ -187,20 +187,28 @@ def _attention_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn,
 
 
 def _attention_fwd_block_body(q_base, k_base, v_base, o_base, lse_base, start_m, seqlen_q, seqlen_k, window,
-                              qk_scale, sink, stride_qm, stride_kn, stride_vn, stride_om,
+                              qk_scale, sink, stride_qm, stride_qh, stride_kn, stride_vn, stride_om, stride_oh,
+                              stride_lh,
                               IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
                               RETURN_LSE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Query block `start_m` of one (sequence, head): out rows (and lse) from the three key stages."""
-    m0 = start_m * BLOCK_M
-    offs_m = m0 + tl.arange(0, BLOCK_M)
+                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEADS: tl.constexpr):
+    """Query block `start_m` of one (sequence, HEADS query heads of one kv head): out rows (and lse)
+    from the three key stages. Row r is token start_m * (BLOCK_M // HEADS) + r // HEADS of head
+    r % HEADS (counted from the bases' head), so with HEADS > 1 each K/V tile serves the GQA group's
+    heads at once and the block spans BLOCK_M // HEADS tokens: a window's key range overhangs a
+    block's rows by less. With HEADS = 1 the head terms fold away."""
+    TOKENS: tl.constexpr = BLOCK_M // HEADS
+    m0 = start_m * TOKENS
+    rows = tl.arange(0, BLOCK_M)
+    offs_m = m0 + rows // HEADS  # each row's query position
+    head_r = rows % HEADS
     offs_d = tl.arange(0, BLOCK_D)
     row_ok = offs_m < seqlen_q
     tile_ok = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
-    q_ptrs = q_base + m0.to(tl.int64) * stride_qm + tl.arange(0, BLOCK_M)[:, None] * stride_qm + offs_d[None, :]
-    q = tl.load(q_ptrs, mask=tile_ok, other=0.0)
+    q_rows = (rows // HEADS) * stride_qm + head_r * stride_qh
+    q = tl.load(q_base + m0.to(tl.int64) * stride_qm + q_rows[:, None] + offs_d[None, :], mask=tile_ok, other=0.0)
     pos_m = seqlen_k - seqlen_q + offs_m
-    lo, mid_lo, mid_hi, hi = _key_range(m0, seqlen_q, seqlen_k, window, IS_CAUSAL, HAS_WINDOW, BLOCK_M, BLOCK_N)
+    lo, mid_lo, mid_hi, hi = _key_range(m0, seqlen_q, seqlen_k, window, IS_CAUSAL, HAS_WINDOW, TOKENS, BLOCK_N)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -223,10 +231,11 @@ def _attention_fwd_block_body(q_base, k_base, v_base, o_base, lse_base, start_m,
         # sigmoid(lse - sink), the sink's share taken out; `sink` is in log2 units too.
         scale = scale / (1.0 + tl.math.exp2(sink - tl.where(empty, 0.0, lse2)))
     out = acc * tl.where(empty, 0.0, scale)[:, None]  # a row with no key: 0 whatever the sink
-    o_ptrs = o_base + m0.to(tl.int64) * stride_om + tl.arange(0, BLOCK_M)[:, None] * stride_om + offs_d[None, :]
-    tl.store(o_ptrs, out.to(o_base.dtype.element_ty), mask=tile_ok)
+    o_rows = (rows // HEADS) * stride_om + head_r * stride_oh
+    tl.store(o_base + m0.to(tl.int64) * stride_om + o_rows[:, None] + offs_d[None, :], out.to(o_base.dtype.element_ty),
+             mask=tile_ok)
     if RETURN_LSE:
-        tl.store(lse_base + offs_m, tl.where(empty, float("inf"), lse2 * LN2), mask=row_ok)
+        tl.store(lse_base + head_r * stride_lh + offs_m, tl.where(empty, float("inf"), lse2 * LN2), mask=row_ok)
 
 
 _attention_fwd_block = triton.jit(_attention_fwd_block_body)
@@ -247,24 +256,30 @@ def _attention_fwd_kernel(
         stride_lb, stride_lh,
         GROUP: tl.constexpr, IS_VARLEN: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
         HAS_SINKS: tl.constexpr, RETURN_LSE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """One program: BLOCK_M queries of one query head of one sequence (grid: query blocks, h_q, batch).
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEADS: tl.constexpr):
+    """One program: BLOCK_M rows of one sequence (grid: query blocks, h_q // HEADS, batch): BLOCK_M
+    queries of one query head (HEADS = 1), or BLOCK_M // HEADS queries of HEADS consecutive query
+    heads of one kv head (HEADS divides GROUP; the rows are token-major, heads minor).
 
     Writes those rows of `Out` (and their natural-log lse, without the sink, when RETURN_LSE), in fp32
     online softmax over the allowed keys only. Query i sits at p_i = seqlen_k - seqlen_q + i; causal
     allows keys j <= p_i, a window W keys with p_i - j < W. A row with no allowed key gets out 0 and lse
     +inf. Head h reads kv head h // GROUP. GROUP is a compile-time constant: as a run-time integer it
     cost ptxas ~37 more registers per thread at 8 warps (162 against 125 for d 64, 128 x 64 tiles), one
-    program per SM instead of two, and GQA calls ran 20% slower than the same work without GQA. `rows_q`/`rows_k` are the rows per batch entry (padded) or
+    program per SM instead of two, and GQA calls ran 20% slower than the same work without GQA.
+    `rows_q`/`rows_k` are the rows per batch entry (padded) or
     the packed totals (varlen): varlen sequences start at cu_seqlens clamped into them (batch strides
     unused), and a program strides over the sequence's query blocks, whatever the grid's size.
     """
-    off_h = tl.program_id(1)
+    off_h = tl.program_id(1) * HEADS  # the program's first query head
     off_b = tl.program_id(2)
     off_hk = off_h // GROUP
     sink = 0.0
     if HAS_SINKS:
-        sink = tl.load(Sinks + off_h) * LOG2E
+        if HEADS == 1:
+            sink = tl.load(Sinks + off_h) * LOG2E
+        else:
+            sink = tl.load(Sinks + off_h + tl.arange(0, BLOCK_M) % HEADS) * LOG2E  # each row's head
     # Base pointers in int64: batch, head and row offsets can exceed 2**31 elements.
     if IS_VARLEN:
         q_start, seqlen_q = _sequence(cu_seqlens_q, off_b, rows_q)
@@ -274,12 +289,12 @@ def _attention_fwd_kernel(
         k_base = K + k_start.to(tl.int64) * stride_kn + off_hk.to(tl.int64) * stride_kh
         v_base = V + k_start.to(tl.int64) * stride_vn + off_hk.to(tl.int64) * stride_vh
         lse_base = Lse + off_h.to(tl.int64) * stride_lh + q_start
-        n_blocks = (seqlen_q + BLOCK_M - 1) // BLOCK_M
+        n_blocks = (seqlen_q + BLOCK_M // HEADS - 1) // (BLOCK_M // HEADS)
         for i in range(tl.program_id(0), n_blocks, tl.num_programs(0)):
             _attention_fwd_block_called(q_base, k_base, v_base, o_base, lse_base, _block_order(i, n_blocks, IS_CAUSAL),
-                                        seqlen_q, seqlen_k, window, qk_scale, sink, stride_qm, stride_kn, stride_vn,
-                                        stride_om, IS_CAUSAL, HAS_WINDOW, HAS_SINKS, RETURN_LSE, HEAD_DIM, BLOCK_D,
-                                        BLOCK_M, BLOCK_N)
+                                        seqlen_q, seqlen_k, window, qk_scale, sink, stride_qm, stride_qh, stride_kn,
+                                        stride_vn, stride_om, stride_oh, stride_lh, IS_CAUSAL, HAS_WINDOW, HAS_SINKS,
+                                        RETURN_LSE, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, HEADS)
     else:
         q_base = Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh
         o_base = Out + off_b.to(tl.int64) * stride_ob + off_h.to(tl.int64) * stride_oh
@@ -291,8 +306,9 @@ def _attention_fwd_kernel(
             # The last query blocks see the most keys: launch them first, so the short ones fill the tail.
             start_m = tl.num_programs(0) - 1 - start_m
         _attention_fwd_block(q_base, k_base, v_base, o_base, lse_base, start_m, rows_q, rows_k, window,
-                             qk_scale, sink, stride_qm, stride_kn, stride_vn, stride_om, IS_CAUSAL, HAS_WINDOW,
-                             HAS_SINKS, RETURN_LSE, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N)
+                             qk_scale, sink, stride_qm, stride_qh, stride_kn, stride_vn, stride_om, stride_oh,
+                             stride_lh, IS_CAUSAL, HAS_WINDOW, HAS_SINKS, RETURN_LSE, HEAD_DIM, BLOCK_D, BLOCK_M,
+                             BLOCK_N, HEADS)
 
 
 # ----------------------------------------------------------------------------- backward
@@ -654,6 +670,29 @@ def _masks(args: Mapping, rows_k: int) -> dict:
             "IS_CAUSAL": bool(args["causal"]), "HAS_WINDOW": window is not None}
 
 
+def tile_blocks(blocks: Mapping[str, int]) -> dict[str, int]:
+    """A config's tile sizes: its blocks without HEADS (query heads per forward program)."""
+    return {name: size for name, size in blocks.items() if name != "HEADS"}
+
+
+def packing_reason(blocks: Mapping[str, int], key: Mapping) -> str | None:
+    """Why a forward config's HEADS (query heads of one kv head packed along the rows) cannot run at
+    this key (None when it can): it must divide the GQA group and BLOCK_M."""
+    if "HEADS" not in blocks:
+        return None
+    heads, group = blocks["HEADS"], key["h_q"] // key["h_kv"]
+    if group % heads or blocks["BLOCK_M"] % heads:
+        return f"HEADS={heads} must divide the GQA group {group} and BLOCK_M {blocks['BLOCK_M']}"
+    return None
+
+
+def packed_heads(config: LaunchConfig, group: int) -> int:
+    """Query heads per forward program: the config's HEADS block where it divides the GQA group and
+    BLOCK_M (a config carried over from another key may not), else 1."""
+    heads = config.blocks.get("HEADS", 1)
+    return heads if group % heads == 0 and config.blocks["BLOCK_M"] % heads == 0 else 1
+
+
 def attention_forward(args: Mapping, config: LaunchConfig, keep_lse: bool, launch: Callable[..., Any] = triton_launch
                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Allocate out (and lse, when returned or kept for a backward) and run the forward kernel (through
@@ -674,14 +713,15 @@ def attention_forward(args: Mapping, config: LaunchConfig, keep_lse: bool, launc
     window = masks.pop("window")
     cu_q, cu_k = (args["cu_seqlens_q"], args["cu_seqlens_k"]) if varlen else (q, q)  # q: unused placeholder
     block_m, block_n = config.blocks["BLOCK_M"], config.blocks["BLOCK_N"]
+    heads = packed_heads(config, h_q // h_kv)
     launch(
-        _attention_fwd_kernel, (cdiv(span_q, block_m), h_q, batch),
+        _attention_fwd_kernel, (cdiv(span_q, block_m // heads), h_q // heads, batch),
         q, k, v, sinks, out, lse if lse is not None else out, cu_q, cu_k,
         float(args["sm_scale"]) * LOG2E.value, rows_q, rows_k, window,
         *_strides(q, varlen), *_strides(k, varlen), *_strides(v, varlen), *_strides(out, varlen),
         *(_lse_strides(lse, varlen) if lse is not None else (0, 0)),
         GROUP=h_q // h_kv, IS_VARLEN=varlen, HAS_SINKS=sinks is not None, RETURN_LSE=lse is not None, HEAD_DIM=d,
-        BLOCK_D=dot_block(d), BLOCK_M=block_m, BLOCK_N=block_n, **masks, **config.knobs())
+        BLOCK_D=dot_block(d), BLOCK_M=block_m, BLOCK_N=block_n, HEADS=heads, **masks, **config.knobs())
     return out, lse
 
 
@@ -803,7 +843,8 @@ def attention_compile_specs(key: dict, config: CallConfig, roles: tuple[str, ...
         for varlen in ((False,) if role == "bwd_pre" else (False, True)):
             constexprs = {"GROUP": group, "IS_VARLEN": varlen, "IS_CAUSAL": bool(key["causal"]),
                           "HAS_WINDOW": key["window"] is not None, "HAS_SINKS": bool(key.get("sinks", False)),
-                          "RETURN_LSE": True, "HEAD_DIM": int(key["d"]), "BLOCK_D": dot_block(key["d"]), **blocks}
+                          "RETURN_LSE": True, "HEAD_DIM": int(key["d"]), "BLOCK_D": dot_block(key["d"]), **blocks,
+                          "HEADS": packed_heads(config[role], group)}
             constexprs = {name: value for name, value in constexprs.items() if name in fn.arg_names}
             pointers = {name: f"*{elem}" for name in _ELEMENT_POINTERS}
             pointers.update({name: "*fp32" for name in _FP32_POINTERS})
@@ -820,7 +861,7 @@ def attention_compile_specs(key: dict, config: CallConfig, roles: tuple[str, ...
 # each tiny preset in the conformance test (a backward one, a backward too), so the backward roles
 # have one each; tests/test_attention_kernel.py runs the other tile shapes.
 INTERPRETER_TILES = {
-    "fwd": ({"BLOCK_M": 32, "BLOCK_N": 32}, {"BLOCK_M": 16, "BLOCK_N": 16}),
+    "fwd": ({"BLOCK_M": 32, "BLOCK_N": 32, "HEADS": 1}, {"BLOCK_M": 16, "BLOCK_N": 16, "HEADS": 2}),
     "bwd_pre": ({"BLOCK_M": 32},),
     "bwd_dkv": ({"BLOCK_M": 16, "BLOCK_N": 32},),
     "bwd_dq": ({"BLOCK_M": 32, "BLOCK_N": 16},),
@@ -857,12 +898,16 @@ class AttentionTiledBase:
         expected = set(self.spaces[role].blocks)
         if set(blocks) != expected:
             return f"blocks must be {sorted(expected)}, got {sorted(blocks)}"
-        if role != "bwd_pre" and min(blocks.values()) < 16:
+        tiles = tile_blocks(blocks)
+        if role != "bwd_pre" and min(tiles.values()) < 16:
             return f"tl.dot needs tiles of at least 16, got {blocks}"
+        reason = packing_reason(blocks, key)
+        if reason is not None:
+            return reason
         # A tile longer than the (bucketed) sequence only computes masked rows or keys, unless no
         # smaller tile exists to take its place.
         smallest = self._smallest_blocks(role, device)
-        for block, size in blocks.items():
+        for block, size in tiles.items():
             dim = _BLOCK_DIMS[block]
             if size > key[dim] and size > smallest[block]:
                 return f"{block}={size} is longer than the {dim} bucket {key[dim]}"
@@ -888,7 +933,8 @@ class AttentionTiledBase:
         smallest = self._smallest_blocks(role, device)
         # Short sequences: no tile longer than its bucket (down to the space's smallest tile; a default
         # below that one stays).
-        blocks = {name: min(fields.pop(name), max(smallest[name], key[_BLOCK_DIMS[name]])) for name in space.blocks}
+        blocks = {name: min(fields.pop(name), max(smallest[name], key[_BLOCK_DIMS[name]])) if name in _BLOCK_DIMS
+                  else fields.pop(name) for name in space.blocks}
         config = LaunchConfig(blocks=blocks, **fields)
         if space.keep is not None and not space.keep(config, key):
             config = config.model_copy(update={"num_warps": 4})

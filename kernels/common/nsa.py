@@ -76,6 +76,8 @@ from kernels.common.attention import (
     _attention_fwd_kernel,
     attention_compile_specs,
     attention_forward,
+    packing_reason,
+    tile_blocks,
 )
 from kernels.common.gsa_sparse_attention import rows_fit_int32
 from kernels.common.nsa_backward import KERNELS as BACKWARD_KERNELS
@@ -552,7 +554,7 @@ def nsa_compile_specs(key: dict, config: CallConfig, dtype: str = "fp16") -> lis
 INTERPRETER_TILES = {
     "compress": ({"BLOCK_N": 16},),
     "cmp": ({"BLOCK_M": 32, "BLOCK_N": 16}, {"BLOCK_M": 16, "BLOCK_N": 32}),
-    "swa": ({"BLOCK_M": 32, "BLOCK_N": 32},),  # the attention family's forward tests its other tiles
+    "swa": ({"BLOCK_M": 32, "BLOCK_N": 32, "HEADS": 1},),  # the attention family's tests try the others
     "slc": ({"BLOCK_N": 16}, {"BLOCK_N": 32}),
 }
 
@@ -597,8 +599,11 @@ class NSAGroupCentricBase:
         expected = set(self.spaces[role].blocks)
         if set(blocks) != expected:
             return f"blocks must be {sorted(expected)}, got {sorted(blocks)}"
-        if role != "compress" and min(blocks.values()) < 16:
+        if role != "compress" and min(tile_blocks(blocks).values()) < 16:
             return f"tl.dot needs tiles of at least 16, got {blocks}"
+        reason = packing_reason(blocks, key)
+        if reason is not None:
+            return reason
         smallest = {n: min(v) for n, v in self.spaces[role].block_values(device).items()}
         # A tile longer than what it covers only computes masked rows or keys, unless no smaller
         # tile exists to take its place.

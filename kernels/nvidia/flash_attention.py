@@ -41,10 +41,12 @@ class AttentionNvidia:
     vendor = "nvidia"
     spaces = {
         "fwd": ConfigSpace(
-            blocks={"BLOCK_M": (64, 128), "BLOCK_N": (32, 64, 128)},
+            # HEADS: query heads of one kv head per program, packed along the rows (BLOCK_M // HEADS
+            # tokens each); it must divide the GQA group.
+            blocks={"BLOCK_M": (64, 128), "BLOCK_N": (32, 64, 128), "HEADS": (1, 2, 4, 8, 16)},
             knobs={"num_warps": (4, 8), "num_stages": (2, 3, 4, 5)},
             keep=_two_warpgroups("BLOCK_M"),
-            defaults={"*": {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}},
+            defaults={"*": {"BLOCK_M": 128, "BLOCK_N": 64, "HEADS": 1, "num_warps": 8, "num_stages": 3}},
             interpreter=INTERPRETER_TILES["fwd"],
         ),
         # One pass over dO and O: no loop to pipeline, only the row tile and the warps.
