@@ -187,7 +187,7 @@ def _attention_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn,
 
 
 def _attention_fwd_block_body(q_base, k_base, v_base, o_base, lse_base, start_m, seqlen_q, seqlen_k, window,
-                              qk_scale, sink, stride_qm, stride_qh, stride_kn, stride_vn, stride_om, stride_oh,
+                              qk_scale, sink_base, stride_qm, stride_qh, stride_kn, stride_vn, stride_om, stride_oh,
                               stride_lh,
                               IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
                               RETURN_LSE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -196,7 +196,9 @@ def _attention_fwd_block_body(q_base, k_base, v_base, o_base, lse_base, start_m,
     from the three key stages. Row r is token start_m * (BLOCK_M // HEADS) + r // HEADS of head
     r % HEADS (counted from the bases' head), so with HEADS > 1 each K/V tile serves the GQA group's
     heads at once and the block spans BLOCK_M // HEADS tokens: a window's key range overhangs a
-    block's rows by less. With HEADS = 1 the head terms fold away."""
+    block's rows by less. With HEADS = 1 the head terms fold away. `sink_base` points at the first
+    head's sink (read when HAS_SINKS; a varlen caller calls this block out of line, which takes
+    scalars and pointers only, so the sinks are loaded here)."""
     TOKENS: tl.constexpr = BLOCK_M // HEADS
     m0 = start_m * TOKENS
     rows = tl.arange(0, BLOCK_M)
@@ -228,7 +230,11 @@ def _attention_fwd_block_body(q_base, k_base, v_base, o_base, lse_base, start_m,
     lse2 = m_i + tl.math.log2(tl.where(empty, 1.0, l_i))  # log2 units
     scale = 1.0 / tl.where(empty, 1.0, l_i)
     if HAS_SINKS:
-        # sigmoid(lse - sink), the sink's share taken out; `sink` is in log2 units too.
+        if HEADS == 1:
+            sink = tl.load(sink_base) * LOG2E
+        else:
+            sink = tl.load(sink_base + head_r) * LOG2E  # each row's head
+        # sigmoid(lse - sink), the sink's share taken out, in log2 units.
         scale = scale / (1.0 + tl.math.exp2(sink - tl.where(empty, 0.0, lse2)))
     out = acc * tl.where(empty, 0.0, scale)[:, None]  # a row with no key: 0 whatever the sink
     o_rows = (rows // HEADS) * stride_om + head_r * stride_oh
@@ -274,12 +280,9 @@ def _attention_fwd_kernel(
     off_h = tl.program_id(1) * HEADS  # the program's first query head
     off_b = tl.program_id(2)
     off_hk = off_h // GROUP
-    sink = 0.0
+    sink_base = Q  # unread without sinks
     if HAS_SINKS:
-        if HEADS == 1:
-            sink = tl.load(Sinks + off_h) * LOG2E
-        else:
-            sink = tl.load(Sinks + off_h + tl.arange(0, BLOCK_M) % HEADS) * LOG2E  # each row's head
+        sink_base = Sinks + off_h
     # Base pointers in int64: batch, head and row offsets can exceed 2**31 elements.
     if IS_VARLEN:
         q_start, seqlen_q = _sequence(cu_seqlens_q, off_b, rows_q)
@@ -292,9 +295,9 @@ def _attention_fwd_kernel(
         n_blocks = (seqlen_q + BLOCK_M // HEADS - 1) // (BLOCK_M // HEADS)
         for i in range(tl.program_id(0), n_blocks, tl.num_programs(0)):
             _attention_fwd_block_called(q_base, k_base, v_base, o_base, lse_base, _block_order(i, n_blocks, IS_CAUSAL),
-                                        seqlen_q, seqlen_k, window, qk_scale, sink, stride_qm, stride_qh, stride_kn,
-                                        stride_vn, stride_om, stride_oh, stride_lh, IS_CAUSAL, HAS_WINDOW, HAS_SINKS,
-                                        RETURN_LSE, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, HEADS)
+                                        seqlen_q, seqlen_k, window, qk_scale, sink_base, stride_qm, stride_qh,
+                                        stride_kn, stride_vn, stride_om, stride_oh, stride_lh, IS_CAUSAL, HAS_WINDOW,
+                                        HAS_SINKS, RETURN_LSE, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, HEADS)
     else:
         q_base = Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh
         o_base = Out + off_b.to(tl.int64) * stride_ob + off_h.to(tl.int64) * stride_oh
@@ -306,7 +309,7 @@ def _attention_fwd_kernel(
             # The last query blocks see the most keys: launch them first, so the short ones fill the tail.
             start_m = tl.num_programs(0) - 1 - start_m
         _attention_fwd_block(q_base, k_base, v_base, o_base, lse_base, start_m, rows_q, rows_k, window,
-                             qk_scale, sink, stride_qm, stride_qh, stride_kn, stride_vn, stride_om, stride_oh,
+                             qk_scale, sink_base, stride_qm, stride_qh, stride_kn, stride_vn, stride_om, stride_oh,
                              stride_lh, IS_CAUSAL, HAS_WINDOW, HAS_SINKS, RETURN_LSE, HEAD_DIM, BLOCK_D, BLOCK_M,
                              BLOCK_N, HEADS)
 
