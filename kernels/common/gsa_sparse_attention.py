@@ -1,7 +1,9 @@
 """GSA's sparse attention: every head of a query attends to the query's own top-k keys. The Triton kernel
-bodies both vendors share.
+bodies both vendors share, for two variants with one backward: the head block
+(`gsa_sparse_attention_headblock`), which gathers each slot's rows, and the dense masked tiles
+(`gsa_sparse_attention_dense`), for key sets that are a large fraction of the sequence.
 
-The idea from sparse MLA's head-block kernel (kernels.common.sparse_mla), turned around for GSA's
+Head block. The idea from sparse MLA's head-block kernel (kernels.common.sparse_mla), turned around for GSA's
 shapes: there one gathered latent row serves all heads of a kv group; here every head has its own K and
 V rows (h_kv = h_q = 16 in the default layer), but all heads of a query share one index list, and a
 key's rows of all kv heads sit next to each other ([h_kv, d] contiguous). So one program owns BLOCK_H
@@ -13,6 +15,20 @@ kernel is bound by the gathered bytes, which neighbouring queries mostly find in
 
 Forward: online softmax over the query's slots in tiles of BLOCK_TOPK, log2 units; writes out and the
 lse (log2 units, +inf for a row with no valid slot, whose out is 0) that the backward reuses.
+
+Dense masked tiles. Gathering reads 4 * t * k * h * d bytes (68.7 GB at GSA's t 4096, k 2048, 16
+heads of 128: most of a query's keys are read once per query that selects them); attending over every
+key tile of a query block with tensor cores costs about 2 * t^2 * h * d FLOPs instead, whichever keys
+the rows select. Three forward kernels:
+- `build` (one program per query): marks the query's valid keys in a bitmap [b, t, cdiv(t, 32)] with
+  atomic ORs; a slot whose bit was already set is an extra occurrence of its key, listed in `extras`
+  [b, t, topk] (its count in `dups`); also the query's smallest and largest valid key.
+- `fwd_extras`: the head-block forward over the extras, topk_length = dups (a query without repeats
+  loops zero times), its out in fp32: the online-softmax state of the repeats.
+- `fwd` (BLOCK_M queries of one head per program): starts from that state, then a FlashAttention
+  forward over the key tiles between the block's smallest and largest key, scores masked to the bits
+  each row has set, so every selected key counts once there and its repeats once each from the extras.
+  It writes out and the lse in the head-block forward's format, and the same backward follows.
 
 Backward, two passes, no atomics (so gradients are bitwise reproducible):
 - dq (`bwd_dq`, the forward's program layout): recomputes P per tile, dP = dO . V, dS = P (dP - Delta)
