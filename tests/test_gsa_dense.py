@@ -59,7 +59,7 @@ def test_build_marks_every_selected_key_once_and_lists_the_extras(device):
     args = _on(device, _case(2, t, 2, 2, 16, topk, seed=1))
     indices, lengths = args["indices"].cpu(), args["topk_length"].cpu()
     for block in (8, 32):
-        found = dense_key_sets(args["indices"], args["topk_length"], t, LaunchConfig(blocks={"BLOCK_SLOTS": block}))
+        found = dense_key_sets(args["indices"], args["topk_length"], LaunchConfig(blocks={"BLOCK_SLOTS": block}))
         bits, extras, dups, lo, hi = (x.cpu() for x in found)
         assert bits.shape == (2, t, 2)
         for b in range(2):

@@ -3,10 +3,10 @@ bodies both vendors share, for two variants with one backward: the head block
 (`gsa_sparse_attention_headblock`), which gathers each slot's rows, and the dense masked tiles
 (`gsa_sparse_attention_dense`), for key sets that are a large fraction of the sequence.
 
-Head block. The idea from sparse MLA's head-block kernel (kernels.common.sparse_mla), turned around for GSA's
-shapes: there one gathered latent row serves all heads of a kv group; here every head has its own K and
-V rows (h_kv = h_q = 16 in the default layer), but all heads of a query share one index list, and a
-key's rows of all kv heads sit next to each other ([h_kv, d] contiguous). So one program owns BLOCK_H
+Head block. The idea from sparse MLA's head-block kernel (kernels.common.sparse_mla), turned around for
+GSA's shapes: there one gathered latent row serves all heads of a kv group; here every head has its own
+K and V rows (h_kv = h_q = 16 in the default layer), but all heads of a query share one index list, and
+a key's rows of all kv heads sit next to each other ([h_kv, d] contiguous). So one program owns BLOCK_H
 heads of one query and gathers, per slot, the rows of all of them at once: a [BLOCK_TOPK, BLOCK_H, d]
 tile read as contiguous runs of BLOCK_H * d elements (GQA heads of one group read the same row, from
 L1). With one query row per head there is no matrix to feed tensor cores (a head's scores are a
@@ -45,6 +45,7 @@ Semantics: `registry.ops.gsa_sparse_attention.reference` (docs/op-contracts.md).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 
 import torch
@@ -524,18 +525,19 @@ def _backward(q, k, v, indices, sm_scale, topk_length, out, lse, dout, dq_config
     return dq, dk, dv
 
 
-def headblock_passes(q, k, v, indices, sm_scale, topk_length, config: CallConfig):
+def headblock_passes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: torch.Tensor, sm_scale: float,
+                     topk_length: torch.Tensor | None, config: CallConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """The head-block variant's forward: its "fwd" kernel, (out, lse in log2 units)."""
     return _forward(q, k, v, indices, sm_scale, topk_length, config["fwd"])
 
 
-def dense_key_sets(indices: torch.Tensor, topk_length: torch.Tensor | None, t: int, config: LaunchConfig
+def dense_key_sets(indices: torch.Tensor, topk_length: torch.Tensor | None, config: LaunchConfig
                    ) -> tuple[torch.Tensor, ...]:
     """Run the build kernel: (bits [b, t, cdiv(t, 32)], extras [b, t, topk], dups, key_lo, key_hi [b, t]),
     all int32: bit j % 32 of word j // 32 of a query's row of bits says it selects key j; its first
     dups extras are the keys it selects again (once per extra occurrence); key_lo and key_hi bound its
     valid keys (t and 0 when it has none)."""
-    b, _, topk = indices.shape
+    b, t, topk = indices.shape
     bits = torch.zeros((b, t, cdiv(t, 32)), device=indices.device, dtype=torch.int32)
     extras = torch.empty((b, t, topk), device=indices.device, dtype=torch.int32)
     dups, key_lo, key_hi = torch.empty((3, b, t), device=indices.device, dtype=torch.int32).unbind(0)
@@ -549,7 +551,8 @@ def dense_key_sets(indices: torch.Tensor, topk_length: torch.Tensor | None, t: i
     return bits, extras, dups, key_lo, key_hi
 
 
-def dense_passes(q, k, v, indices, sm_scale, topk_length, config: CallConfig):
+def dense_passes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: torch.Tensor, sm_scale: float,
+                 topk_length: torch.Tensor | None, config: CallConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """The dense variant's forward, (out, lse in log2 units) as the head-block forward gives them: the
     "build" kernel (`dense_key_sets`), the head-block forward over the extra occurrences ("fwd_extras",
     its out kept in fp32: duplicates may carry most of a row's weight), the dense pass ("fwd").
@@ -557,7 +560,7 @@ def dense_passes(q, k, v, indices, sm_scale, topk_length, config: CallConfig):
     Workspace: the bitmap (t / 8 bytes per query: with t <= 64 k, at most twice the indices), the
     extras (the size of the indices), the extras' fp32 out and lse, three int32 per query."""
     b, t, h_q, d = q.shape
-    bits, extras, dups, key_lo, key_hi = dense_key_sets(indices, topk_length, t, config["build"])
+    bits, extras, dups, key_lo, key_hi = dense_key_sets(indices, topk_length, config["build"])
     # Rows without extras loop zero times (topk_length = their count): out2 0, lse2 +inf.
     out2, lse2 = _forward(q, k, v, extras, sm_scale, dups, config["fwd_extras"], out_dtype=torch.float32)
     out = torch.empty_like(q)
@@ -595,7 +598,11 @@ class _GSASparseAttentionFunction(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None, None
 
 
-def gsa_sparse_attention_forward(args: dict, config: CallConfig, passes=headblock_passes) -> torch.Tensor:
+# A variant's forward: (q, k, v, indices, sm_scale, topk_length, call config) -> (out, lse in log2 units).
+Passes = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+
+def gsa_sparse_attention_forward(args: dict, config: CallConfig, passes: Passes = headblock_passes) -> torch.Tensor:
     """Launch GSA's sparse attention on validated arguments (registry.ops.gsa_sparse_attention's dict)
     with a variant's forward `passes` and its forward roles' configs; a backward, when autograd asks for
     one, runs the dq and dkv passes with the "bwd_dq" and "bwd_dkv" roles' configs."""
@@ -605,8 +612,8 @@ def gsa_sparse_attention_forward(args: dict, config: CallConfig, passes=headbloc
     return passes(q, k, v, indices, sm_scale, lengths, config)[0]
 
 
-def gsa_sparse_attention_backward(args: dict, config: CallConfig, grad: torch.Tensor, passes=headblock_passes
-                                  ) -> dict:
+def gsa_sparse_attention_backward(args: dict, config: CallConfig, grad: torch.Tensor,
+                                  passes: Passes = headblock_passes) -> dict:
     """The gradients of q, k and v for the custom op's backward (registry/library.py): the op returns no
     lse, so the forward `passes` run again to get it, then the dq and dkv passes."""
     q, k, v, indices, sm_scale, lengths = (args[n] for n in ("q", "k", "v", "indices", "sm_scale", "topk_length"))
@@ -695,8 +702,7 @@ class GSASparseAttentionHeadBlockBase:
     kernels = {"fwd": _gsa_sparse_attn_fwd_kernel, "bwd_dq": _gsa_sparse_attn_bwd_dq_kernel,
                "bwd_dkv": _gsa_sparse_attn_bwd_dkv_kernel}
     TILE_REGS_LIMIT = 128
-    # The forward: (q, k, v, indices, sm_scale, topk_length, call config) -> (out, lse in log2 units).
-    passes = staticmethod(headblock_passes)
+    passes = staticmethod(headblock_passes)  # the forward's kernels (`Passes`)
 
     def supports(self, key: dict, device) -> bool:
         return key["dtype"] in ("fp16", "bf16") and key["d"] <= 256
