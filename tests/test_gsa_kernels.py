@@ -1,8 +1,9 @@
-"""The GSA kernels (gsa_indexer, gsa_topk, gsa_sparse_attention; both vendors' variants, one body each)
-against their PyTorch references: odd lengths, index heads and head dims that are no power of two,
-strided inputs, k larger than the causal keys, topk_length of every kind, exact ties, scores that rise
-with position and scores crowded into a narrow range (the top-k's worst case: more counting passes),
-invalid and duplicate indices, empty rows, GQA; gradients against the reference's autograd.
+"""The GSA kernels (gsa_indexer, gsa_topk, gsa_sparse_attention's head block; both vendors' variants, one
+body each; the dense variant in tests/test_gsa_dense.py) against their PyTorch references: odd lengths,
+index heads and head dims that are no power of two, strided inputs, k larger than the causal keys,
+topk_length of every kind, exact ties, scores that rise with position and scores crowded into a narrow
+range (the top-k's worst case: more counting passes), invalid and duplicate indices, empty rows, GQA;
+gradients against the reference's autograd.
 
 On the CPU the kernels run in the Triton interpreter in fp16, each distinct block shape once (the
 vendors take turns); on a GPU in bf16, with GPU-only checks of what the interpreter cannot show (the
