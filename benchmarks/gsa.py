@@ -7,10 +7,13 @@ against its peer in the same process; and `python -m benchmarks.gsa`, the standa
 - gsa_topk at T 8192 and 32768, k 2048: the fused kernel against the indexer kernel + torch.topk (with
   the peak memory of both: the fused one never holds the [b, T, T] scores);
 - gsa_sparse_attention at T 4096 and 8192 (16 heads of 128, k 2048): gathered K/V bytes per second,
-  read against the copy ceiling of the same run (L2 reuse across queries is what can beat it), with
-  each row's indices sorted as the peer (the sort timed in: the op does not care about slot order,
-  so sorting is a legal way to gather in address order), and the backward (its rate counts twice the
-  forward's bytes: the dq pass gathers K and V rows, the dkv pass Q and dO rows).
+  read against the copy ceiling of the same run (L2 reuse across queries is what can beat it); the
+  forward as dispatched and through each variant serving the key (head block, dense masked tiles,
+  each row naming its kernels' times), on the preset's indices (drawn with replacement: many repeated
+  keys) and on distinct top-k indices as gsa_topk gives them; the head block with each row's indices
+  sorted (the sort timed in: the op does not care about slot order, so sorting is a legal way to
+  gather in address order); and the backward (its rate counts twice the forward's bytes: the dq pass
+  gathers K and V rows, the dkv pass Q and dO rows).
 FLOPs of the layer: its projections (2 * T * D * out features each), the indexer's causal scoring
 (2 * h_i * pairs * d_i) and the sparse attention (4 * T * H * k' * d, k' = min(k, i + 1) summed).
 
@@ -278,26 +281,70 @@ def _topk_measurements(dtype: torch.dtype) -> list[Measurement]:
     return out
 
 
+def causal_topk_indices(b: int, t: int, k: int, device, seed: int = 0) -> torch.Tensor:
+    """Indices as gsa_topk gives them: each query's k best keys by random causal scores, distinct, -1
+    past its i + 1 causal keys ([b, t, k] int32). The preset's indices (`make_inputs`) draw with
+    replacement instead, so about a fifth to a third of their slots repeat a key."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    scores = torch.rand((b, t, t), generator=gen, device=device)
+    scores.masked_fill_(torch.ones(t, t, dtype=torch.bool, device=device).triu(1), -1.0)
+    best = scores.topk(min(k, t), dim=-1)
+    indices = torch.where(best.values >= 0, best.indices, -1).to(torch.int32)
+    return torch.nn.functional.pad(indices, (0, k - indices.shape[-1]), value=-1)
+
+
 def _attention_measurements(dtype: torch.dtype) -> list[Measurement]:
+    """Per T: the forward as dispatched (PROVIDER) and through each variant that serves the key, on the
+    preset's indices (with repeats) and on distinct top-k indices (what the layer passes); the head
+    block on indices sorted per row; the backward as dispatched. A variant's row names the time of each
+    of its kernels; which variant dispatch chose, and each variant's peak memory, go to the notes."""
+    from benchmarks.common import kernel_ms
+    from registry.device import detect
+
     op = OPS["gsa_sparse_attention"]
+    device = detect()
     handle = registry.get("gsa_sparse_attention")
+    headblock = registry.get(op.name, variant="gsa_sparse_attention_headblock")
     call = lambda a: handle(**a)  # noqa: E731
     out = []
     for shape in op.presets["full"]:
         if shape["t"] not in (4096, 8192):
             continue
+        t, k = shape["t"], shape["k"]
         small = op.validate(**op.make_inputs(op.reduce_shape(shape), device="cuda", dtype=dtype, seed=1))
-        err = checked(op, small, call)
         args = op.validate(**op.make_inputs(shape, device="cuda", dtype=dtype, seed=0))
-        name = f"T {shape['t']} H {shape['h_q']} d {shape['d']} k {shape['k']}"
-        work = op.bytes_moved(args)
-        out.append(measure("gsa_sparse_attention fwd", name, PROVIDER, lambda a=args: call(a), work, "TB/s", err))
-        by_address = lambda a=args: call({**a, "indices": a["indices"].sort(-1).values})  # noqa: E731
-        out.append(measure("gsa_sparse_attention fwd", name, "kreg, indices sorted per row (sort timed)",
-                           by_address, work, "TB/s", None))
+        small_t = small["q"].shape[1]
+        indices = {"": (small, args),
+                   ", top-k indices": ({**small, "indices": causal_topk_indices(1, small_t, k, "cuda", seed=1)},
+                                       {**args, "indices": causal_topk_indices(1, t, k, "cuda")})}
+        name = f"T {t} H {shape['h_q']} d {shape['d']} k {k}"
+        key = dict(op.tuning_key(args))
+        # Lowest priority (the head block) first: benchmarks.run compares our row with the first peer.
+        serving = sorted((v for v in registry.variants(op.name, device.vendor) if v.supports(key, device)),
+                         key=lambda v: v.priority)
+        choice = handle.choice(**args)
+        _NOTES.append(f"gsa_sparse_attention {name}: dispatch runs "
+                      f"{choice.variant.name if choice.variant else 'the reference'} ({choice.source})")
+        for suffix, (small_args, full_args) in indices.items():
+            what = f"gsa_sparse_attention fwd{suffix}"
+            work = op.bytes_moved(full_args)
+            out.append(measure(what, name, PROVIDER, lambda a=full_args: call(a), work, "TB/s",
+                               checked(op, small_args, call)))
+            for variant in serving:
+                named = registry.get(op.name, variant=variant.name)
+                fn = lambda a=full_args, h=named: h(**a)  # noqa: E731
+                err = checked(op, small_args, lambda a, h=named: h(**a))
+                peak = peak_bytes(fn)
+                kernels = [kernel for role, kernel in variant.kernels.items() if not role.startswith("bwd")]
+                out.append(measure(what, name, f"kreg {variant.name} ({kernel_ms(fn, kernels)})", fn, work, "TB/s",
+                                   err))
+                _NOTES.append(f"{what} {name}: {variant.name} peak memory {peak / 2**20:.0f} MiB")
+        by_address = lambda a=args: headblock(**{**a, "indices": a["indices"].sort(-1).values})  # noqa: E731
+        out.append(measure("gsa_sparse_attention fwd", name, "kreg head block, indices sorted per row (sort timed)",
+                           by_address, op.bytes_moved(args), "TB/s", None))
         bwd_err = checked_backward(op, small, call)
-        out.append(measure("gsa_sparse_attention bwd", name, PROVIDER, backward_call(op, call, args), 2 * work,
-                           "TB/s", bwd_err))
+        out.append(measure("gsa_sparse_attention bwd", name, PROVIDER, backward_call(op, call, args),
+                           2 * op.bytes_moved(args), "TB/s", bwd_err))
         torch.cuda.empty_cache()
     return out
 

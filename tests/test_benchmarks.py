@@ -4,6 +4,7 @@ long-format rows any plot can read (timing itself needs a GPU: `python -m benchm
 import csv
 
 import pytest
+import torch
 
 from benchmarks.common import CSV_FIELDS, Measurement, long_rows, write_csv
 from benchmarks.run import families, main
@@ -90,3 +91,17 @@ def test_gsa_table_csv_and_plot_from_rows(tmp_path, capsys):
     assert drawn == path.exists()
     if not drawn:
         assert "matplotlib is not installed" in capsys.readouterr().out
+
+
+def test_gsa_causal_topk_indices_are_distinct_causal_keys():
+    """The attention rows' top-k indices: per query min(k, i + 1) distinct keys in [0, i], -1 after."""
+    from benchmarks import gsa
+
+    t, k = 23, 8
+    indices = gsa.causal_topk_indices(2, t, k, "cpu", seed=3)
+    assert indices.shape == (2, t, k) and indices.dtype == torch.int32
+    for rows in indices.tolist():
+        for i, row in enumerate(rows):
+            keys = [j for j in row if j != -1]
+            assert row == keys + [-1] * (k - len(keys))
+            assert len(keys) == min(k, i + 1) == len(set(keys)) and all(0 <= j <= i for j in keys)

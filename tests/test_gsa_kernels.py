@@ -1,8 +1,9 @@
-"""The GSA kernels (gsa_indexer, gsa_topk, gsa_sparse_attention; both vendors' variants, one body each)
-against their PyTorch references: odd lengths, index heads and head dims that are no power of two,
-strided inputs, k larger than the causal keys, topk_length of every kind, exact ties, scores that rise
-with position and scores crowded into a narrow range (the top-k's worst case: more counting passes),
-invalid and duplicate indices, empty rows, GQA; gradients against the reference's autograd.
+"""The GSA kernels (gsa_indexer, gsa_topk, gsa_sparse_attention's head block; both vendors' variants, one
+body each; the dense variant in tests/test_gsa_dense.py) against their PyTorch references: odd lengths,
+index heads and head dims that are no power of two, strided inputs, k larger than the causal keys,
+topk_length of every kind, exact ties, scores that rise with position and scores crowded into a narrow
+range (the top-k's worst case: more counting passes), invalid and duplicate indices, empty rows, GQA;
+gradients against the reference's autograd.
 
 On the CPU the kernels run in the Triton interpreter in fp16, each distinct block shape once (the
 vendors take turns); on a GPU in bf16, with GPU-only checks of what the interpreter cannot show (the
@@ -177,14 +178,18 @@ def test_topk_never_allocates_the_score_matrix():
 
 
 # ----------------------------------------------------------------------------- gsa_sparse_attention
-def _attention_runs(args: dict) -> list:
-    """(variant, call config) pairs for the forward and backward: on a GPU, each variant's default and
-    two more configs of every role; in the interpreter the default on one vendor and every role's other
-    block shape on the other (knobs are ignored there, both vendors share the shapes)."""
+HEADBLOCK = "gsa_sparse_attention_headblock"
+
+
+def _attention_runs(args: dict, name: str = HEADBLOCK) -> list:
+    """(variant, call config) pairs of the variant `name` for the forward and backward: on a GPU, its
+    default and two more configs of every role; in the interpreter the default on one vendor and every
+    role's other block shape, where it has one, on the other (knobs are ignored there, both vendors
+    share the shapes). tests/test_gsa_dense.py runs the dense variant through these."""
     op = OPS["gsa_sparse_attention"]
     key = dict(op.tuning_key(op.validate(**args)))
     runs = []
-    for n, variant in enumerate(_variants("gsa_sparse_attention")):
+    for n, variant in enumerate(v for v in _variants("gsa_sparse_attention") if v.name == name):
         default = variant.default_config(key, INFO)
         others = {role: [c for c in configs if c != default[role]
                          and variant.prune_reason(role, c, key, INFO) is None]
@@ -201,16 +206,16 @@ def _attention_runs(args: dict) -> list:
         else:
             config = default
             for role, configs in others.items():
-                config = config.replace(role, configs[0])
+                config = config.replace(role, configs[0]) if configs else config
             runs.append((variant, config))
     return runs
 
 
-def _check_attention(args: dict) -> None:
+def _check_attention(args: dict, name: str = HEADBLOCK) -> None:
     op = OPS["gsa_sparse_attention"]
     args = op.validate(**args)
     expected = op.reference(**args)
-    for variant, config in _attention_runs(args):
+    for variant, config in _attention_runs(args, name):
         call = lambda a, c=config, v=variant: v.launch(a, c)  # noqa: E731
         err = output_error(op, call(args), expected, args)
         assert err <= TOL, f"{variant.vendor} {config}: error {err:.3g}"

@@ -157,7 +157,8 @@ def _gsa_sparse_attention_cases():
         kw = op.make_inputs(op.presets["tiny"][preset], device=DEVICE, dtype=DTYPE, seed=3)
         # A query row; key row 0 (also what an invalid slot would read if dereferenced). Not a value
         # row: the reference multiplies dense probabilities by every value row, so a NaN value reaches
-        # rows that never select it there (a known gap; the kernels gather selected rows only).
+        # rows that never select it there (a known gap; the head block gathers selected rows only, the
+        # dense variant's tiles reach the query blocks whose key range covers it: docs/op-contracts.md).
         yield {**kw, "q": _poisoned(kw["q"], (0, 4, 1, 2))}, True
         yield {**kw, "k": _poisoned(kw["k"], (0, 0, 0, 1))}, True
 

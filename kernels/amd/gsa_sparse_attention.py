@@ -1,19 +1,33 @@
-"""gsa_sparse_attention on AMD CDNA3/CDNA4 (MI300X gfx942, MI355X gfx950): the shared head-block kernels
-with AMD's knobs. They use no matrix instructions (a head's scores are a matrix-vector product), so
-matrix_instr_nonkdim and kpack stay at their defaults; a 64-lane wavefront covers a 128-wide head row
-twice over, so a program spreads BLOCK_H up to 128 heads over fewer waves than NVIDIA warps, and
-waves_per_eu trades registers for the waves in flight that hide the gathers' latency.
+"""gsa_sparse_attention on AMD CDNA3/CDNA4 (MI300X gfx942, MI355X gfx950): the shared kernels with AMD's
+config spaces and knobs.
+
+Head-block variant: its kernels use no matrix instructions (a head's scores are a matrix-vector
+product), so matrix_instr_nonkdim and kpack stay at their defaults; a 64-lane wavefront covers a
+128-wide head row twice over, so a program spreads BLOCK_H up to 128 heads over fewer waves than NVIDIA
+warps, and waves_per_eu trades registers for the waves in flight that hide the gathers' latency.
+
+Dense variant: its "fwd" kernel is a FlashAttention forward (MFMA) whose score tile has a bitmap tile
+beside it, so its tiles are narrower than the dense attention's (kernels/amd/flash_attention.py): two
+fused GEMMs want num_stages 1, each wavefront at least 16 query rows (32 for the 32x32 MFMA), and
+waves_per_eu 2 caps a lane at 256 VGPRs. Its extras pass and backward are the head-block kernels, with
+the head-block spaces.
 """
+
+from dataclasses import replace
 
 from kernels.base import Variant
 from kernels.common.gsa_sparse_attention import (
+    INTERPRETER_BUILD,
+    INTERPRETER_DENSE,
     INTERPRETER_DKV,
     INTERPRETER_FWD,
+    GSASparseAttentionDenseBase,
     GSASparseAttentionHeadBlockBase,
     heads_fit,
 )
 from registry.catalog import register
 from tuning.space import ConfigSpace
+from tuning_db.records import LaunchConfig
 
 _HEADS = (1, 2, 4, 8, 16, 32, 64, 128)
 _KNOBS = {"num_warps": (2, 4, 8), "num_stages": (1, 2), "waves_per_eu": (0, 1, 2, 4),
@@ -41,5 +55,42 @@ class GSASparseAttentionHeadBlockAmd(GSASparseAttentionHeadBlockBase, Variant):
             defaults={"*": {"BLOCK_H": 16, "BLOCK_Q": 8, **_DEFAULT_KNOBS}},
             interpreter=INTERPRETER_DKV,
         ),
+    }
+    TILE_REGS_LIMIT = 256
+
+
+def rows_per_wavefront(config: LaunchConfig, key: dict) -> bool:
+    """Keep: each wavefront owns BLOCK_M / num_warps query rows: at least 16, and at least 32 for the
+    32x32 MFMA (matrix_instr_nonkdim 32)."""
+    per_wave = config.blocks["BLOCK_M"] // config.num_warps
+    return per_wave >= 16 and (config.matrix_instr_nonkdim != 32 or per_wave >= 32)
+
+
+_HEADBLOCK = GSASparseAttentionHeadBlockAmd.spaces
+
+
+@register
+class GSASparseAttentionDenseAmd(GSASparseAttentionDenseBase, Variant):
+    vendor = "amd"
+    # Untimed (no AMD GPU here); the defaults compile without spills for gfx942 and gfx950 at d 128
+    # (benchmarks/NOTES.md, "GSA sparse attention, dense masked tiles").
+    spaces = {
+        "build": ConfigSpace(
+            blocks={"BLOCK_SLOTS": (128, 256, 512, 1024)}, knobs={"num_warps": (1, 2, 4, 8), "num_stages": (1,)},
+            defaults={"*": {"BLOCK_SLOTS": 256, "num_warps": 4, "num_stages": 1}},
+            interpreter=INTERPRETER_BUILD,
+        ),
+        "fwd_extras": replace(_HEADBLOCK["fwd"], interpreter=INTERPRETER_FWD[:1]),
+        "fwd": ConfigSpace(
+            blocks={"BLOCK_M": (32, 64, 128), "BLOCK_N": (16, 32, 64)},
+            knobs={"num_warps": (2, 4, 8), "num_stages": (1,), "waves_per_eu": (0, 1, 2),
+                   "matrix_instr_nonkdim": (16, 32), "kpack": (1,)},
+            arch={"gfx942": {"kpack": (1, 2)}}, keep=rows_per_wavefront,
+            defaults={"*": {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1, "waves_per_eu": 2,
+                            "matrix_instr_nonkdim": 16, "kpack": 1}},
+            interpreter=INTERPRETER_DENSE,
+        ),
+        "bwd_dq": replace(_HEADBLOCK["bwd_dq"], interpreter=INTERPRETER_FWD[:1]),
+        "bwd_dkv": replace(_HEADBLOCK["bwd_dkv"], interpreter=INTERPRETER_DKV[:1]),
     }
     TILE_REGS_LIMIT = 256

@@ -1,18 +1,29 @@
-"""gsa_sparse_attention on NVIDIA Hopper (H100/H200): the shared head-block kernels with NVIDIA's config
-space. The kernels gather rows and reduce them with FMAs, so what decides their speed is the bytes in
-flight: heads per program (BLOCK_H: wider gathers, longer contiguous runs) times slots per tile
+"""gsa_sparse_attention on NVIDIA Hopper (H100/H200): the shared kernels with NVIDIA's config spaces.
+
+Head-block variant: the kernels gather rows and reduce them with FMAs, so what decides their speed is the
+bytes in flight: heads per program (BLOCK_H: wider gathers, longer contiguous runs) times slots per tile
 (BLOCK_TOPK) against the registers they take, and warps per program.
+
+Dense variant: its "fwd" kernel is a FlashAttention forward over BLOCK_M x BLOCK_N tiles (wgmma), with a
+bitmap tile loaded beside each score tile; 8 warps are two warpgroups of 64 rows, so they need 128-row
+tiles. Its extras pass and backward are the head-block kernels, with the head-block spaces.
 """
+
+from dataclasses import replace
 
 from kernels.base import Variant
 from kernels.common.gsa_sparse_attention import (
+    INTERPRETER_BUILD,
+    INTERPRETER_DENSE,
     INTERPRETER_DKV,
     INTERPRETER_FWD,
+    GSASparseAttentionDenseBase,
     GSASparseAttentionHeadBlockBase,
     heads_fit,
 )
 from registry.catalog import register
 from tuning.space import ConfigSpace
+from tuning_db.records import LaunchConfig
 
 _GATHER = {"BLOCK_H": (1, 2, 4, 8, 16, 32, 64), "BLOCK_TOPK": (4, 8, 16, 32)}
 
@@ -39,3 +50,38 @@ class GSASparseAttentionHeadBlockNvidia(GSASparseAttentionHeadBlockBase, Variant
             interpreter=INTERPRETER_DKV,
         ),
     }
+
+
+def two_warpgroups_need_128_rows(config: LaunchConfig, key: dict) -> bool:
+    """Keep: 8 warps are two warpgroups of 64 query rows each; a 64-row tile leaves the second idle."""
+    return not (config.num_warps == 8 and config.blocks["BLOCK_M"] < 128)
+
+
+_HEADBLOCK = GSASparseAttentionHeadBlockNvidia.spaces
+
+
+@register
+class GSASparseAttentionDenseNvidia(GSASparseAttentionDenseBase, Variant):
+    vendor = "nvidia"
+    # Untimed until the first H100/H200 sweep; the defaults compile without spills for sm_90 at d 128
+    # (benchmarks/NOTES.md, "GSA sparse attention, dense masked tiles").
+    spaces = {
+        # One program per query; the atomics' latency is hidden by programs in flight, not stages.
+        "build": ConfigSpace(
+            blocks={"BLOCK_SLOTS": (128, 256, 512, 1024)}, knobs={"num_warps": (1, 2, 4, 8), "num_stages": (1,)},
+            defaults={"*": {"BLOCK_SLOTS": 256, "num_warps": 4, "num_stages": 1}},
+            interpreter=INTERPRETER_BUILD,
+        ),
+        "fwd_extras": replace(_HEADBLOCK["fwd"], interpreter=INTERPRETER_FWD[:1]),
+        "fwd": ConfigSpace(
+            blocks={"BLOCK_M": (64, 128), "BLOCK_N": (32, 64, 128)},
+            knobs={"num_warps": (4, 8), "num_stages": (2, 3)}, keep=two_warpgroups_need_128_rows,
+            defaults={"*": {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}},
+            interpreter=INTERPRETER_DENSE,
+        ),
+        "bwd_dq": replace(_HEADBLOCK["bwd_dq"], interpreter=INTERPRETER_FWD[:1]),
+        "bwd_dkv": replace(_HEADBLOCK["bwd_dkv"], interpreter=INTERPRETER_DKV[:1]),
+    }
+    # Above d 128 every config of the space spills on sm_90; 128 x 16 tiles, unpipelined, take 255
+    # registers without spilling at d 256.
+    WIDE_HEAD_FWD = {"BLOCK_N": 16, "num_stages": 1}
