@@ -19,11 +19,12 @@ class DecodeSplitKVAmd(DecodeSplitKVBase, Variant):
     vendor = "amd"
     spaces = {
         "split": ConfigSpace(
-            blocks={"BLOCK_N": (16, 32, 64, 128), "WAVES": (1, 2, 4), "KV_HEADS": (1, 2, 4, 8)},
+            blocks={"BLOCK_N": (16, 32, 64, 128), "WAVES": (1, 2, 4), "KV_HEADS": (1, 2, 4, 8),
+                    "FUSED": (0, 1)},
             knobs={"num_warps": (2, 4, 8), "num_stages": (1, 2), "waves_per_eu": (0, 2, 4),
                    "matrix_instr_nonkdim": (16,), "kpack": (1,)},
             keep=key_rows_between(32, 128),
-            defaults={"*": {"BLOCK_N": 64, "WAVES": 2, "KV_HEADS": 1, "num_warps": 4, "num_stages": 1,
+            defaults={"*": {"BLOCK_N": 64, "WAVES": 2, "KV_HEADS": 1, "FUSED": 0, "num_warps": 4, "num_stages": 1,
                             "waves_per_eu": 2, "matrix_instr_nonkdim": 16, "kpack": 1}},
             interpreter=INTERPRETER_SPLIT,
         ),

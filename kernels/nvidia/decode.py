@@ -20,10 +20,12 @@ class DecodeSplitKVNvidia(DecodeSplitKVBase, Variant):
     vendor = "nvidia"
     spaces = {
         "split": ConfigSpace(
-            blocks={"BLOCK_N": (16, 32, 64, 128, 256), "WAVES": (1, 2, 4, 8), "KV_HEADS": (1, 2, 4, 8)},
+            blocks={"BLOCK_N": (16, 32, 64, 128, 256), "WAVES": (1, 2, 4, 8), "KV_HEADS": (1, 2, 4, 8),
+                    "FUSED": (0, 1)},
             knobs={"num_warps": (2, 4, 8), "num_stages": (2, 3, 4)},
             keep=key_rows_between(64, 256),
-            defaults={"*": {"BLOCK_N": 128, "WAVES": 2, "KV_HEADS": 1, "num_warps": 4, "num_stages": 3}},
+            defaults={"*": {"BLOCK_N": 128, "WAVES": 2, "KV_HEADS": 1, "FUSED": 0, "num_warps": 4,
+                            "num_stages": 3}},
             interpreter=INTERPRETER_SPLIT,
         ),
         "combine": COMBINE_SPACE,
