@@ -378,15 +378,16 @@ def programmatic_launch(device_index: int) -> bool:
     return device_index >= 0 and torch.version.hip is None and torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
-# The fused merge's tiles hold about this many fp32 elements per warp (32 a lane of a 32-wide warp).
-MERGE_ELEMENTS_PER_WARP = 1024
+# The fused merge's tiles hold about this many fp32 elements per warp (16 a lane of a 32-wide warp): with
+# 1024, sm_90 builds of the merge took up to twice the split loop's registers (8 x 16 keys, 8 warps: 206
+# against 80, one program per SM instead of two) and spilled where the loop alone does not.
+MERGE_ELEMENTS_PER_WARP = 512
 
 
 def merge_tiles(rows: int, splits: int, block_d: int, num_warps: int) -> tuple[int, int]:
     """MERGE_ROWS and CHUNK of a fused split program's merge of `rows` rows over `splits` (a power of
     two) partials: each of its tiles, the [MERGE_ROWS, splits] lse and the [MERGE_ROWS, CHUNK, block_d]
-    partial outputs, about MERGE_ELEMENTS_PER_WARP elements per warp (the split's loop registers are free
-    by then)."""
+    partial outputs, about MERGE_ELEMENTS_PER_WARP elements per warp."""
     budget = MERGE_ELEMENTS_PER_WARP * num_warps
     merge_rows = min(next_pow2(rows), max(1, budget // splits))
     return merge_rows, max(1, min(splits, budget // (merge_rows * block_d)))
