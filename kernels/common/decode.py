@@ -54,6 +54,9 @@ from tuning_db.records import CallConfig, LaunchConfig
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
 MAX_SPLITS = 256
+# Chunks of partials a fused merge has in flight plus one (tl.range stages: copies into the shared
+# memory the split's loop no longer uses).
+MERGE_STAGES = tl.constexpr(3)
 
 
 # ----------------------------------------------------------------------------- Triton kernels
@@ -119,7 +122,7 @@ def _with_sink(lse, empty, sink_ptr, mask, HAS_SINK: tl.constexpr):
 def _merge_splits(
     lse_ptr, o_ptr, sink_ptr, out_ptr, ret_ptr, row_ok, num_splits, stride_op,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr, SPLITS: tl.constexpr, CHUNK: tl.constexpr,
-    HAS_SINK: tl.constexpr, RETURN_LSE: tl.constexpr, CACHE: tl.constexpr,
+    HAS_SINK: tl.constexpr, RETURN_LSE: tl.constexpr, CACHE: tl.constexpr, STAGES: tl.constexpr,
 ):
     """The final output and lse of ROWS rows from their split partials (what the combine kernel and a
     fused split's last program run). Per row, pointers to split 0 of its partial lse (splits contiguous)
@@ -142,7 +145,7 @@ def _merge_splits(
     offs_c = tl.arange(0, CHUNK)
     d_ok = offs_d < HEAD_DIM
     acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
-    for s0 in range(0, num_splits, CHUNK):
+    for s0 in tl.range(0, num_splits, CHUNK, num_stages=STAGES):
         split = s0 + offs_c
         split_ok = row_ok[:, None] & (split[None, :] < num_splits)
         weight = tl.math.exp2((tl.load(lse_ptr[:, None] + split[None, :], mask=split_ok, other=float("-inf"),
@@ -303,7 +306,7 @@ def _decode_split_kernel(
                                   OUT + b64 * stride_outb + r_token * stride_outs + r_head * stride_outh,
                                   LSE + b64 * stride_rb + r_head * stride_rh + r_token * stride_rs,
                                   r < rows, tl.num_programs(1), stride_op, HEAD_DIM, BLOCK_D, MERGE_ROWS, SPLITS,
-                                  CHUNK, HAS_SINK, RETURN_LSE, ".cg")
+                                  CHUNK, HAS_SINK, RETURN_LSE, ".cg", MERGE_STAGES)
         if PDL:
             gdc_launch_dependents()  # the combine may start launching; it waits for this grid's writes
 
@@ -333,7 +336,7 @@ def _decode_combine_kernel(
                   SINK + head,
                   OUT + b * stride_outb + token * stride_outs + head * stride_outh,
                   LSE + b * stride_rb + head * stride_rh + token * stride_rs,
-                  r < rows, num_splits, stride_op, HEAD_DIM, BLOCK_D, ROWS, SPLITS, CHUNK, HAS_SINK, RETURN_LSE, "")
+                  r < rows, num_splits, stride_op, HEAD_DIM, BLOCK_D, ROWS, SPLITS, CHUNK, HAS_SINK, RETURN_LSE, "", 1)
 
 
 # ----------------------------------------------------------------------------- launchers
