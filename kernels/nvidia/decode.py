@@ -6,7 +6,8 @@ kernel is bound by memory bandwidth: what matters is enough programs in flight t
 per program make each key position one contiguous read of KV_HEADS * d elements; a step reads 64..256
 key rows (KV_HEADS * BLOCK_N), so several heads come with shorter tiles, and each warp owns whole heads
 (num_warps <= KV_HEADS). Pages of 16 with KV_HEADS 4-8 x BLOCK_N 16 read one whole page of every head
-per step after one block-table load.
+per step after one block-table load. FUSED 1 drops the combine launch and its wait for the whole grid:
+each program column's last split program merges (a release/acquire atomic at gpu scope).
 """
 
 from kernels.base import Variant
