@@ -288,8 +288,8 @@ def _decode_split_kernel(
         tl.store(LSE_PART + b64 * stride_lb + split + lse_rows, lse, mask=row_ok)
         if MERGE:
             # Every thread's stores come before the barrier, the barrier before one thread's gpu-scope
-            # release; the last program's acquire then orders every split's stores before its loads,
-            # which go to L2 (".cg") so that no L1 line read before the partials were written is used.
+            # release; the last program's acquire (then the barrier broadcasting the count) orders every
+            # split's stores before its loads, which read through L2 (".cg") where the hardware has it.
             _wait_for_stores(WAIT_STORES)
             tl.debug_barrier()
             arrived = tl.atomic_add(COUNTER + tl.program_id(0), 1, sem="acq_rel", scope="gpu")
