@@ -412,7 +412,9 @@ def split_counters(device: torch.device, device_index: int, programs: int) -> to
     A CUDA graph uses the buffer of the stream it was captured on (made by an eager call on that stream
     before capture), so it must not replay while another call uses that stream's counters. Captured
     with no buffer for its stream yet, the call gets one allocated in the graph, zeroed by a memset the
-    graph replays, and not kept (its zeros exist only on replay)."""
+    graph replays, and not kept (its zeros exist only on replay). Buffers are never freed (4 KB for up
+    to 1024 programs per stream that ran a fused call): a graph may still hold one whose stream is gone,
+    and a new stream may get a gone stream's handle, and with it its counters."""
     stream = driver.active.get_current_stream(device_index) if device_index >= 0 else 0
     counters = _COUNTERS.get((device_index, stream))
     if counters is not None and counters.numel() >= programs:
