@@ -50,8 +50,7 @@ class Variant:
     `bwd...` run in the backward. A launch takes a `CallConfig`: one LaunchConfig per role.
 
     Subclasses set `op`, `vendor`, `name`, `priority`, `kernels`, `spaces`, and implement `launch` and
-    `compile_specs`; `supports`, `role_default`, `launched_roles` and `prune_reason` refine the defaults
-    below. `key` is
+    `compile_specs`; `supports`, `role_default` and `prune_reason` refine the defaults below. `key` is
     the op's tuning key as a dict. A variant never validates user input again (the op contract did)
     and masks every index inside its kernels.
     """
@@ -98,12 +97,6 @@ class Variant:
             default = self.role_default(role, key, device)
             out[role] = self.spaces[role].complete(config[role], default) if role in config else default
         return CallConfig(out)
-
-    def launched_roles(self, config: CallConfig) -> tuple[str, ...]:
-        """The roles whose kernels a call with this call config launches, in role order: every role by
-        default; a variant where a block of one role folds another role's kernel into it (decode's
-        FUSED) leaves that role out, and its config is then unused (not swept, not compiled)."""
-        return self.roles
 
     def prune_reason(self, role: str, config: LaunchConfig, key: dict, device: DeviceInfo) -> str | None:
         """Why a role's config cannot run well here without compiling it (None when it may)."""

@@ -1,14 +1,10 @@
 """The split-KV decode kernels (both vendors' variants, one body) against the reference: contiguous and
 paged caches, empty and partial splits, zero-length sequences beside long ones, shuffled and invalid
-block tables, windows that empty whole splits, sinks, speculative tokens, GQA ratios, odd head dims;
-with the combine kernel (FUSED 0) and merged by each column's last split program (FUSED 1).
+block tables, windows that empty whole splits, sinks, speculative tokens, GQA ratios, odd head dims.
 
 On the CPU the kernels run in the Triton interpreter in fp16; on a GPU in bf16. Each case runs the
-default call config and the other block shapes of each role (the interpreter's second split shape is
-FUSED 1), with explicit split counts (the CPU has too few "SMs" for the heuristic to split much, so
-there the heuristic's own count is mostly 1: FUSED 1 writes the output directly). The interpreter runs
-programs one after another, so it checks the last-program logic (counting, reset, the merge) but not
-the race between programs finishing together; the GPU runs of these tests do.
+default call config and the other block shapes of each role, with explicit split counts (the CPU has
+too few "SMs" for the heuristic to split much) and with the heuristic's own.
 """
 
 from __future__ import annotations
@@ -134,18 +130,15 @@ def test_invalid_block_ids_in_use_are_masked_and_entries_past_the_length_never_r
     _check(args, splits=(1, 5))
 
 
-@pytest.mark.parametrize("fused", [0, 1])
-def test_a_sequence_with_every_block_invalid_returns_zero_and_infinite_lse(device, fused):
-    args = _inputs(device, b=2, s_q=1, h_q=4, h_kv=2, d=64, lens=[32, 10], capacity=32, block_size=16, seed=6,
-                   sinks=2.0)
+def test_a_sequence_with_every_block_invalid_returns_zero_and_infinite_lse(device):
+    args = _inputs(device, b=2, s_q=1, h_q=4, h_kv=2, d=64, lens=[32, 10], capacity=32, block_size=16, seed=6)
     table = args["block_table"].clone()
     table[0] = -1
     args["block_table"] = table
-    for num_splits in (1, 3):
-        out, lse = VARIANTS[0].launch({**args, "num_splits": num_splits},
-                                      _with_split(VARIANTS[0], args, BLOCK_N=16, WAVES=2, KV_HEADS=1, FUSED=fused))
-        assert torch.all(out[0] == 0) and torch.all(lse[0] == math.inf)
-        assert_close((out, lse), OP.reference(**args), TOL, what=f"FUSED {fused} splits={num_splits}")
+    out, lse = VARIANTS[0].launch({**args, "num_splits": 3},
+                                  VARIANTS[0].default_config(dict(OP.tuning_key(args)), INFO))
+    assert torch.all(out[0] == 0) and torch.all(lse[0] == math.inf)
+    assert_close((out, lse), OP.reference(**args), TOL)
 
 
 def test_non_contiguous_inputs(device):
@@ -180,8 +173,7 @@ KV_HEADS_CASES = {
 @pytest.mark.parametrize("case", list(KV_HEADS_CASES), ids=list(KV_HEADS_CASES))
 def test_several_kv_heads_per_program(case, kv_heads, device):
     """KV_HEADS kv heads per split program: each head's rows see only that head's keys; a KV_HEADS
-    above h_kv (or not dividing it) runs with the largest power of two dividing h_kv. FUSED 1 merges
-    all of a program column's heads in its last program."""
+    above h_kv (or not dividing it) runs with the largest power of two dividing h_kv."""
     b, s_q, h_q, h_kv, d, lens, capacity, block_size, window, block_ns, splits = KV_HEADS_CASES[case]
     args = _inputs(device, b=b, s_q=s_q, h_q=h_q, h_kv=h_kv, d=d, lens=lens, capacity=capacity,
                    block_size=block_size, window=window, seed=kv_heads + sum(map(ord, case)),
@@ -193,73 +185,10 @@ def test_several_kv_heads_per_program(case, kv_heads, device):
     expected = OP.reference(**args)
     for variant in VARIANTS:
         for block_n in block_ns:
-            for fused in (0, 1):
-                config = _with_split(variant, args, BLOCK_N=block_n, WAVES=1, KV_HEADS=kv_heads, FUSED=fused)
-                for num_splits in splits:
-                    got = variant.launch({**args, "num_splits": num_splits}, config)
-                    assert_close(got, expected, TOL, what=f"{variant.vendor} {config} splits={num_splits}")
-
-
-@pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
-def test_fused_split_matches_reference(case, device):
-    """FUSED 1 with one kv head per program (the main matrix runs it with two), sinks on: one split
-    writes the output itself; with 5, each program column's last program merges, and splits the lengths
-    or windows leave empty still count in (with 40 at two cases, most of them)."""
-    b, s_q, h_q, h_kv, d, lens, capacity, block_size, window = CASES[case]
-    args = _inputs(device, b=b, s_q=s_q, h_q=h_q, h_kv=h_kv, d=d, lens=lens, capacity=capacity,
-                   block_size=block_size, window=window, seed=sum(map(ord, case)) + 1,
-                   sinks=torch.linspace(-2.0, 2.0, h_q))
-    expected = OP.reference(**args)
-    for variant in VARIANTS:
-        config = _with_split(variant, args, BLOCK_N=16, WAVES=2, KV_HEADS=1, FUSED=1)
-        for num_splits in (1, 5, 40) if case in ("gqa4-len0-beside-long", "window-empties-splits-paged") else (1, 5):
-            got = variant.launch({**args, "num_splits": num_splits}, config)
-            assert_close(got, expected, TOL, what=f"{variant.vendor} FUSED 1 splits={num_splits}")
-
-
-def test_fused_calls_leave_their_counters_zero_and_grow_them(device, monkeypatch):
-    """The last program of each column resets its counter, so calls one after another on one stream
-    (the later ones with more programs than the buffer holds, which grows it) all match the reference
-    and leave every counter 0; the outgrown buffer stays allocated (a captured graph may hold it)."""
-    from kernels.common import decode
-
-    monkeypatch.setattr(decode, "MIN_COUNTERS", 2)
-    monkeypatch.setattr(decode, "_COUNTERS", {})
-    monkeypatch.setattr(decode, "_RETIRED", [])
-    small = _inputs(device, b=1, s_q=1, h_q=4, h_kv=2, d=64, lens=[40], capacity=48, sinks=0.5, seed=21)
-    large = _inputs(device, b=3, s_q=2, h_q=8, h_kv=4, d=64, lens=[45, 0, 17], capacity=48, block_size=16,
-                    seed=22)
-    repeats = 20 if HAS_GPU else 2  # on a GPU, programs of a column finish together: the race, many times
-    for variant in VARIANTS:
-        for args, programs in ((small, 2), (large, 12)):
-            config = _with_split(variant, args, BLOCK_N=16, WAVES=1, KV_HEADS=1, FUSED=1)
-            expected = OP.reference(**args)
-            for n in range(repeats):
-                got = variant.launch({**args, "num_splits": 3}, config)
-                assert_close(got, expected, TOL, what=f"{variant.vendor} call {n} of {programs} programs")
-                (counters,) = decode._COUNTERS.values()
-                assert counters.numel() >= programs and torch.all(counters == 0)
-    assert counters.numel() == 16 and [c.numel() for c in decode._RETIRED] == [2]
-
-
-def test_fused_config_launches_and_compiles_only_the_split():
-    """With FUSED 1 the combine role's config is unused: the call launches the split alone, and its
-    compile specs list only the split, built with the merge."""
-    from registry.device import preset
-
-    key = dict(OP.tuning_key(OP.validate(**OP.make_inputs(OP.presets["targets"][3], device="meta",
-                                                          dtype=torch.bfloat16, seed=0))))
-    for variant in load_all()["decode"]:
-        target = preset("h200" if variant.vendor == "nvidia" else "mi300x")
-        default = variant.default_config(key, target)
-        split = default["split"]
-        fused = default.replace("split", split.model_copy(update={"blocks": {**split.blocks, "FUSED": 1}}))
-        assert variant.launched_roles(default) == ("split", "combine")
-        assert variant.launched_roles(fused) == ("split",)
-        assert [s.role for s in variant.compile_specs(key, default)] == ["split", "combine"]
-        (spec,) = variant.compile_specs(key, fused)
-        assert spec.role == "split" and spec.constexprs["MERGE"] and not spec.constexprs["PDL"]
-        assert spec.constexprs["WAIT_STORES"] == (variant.vendor == "amd")
+            config = _with_split(variant, args, BLOCK_N=block_n, WAVES=1, KV_HEADS=kv_heads)
+            for num_splits in splits:
+                got = variant.launch({**args, "num_splits": num_splits}, config)
+                assert_close(got, expected, TOL, what=f"{variant.vendor} {config} splits={num_splits}")
 
 
 def test_split_space_keeps_whole_heads_and_one_warp_per_head_or_more():
@@ -329,43 +258,3 @@ def test_cuda_graph_capture_and_replay_follow_new_lengths_and_queries():
         graph.replay()
         torch.cuda.synchronize()
         assert_close(out, OP.reference(**{**args, "return_lse": False}), TOL, what=f"replay with lengths {lens}")
-
-
-@pytest.mark.skipif(not HAS_GPU, reason="CUDA graphs need a GPU")
-@pytest.mark.parametrize("warm", [True, False], ids=["counters-before-capture", "counters-in-the-graph"])
-def test_fused_call_cuda_graph_capture_and_replay(warm):
-    """FUSED 1 captured as one kernel: with its stream's counters made by an eager call before capture
-    (the graph holds them, no memset), or with none (a zeroed buffer allocated in the graph, not kept).
-    Replays after new lengths and queries match the reference, and so does an eager call on the capture
-    stream afterwards (its counters are zero)."""
-    from kernels.common import decode
-
-    device = torch.device("cuda")
-    args = _inputs(device, b=3, s_q=1, h_q=8, h_kv=2, d=64, lens=[300, 1, 0], capacity=512, block_size=16,
-                   sinks=0.5, seed=11)
-    variant = VARIANTS[0]
-    call = variant.bind_cached(_with_split(variant, args, BLOCK_N=64, WAVES=1, KV_HEADS=1, FUSED=1))
-    run = {**args, "num_splits": 6, "return_lse": False}
-    call(run)  # compile on the current stream
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        if warm:
-            call(run)
-        kept = set(decode._COUNTERS)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            out = call(run)
-        assert set(decode._COUNTERS) == kept  # a buffer made during capture is not kept
-    torch.cuda.current_stream().wait_stream(stream)
-    for lens, seed in (([300, 1, 0], 12), ([512, 77, 5], 13), ([2, 511, 64], 14)):
-        args["cache_seqlens"].copy_(torch.tensor(lens, dtype=torch.int32))
-        args["q"].copy_(random_normal(args["q"].shape, device=device, dtype=DTYPE,
-                                      generator=torch.Generator().manual_seed(seed)))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert_close(out, OP.reference(**run), TOL, what=f"replay with lengths {lens}")
-    with torch.cuda.stream(stream):
-        again = call(run)
-    torch.cuda.synchronize()
-    assert_close(again, OP.reference(**run), TOL, what="an eager call after the replays")

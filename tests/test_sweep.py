@@ -147,41 +147,6 @@ def test_a_role_with_role_arguments_is_gated_and_timed_with_them():
         assert seen and set(seen) == {expected}, role
 
 
-class _Folding(Variant):
-    """A fake two-role variant whose split BLOCK 2 folds the combine into the split (as decode's FUSED
-    1 does): its call launches no combine. The split BLOCK `slow` sleeps, so the other one wins."""
-
-    op, vendor, name = "flash_attention", "nvidia", "flash_attention_fold_probe"
-    kernels = {"split": None, "combine": None}
-    spaces = {"split": _probe_space(1, 2), "combine": _probe_space(1, 3)}
-
-    def __init__(self, slow: int) -> None:
-        self.slow = slow
-
-    def launched_roles(self, config):
-        return ("split",) if config["split"].blocks["BLOCK"] == 2 else self.roles
-
-    def launch(self, args, config):
-        if config["split"].blocks["BLOCK"] == self.slow:
-            time.sleep(0.02)
-        return OPS["flash_attention"].reference(**args)
-
-
-@pytest.mark.parametrize("slow,combine_trials", [(1, 0), (2, 2)])
-def test_a_role_the_winning_config_leaves_unused_is_not_tuned(tmp_path, slow, combine_trials):
-    """When the split's winner folds the combine in, the combine role is skipped (its config is
-    unused); when it does not, the combine is tuned as usual."""
-    store = TuningStore(f"sqlite:///{tmp_path / 'fold.db'}")
-    op = OPS["flash_attention"]
-    _, finished = sweep_op(op, [_Folding(slow)], CPU, torch.device("cpu"), [op.presets["tiny"][0]], torch.float16,
-                           store, resume=False, deadline=None, isolate=False)
-    assert finished
-    trials = store.trials()
-    assert sum(t.role == "split" for t in trials) == 2 and sum(t.role == "combine" for t in trials) == combine_trials
-    (winner,) = store.tuned(op="flash_attention")
-    assert winner.config["split"].blocks == {"BLOCK": 3 - slow}
-
-
 def test_cli_sweeps_every_role_in_the_interpreter_and_prints_winners(tmp_path):
     """sparse_mla's call launches a forward and its backward kernels (the default and the deterministic
     passes): each role is tuned in turn (the backward ones gated on gradients and timed on the

@@ -312,7 +312,7 @@ def test_export_and_load_clis(filled, tmp_path):
     assert without_time(target.tuned()) == without_time(entries[(H200.key, "sparse_mla")])
 
     data = json.loads(exported.read_text())
-    data["configs"][3]["config"]["fwd"]["blocks"]["BLOCK_N"] = -16  # no block is negative
+    data["configs"][3]["config"]["fwd"]["blocks"]["BLOCK_N"] = 0
     data["configs"][3]["variant"] = "renamed"  # would change the database if the file got in
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps(data))

@@ -124,13 +124,6 @@ def test_record_rejects_bad_input(store, presets):
     assert store.trials() == []
 
 
-def test_launch_config_blocks_are_never_negative():
-    """A block is a tile size or a switch such as decode's FUSED: 0 is a value, a negative one is not."""
-    assert LaunchConfig(blocks={"BLOCK_N": 64, "FUSED": 0}).blocks == {"BLOCK_N": 64, "FUSED": 0}
-    with pytest.raises(ValueError, match="BLOCK_N must be >= 0"):
-        LaunchConfig(blocks={"BLOCK_N": -16})
-
-
 def test_runs_resume_order(store, presets):
     h200, h100 = presets["h200"], presets["h100"]
     first = store.start_run(OP, h200, {})

@@ -7,9 +7,8 @@ gated against the op's reference on fresh random inputs (a reduced shape when th
 fit; gradients against the reference's autograd for a backward role) and, when right, timed: forward
 roles on the forward call, backward roles on the backward alone. The role's fastest config then stays
 for the next role. Roles are separate kernels whose times add, so this finds what trying the product
-of the spaces would, at the cost of their sum. A role the call config so far leaves unused
-(`Variant.launched_roles`: decode's split with FUSED 1 launches no combine) is not tuned. The start is
-the variant's best known entry for the key (your database, then the shipped tables) or its default.
+of the spaces would, at the cost of their sum. The start is the variant's best known entry for the key
+(your database, then the shipped tables) or its default.
 
 Per key the winner is the variant with the fastest forward; its call config is upserted unless an
 earlier measurement of the same kernels on this device was faster. Every trial is committed as it
@@ -168,8 +167,8 @@ class KeyTuner:
         current = self._start(variant, dims, key_json)
         times: dict[str, float] = {}
         for role, configs in roles.items():
-            if not configs or role not in variant.launched_roles(current):
-                continue  # nothing to try, or a role the call config so far leaves unused (decode's FUSED)
+            if not configs:
+                continue
             self._precompile(variant, dims, key_json, current, role, configs)
             for config in configs:
                 if not self._try(variant, current.replace(role, config), role, dims, key_json, prepare):
@@ -180,7 +179,7 @@ class KeyTuner:
             current, times[phase(role)] = best.config, best.time_ms
         # A phase none of whose roles was tuned here (--roles, --filter) is timed once as it stands.
         for missing in sorted(self._phases(variant) - times.keys()):
-            role = next(r for r in variant.launched_roles(current) if phase(r) == missing)
+            role = next(r for r in variant.roles if phase(r) == missing)
             if not self._try(variant, current, role, dims, key_json, prepare):
                 return False
             best = self._best(variant, key_json, role, current, exact=True)
@@ -348,10 +347,6 @@ def compile_only_op(op: Op, variants, target: DeviceInfo, shapes: Iterable[dict]
                     progress.update(task, total=(progress.tasks[task].total or 0) + len(configs))
                 for config in configs:
                     call = default.replace(role, config)
-                    if role not in variant.launched_roles(call):
-                        if progress:
-                            progress.advance(task)
-                        continue  # a role the default call config leaves unused: nothing compiles
                     if (variant.name, variant.source_hash, key_json, call.to_json(), role) in done:
                         if progress:
                             progress.advance(task)

@@ -30,8 +30,7 @@ def canonical_json(value: object) -> str:
 class LaunchConfig(BaseModel):
     """Block sizes and launch knobs of one kernel launch.
 
-    `blocks` holds the kernel's tile constexprs (BLOCK_M, BLOCK_N, BLOCK_H, ...) and integer switches
-    (decode's FUSED, 0 or 1), none negative. The knobs default to
+    `blocks` holds the kernel's tile constexprs (BLOCK_M, BLOCK_N, BLOCK_H, ...). The knobs default to
     None where a vendor does not have them: `waves_per_eu`, `matrix_instr_nonkdim` and `kpack` are AMD's.
     """
 
@@ -46,10 +45,10 @@ class LaunchConfig(BaseModel):
 
     @field_validator("blocks")
     @classmethod
-    def _blocks_not_negative(cls, blocks: dict[str, int]) -> dict[str, int]:
+    def _blocks_positive(cls, blocks: dict[str, int]) -> dict[str, int]:
         for name, size in blocks.items():
-            if size < 0:
-                raise ValueError(f"block {name} must be >= 0 (a tile size, or a flag such as FUSED), got {size}")
+            if size <= 0:
+                raise ValueError(f"block size {name} must be positive, got {size}")
         return dict(sorted(blocks.items()))
 
     @field_validator("num_warps")

@@ -4,10 +4,8 @@ same num_warps; num_stages 1-2 (LDS holds one K/V tile set at a time on gfx942's
 has 304 CUs and the MI355X 256, so WAVES spreads a batch further than on Hopper. KV_HEADS kv heads per
 program keep a step at 32..128 key rows (KV_HEADS * BLOCK_N), v2's tile sizes: a 64-lane wavefront
 holds half the accumulator registers per lane of a 32-lane warp, and LDS bounds the tiles; each
-wavefront owns whole heads (num_warps <= KV_HEADS). FUSED 1 merges in each program column's last split
-program as on NVIDIA; on AMD every wave first waits for its own stores (the workgroup barrier does not),
-so the agent-scope release of the one wave that counts covers them. Untimed: no AMD GPU here; the
-defaults compile without spills for gfx942 and gfx950.
+wavefront owns whole heads (num_warps <= KV_HEADS). Untimed: no AMD GPU here; the defaults compile
+without spills for gfx942 and gfx950.
 """
 
 from kernels.base import Variant
@@ -21,12 +19,11 @@ class DecodeSplitKVAmd(DecodeSplitKVBase, Variant):
     vendor = "amd"
     spaces = {
         "split": ConfigSpace(
-            blocks={"BLOCK_N": (16, 32, 64, 128), "WAVES": (1, 2, 4), "KV_HEADS": (1, 2, 4, 8),
-                    "FUSED": (0, 1)},
+            blocks={"BLOCK_N": (16, 32, 64, 128), "WAVES": (1, 2, 4), "KV_HEADS": (1, 2, 4, 8)},
             knobs={"num_warps": (2, 4, 8), "num_stages": (1, 2), "waves_per_eu": (0, 2, 4),
                    "matrix_instr_nonkdim": (16,), "kpack": (1,)},
             keep=key_rows_between(32, 128),
-            defaults={"*": {"BLOCK_N": 64, "WAVES": 2, "KV_HEADS": 1, "FUSED": 0, "num_warps": 4, "num_stages": 1,
+            defaults={"*": {"BLOCK_N": 64, "WAVES": 2, "KV_HEADS": 1, "num_warps": 4, "num_stages": 1,
                             "waves_per_eu": 2, "matrix_instr_nonkdim": 16, "kpack": 1}},
             interpreter=INTERPRETER_SPLIT,
         ),

@@ -1,6 +1,6 @@
 """Split-KV flash decoding: the Triton kernel bodies both vendors share.
 
-A call is one or two kernels, two roles:
+A call is two kernels, two roles:
 
 - `split` (`_decode_split_kernel`): one program per (sequence, KV_HEADS kv heads, split). Its tile's
   rows are, for each of its kv heads, every query head of the GQA group times every new token
@@ -13,13 +13,6 @@ A call is one or two kernels, two roles:
 - `combine` (`_decode_combine_kernel`): one program per ROWS (sequence, token, head) rows. It merges
   the partials by their lse, applies the sink once (`L' = logaddexp(L, sink)`), and writes the
   output in the input dtype and the lse without the sink (+inf, and out 0, for a row with no key).
-
-With the split block FUSED 1 the combine is not launched: each split program, after writing its
-partial, increments a counter of its (sequence, kv heads) program column, and the program that
-arrives last resets the counter to 0 and merges that column's rows itself (`_merge_splits`, the code
-the combine runs, reading the partials from L2). With one split, FUSED 1 writes the output directly.
-The counters (`split_counters`) are zero between calls, so no memset is launched and CUDA graphs
-capture the call as one kernel.
 
 `num_splits` comes from shapes and the device only (never from cache_seqlens values, so no host sync
 and CUDA-graph capture works): about WAVES programs per SM, at most one split per key tile of the
@@ -43,7 +36,6 @@ import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-from triton.runtime.driver import driver
 
 from kernels.base import CompileSpec
 from kernels.common.launch import LaunchCache, triton_launch
@@ -54,9 +46,6 @@ from tuning_db.records import CallConfig, LaunchConfig
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
 MAX_SPLITS = 256
-# Chunks of partials a fused merge has in flight plus one (tl.range stages: copies into the shared
-# memory the split's loop no longer uses).
-MERGE_STAGES = tl.constexpr(3)
 
 
 # ----------------------------------------------------------------------------- Triton kernels
@@ -93,75 +82,8 @@ def _dot_keys(a, b, TRANS_B: tl.constexpr):
 
 
 @triton.jit
-def _wait_for_stores(WAIT_STORES: tl.constexpr):
-    """With WAIT_STORES (AMD), this wave waits until its global stores have completed (reached L2):
-    AMD's workgroup barrier does not order global stores, so before one wave's release on behalf of the
-    workgroup every wave waits for its own (the release then writes the L2 back for all of them).
-    NVIDIA's bar.sync already orders the CTA's stores before one thread's release."""
-    if WAIT_STORES:
-        tl.inline_asm_elementwise("s_waitcnt vmcnt(0)\n s_mov_b32 $0, 0", "=s", [], dtype=tl.int32, is_pure=False,
-                                  pack=1)
-
-
-@triton.jit
-def _with_sink(lse, empty, sink_ptr, mask, HAS_SINK: tl.constexpr):
-    """L' of rows whose keys' lse is `lse` (natural log): logaddexp(L, sink) with a sink, else L; 0 for
-    an `empty` row, whose weights are made 0 whatever it is. A sink of +inf gives +inf (every weight 0)."""
-    total = lse
-    if HAS_SINK:
-        sink = tl.load(sink_ptr, mask=mask, other=0.0)
-        finite = tl.where(empty, sink, lse)  # any finite stand-in for an empty row's L will do
-        hi = tl.maximum(finite, sink)
-        hi_safe = tl.where((hi == float("inf")) | (hi == float("-inf")), 0.0, hi)
-        total = tl.where(hi == float("inf"), float("inf"),
-                         hi_safe + tl.log(tl.exp(finite - hi_safe) + tl.exp(sink - hi_safe)))
-    return tl.where(empty, 0.0, total)
-
-
-@triton.jit
-def _merge_splits(
-    lse_ptr, o_ptr, sink_ptr, out_ptr, ret_ptr, row_ok, num_splits, stride_op,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr, SPLITS: tl.constexpr, CHUNK: tl.constexpr,
-    HAS_SINK: tl.constexpr, RETURN_LSE: tl.constexpr, CACHE: tl.constexpr, STAGES: tl.constexpr,
-):
-    """The final output and lse of ROWS rows from their split partials (what the combine kernel and a
-    fused split's last program run). Per row, pointers to split 0 of its partial lse (splits contiguous)
-    and partial output (splits `stride_op` apart), to its sink, its output row and its returned lse.
-
-    L = logsumexp of the partial lse, L' = `_with_sink`(L), out = sum_s exp(lse_s - L') * o_s, and the
-    returned lse is L, +inf with out 0 where every split was empty (whatever the sink). Every split's
-    lse is one [ROWS, SPLITS] load (SPLITS: num_splits rounded up to a power of two), the partial
-    outputs CHUNK splits per load. CACHE is the loads' cache modifier (".cg" reads through L2)."""
-    offs_s = tl.arange(0, SPLITS)
-    lse_all = tl.load(lse_ptr[:, None] + offs_s[None, :], mask=row_ok[:, None] & (offs_s[None, :] < num_splits),
-                      other=float("-inf"), cache_modifier=CACHE)
-    m = tl.max(lse_all, 1)
-    shift = tl.where(m == float("-inf"), 0.0, m)
-    total = tl.sum(tl.math.exp2((lse_all - shift[:, None]) * LOG2E), 1)
-    empty = total == 0.0
-    lse = tl.where(empty, float("-inf"), shift + tl.log(tl.where(empty, 1.0, total)))
-    lse_out = _with_sink(lse, empty, sink_ptr, row_ok, HAS_SINK)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_c = tl.arange(0, CHUNK)
-    d_ok = offs_d < HEAD_DIM
-    acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
-    for s0 in tl.range(0, num_splits, CHUNK, num_stages=STAGES):
-        split = s0 + offs_c
-        split_ok = row_ok[:, None] & (split[None, :] < num_splits)
-        weight = tl.math.exp2((tl.load(lse_ptr[:, None] + split[None, :], mask=split_ok, other=float("-inf"),
-                                       cache_modifier=CACHE) - lse_out[:, None]) * LOG2E)
-        weight = tl.where(empty[:, None], 0.0, weight)
-        o = tl.load(o_ptr[:, None, None] + split[None, :, None] * stride_op + offs_d[None, None, :],
-                    mask=split_ok[:, :, None] & d_ok[None, None, :], other=0.0, cache_modifier=CACHE)
-        acc += tl.sum(weight[:, :, None] * o, 1)
-    tl.store(out_ptr[:, None] + offs_d[None, :], acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
-    if RETURN_LSE:
-        tl.store(ret_ptr, tl.where(empty, float("inf"), lse), mask=row_ok)
-
-
-@triton.jit
 def _decode_split_kernel(
-    Q, K, V, SEQLENS, TABLE, O_PART, LSE_PART, SINK, OUT, LSE, COUNTER,
+    Q, K, V, SEQLENS, TABLE, O_PART, LSE_PART,
     qk_scale, window, capacity, num_blocks, s_q, group, h_kv, split_len,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_kn, stride_kh,
@@ -169,13 +91,9 @@ def _decode_split_kernel(
     stride_tb,
     stride_ob, stride_os, stride_oh, stride_op,
     stride_lb, stride_ls, stride_lh,
-    stride_outb, stride_outs, stride_outh,
-    stride_rb, stride_rh, stride_rs,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     KV_HEADS: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    PDL: tl.constexpr, MERGE: tl.constexpr, DIRECT: tl.constexpr, HAS_SINK: tl.constexpr,
-    RETURN_LSE: tl.constexpr, SPLITS: tl.constexpr, MERGE_ROWS: tl.constexpr, CHUNK: tl.constexpr,
-    WAIT_STORES: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One program: split `program_id(1)` of the keys of one sequence for KV_HEADS consecutive kv
     heads (`h_kv % KV_HEADS == 0`), each with all its `s_q * group` query rows (row r of kv head j:
@@ -187,13 +105,7 @@ def _decode_split_kernel(
     = sm_scale * log2(e)); writes the partial output (normalized by its own row sum) and the partial
     lse in natural log, -inf for an empty partial. A paged cache whose pages hold whole key tiles
     (PAGE >= BLOCK_N, tiles starting at multiples of BLOCK_N) reads one table entry per tile; with
-    smaller pages, one per key.
-
-    MERGE (FUSED 1, several splits): after its partial, the program increments COUNTER[program_id(0)];
-    the one that finds every other split of its column already counted resets it to 0 and merges the
-    column's `s_q * group * KV_HEADS` rows, MERGE_ROWS at a time (`_merge_splits`, loads through L2),
-    writing OUT and LSE (WAIT_STORES: AMD, see `_wait_for_stores`). DIRECT (FUSED 1, one split): the
-    partial is the answer; the sink is applied and OUT and LSE are written instead of a partial."""
+    smaller pages, one per key."""
     b = tl.program_id(0) // (h_kv // KV_HEADS)
     kv0 = (tl.program_id(0) % (h_kv // KV_HEADS)) * KV_HEADS
     split = tl.program_id(1)
@@ -268,47 +180,13 @@ def _decode_split_kernel(
     empty = l_i == 0.0
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * LN2)
     out = acc / tl.expand_dims(tl.where(empty, 1.0, l_i), -1)
-    b64 = b.to(tl.int64)
-    if DIRECT:
-        # One split: weigh by exp(L - L') for the sink (0 on empty rows) and write the answer.
-        heads = _per_head_rows(head, group, KV_HEADS)
-        weight = tl.math.exp2((lse - _with_sink(lse, empty, SINK + heads, row_ok, HAS_SINK)) * LOG2E)
-        out = out * tl.expand_dims(tl.where(empty, 0.0, weight), -1)
-        out_rows = _per_head_rows(token * stride_outs + head * stride_outh, group * stride_outh, KV_HEADS)
-        tl.store(OUT + b64 * stride_outb + tl.expand_dims(out_rows, -1) + offs_d, out.to(OUT.dtype.element_ty),
-                 mask=row_ok[:, None] & d_ok[None, :])
-        if RETURN_LSE:
-            ret_rows = _per_head_rows(token * stride_rs + head * stride_rh, group * stride_rh, KV_HEADS)
-            tl.store(LSE + b64 * stride_rb + ret_rows, tl.where(empty, float("inf"), lse), mask=row_ok)
-    else:
-        o_rows = _per_head_rows(token * stride_os + head * stride_oh, group * stride_oh, KV_HEADS)
-        tl.store(O_PART + b64 * stride_ob + split * stride_op + tl.expand_dims(o_rows, -1) + offs_d, out,
-                 mask=row_ok[:, None] & d_ok[None, :])
-        lse_rows = _per_head_rows(token * stride_ls + head * stride_lh, group * stride_lh, KV_HEADS)
-        tl.store(LSE_PART + b64 * stride_lb + split + lse_rows, lse, mask=row_ok)
-        if MERGE:
-            # Every thread's stores come before the barrier, the barrier before one thread's gpu-scope
-            # release; the last program's acquire (then the barrier broadcasting the count) orders every
-            # split's stores before its loads, which read through L2 (".cg") where the hardware has it.
-            _wait_for_stores(WAIT_STORES)
-            tl.debug_barrier()
-            arrived = tl.atomic_add(COUNTER + tl.program_id(0), 1, sem="acq_rel", scope="gpu")
-            if arrived == tl.num_programs(1) - 1:
-                tl.store(COUNTER + tl.program_id(0), 0)  # zero again for the next call on this stream
-                rows = s_q * group * KV_HEADS
-                for r0 in range(0, rows, MERGE_ROWS):
-                    r = r0 + tl.arange(0, MERGE_ROWS)
-                    r_token = r // (group * KV_HEADS)
-                    r_head = kv0 * group + r % (group * KV_HEADS)
-                    _merge_splits(LSE_PART + b64 * stride_lb + r_token * stride_ls + r_head * stride_lh,
-                                  O_PART + b64 * stride_ob + r_token * stride_os + r_head * stride_oh,
-                                  SINK + r_head,
-                                  OUT + b64 * stride_outb + r_token * stride_outs + r_head * stride_outh,
-                                  LSE + b64 * stride_rb + r_head * stride_rh + r_token * stride_rs,
-                                  r < rows, tl.num_programs(1), stride_op, HEAD_DIM, BLOCK_D, MERGE_ROWS, SPLITS,
-                                  CHUNK, HAS_SINK, RETURN_LSE, ".cg", MERGE_STAGES)
-        if PDL:
-            gdc_launch_dependents()  # the combine may start launching; it waits for this grid's writes
+    o_rows = _per_head_rows(token * stride_os + head * stride_oh, group * stride_oh, KV_HEADS)
+    tl.store(O_PART + b.to(tl.int64) * stride_ob + split * stride_op + tl.expand_dims(o_rows, -1) + offs_d, out,
+             mask=row_ok[:, None] & d_ok[None, :])
+    lse_rows = _per_head_rows(token * stride_ls + head * stride_lh, group * stride_lh, KV_HEADS)
+    tl.store(LSE_PART + b.to(tl.int64) * stride_lb + split + lse_rows, lse, mask=row_ok)
+    if PDL:
+        gdc_launch_dependents()  # the combine may start launching; it waits for this grid's writes
 
 
 @triton.jit
@@ -322,21 +200,61 @@ def _decode_combine_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr, SPLITS: tl.constexpr,
     CHUNK: tl.constexpr, HAS_SINK: tl.constexpr, RETURN_LSE: tl.constexpr, PDL: tl.constexpr,
 ):
-    """One program: ROWS (sequence, token, head) rows, merged by `_merge_splits`. With PDL (Hopper's
-    programmatic dependent launch) it is launched while the split grid drains and waits here for its
-    writes."""
+    """One program: ROWS (sequence, token, head) rows. L = logsumexp of the partial lse over the
+    splits, L' = logaddexp(L, sink[h]) (or L), out = sum_s exp(lse_s - L') * o_s; the returned lse is L,
+    +inf with out 0 where every split was empty (whatever the sink).
+
+    Every split's lse is read as one [ROWS, SPLITS] tile (SPLITS: num_splits rounded up to a power of
+    two), and the partial outputs CHUNK splits at a time, so a long list of splits costs a few wide
+    loads, not a chain of dependent ones. With PDL (Hopper's programmatic dependent launch) it is
+    launched while the split grid drains and waits here for its writes."""
     if PDL:
         gdc_wait()
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    row_ok = r < rows
     b = (r // (s_q * h_q)).to(tl.int64)
     token = (r // h_q) % s_q
     head = r % h_q
-    _merge_splits(LSE_PART + b * stride_lb + token * stride_ls + head * stride_lh,
-                  O_PART + b * stride_ob + token * stride_os + head * stride_oh,
-                  SINK + head,
-                  OUT + b * stride_outb + token * stride_outs + head * stride_outh,
-                  LSE + b * stride_rb + head * stride_rh + token * stride_rs,
-                  r < rows, num_splits, stride_op, HEAD_DIM, BLOCK_D, ROWS, SPLITS, CHUNK, HAS_SINK, RETURN_LSE, "", 1)
+    lse_row = LSE_PART + b * stride_lb + token * stride_ls + head * stride_lh
+    offs_s = tl.arange(0, SPLITS)
+    lse_all = tl.load(lse_row[:, None] + offs_s[None, :], mask=row_ok[:, None] & (offs_s[None, :] < num_splits),
+                      other=float("-inf"))
+    m = tl.max(lse_all, 1)
+    shift = tl.where(m == float("-inf"), 0.0, m)
+    total = tl.sum(tl.math.exp2((lse_all - shift[:, None]) * LOG2E), 1)
+    empty = total == 0.0
+    lse = tl.where(empty, float("-inf"), shift + tl.log(tl.where(empty, 1.0, total)))
+    lse_out = lse
+    if HAS_SINK:
+        # logaddexp(L, sink); an empty row's weights are 0 anyway (any finite stand-in for L will do),
+        # and a sink of +inf makes every weight 0.
+        sink = tl.load(SINK + head, mask=row_ok, other=0.0)
+        finite = tl.where(empty, sink, lse)
+        hi = tl.maximum(finite, sink)
+        hi_safe = tl.where((hi == float("inf")) | (hi == float("-inf")), 0.0, hi)
+        lse_out = tl.where(hi == float("inf"), float("inf"),
+                           hi_safe + tl.log(tl.exp(finite - hi_safe) + tl.exp(sink - hi_safe)))
+    lse_out = tl.where(empty, 0.0, lse_out)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_c = tl.arange(0, CHUNK)
+    d_ok = offs_d < HEAD_DIM
+    o_row = O_PART + b * stride_ob + token * stride_os + head * stride_oh
+    acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
+    for s0 in range(0, num_splits, CHUNK):
+        split = s0 + offs_c
+        split_ok = row_ok[:, None] & (split[None, :] < num_splits)
+        weight = tl.math.exp2((tl.load(lse_row[:, None] + split[None, :], mask=split_ok, other=float("-inf"))
+                               - lse_out[:, None]) * LOG2E)
+        weight = tl.where(empty[:, None], 0.0, weight)
+        o = tl.load(o_row[:, None, None] + split[None, :, None] * stride_op + offs_d[None, None, :],
+                    mask=split_ok[:, :, None] & d_ok[None, None, :], other=0.0)
+        acc += tl.sum(weight[:, :, None] * o, 1)
+    out_ptr = OUT + b[:, None] * stride_outb + token[:, None] * stride_outs + head[:, None] * stride_outh \
+        + offs_d[None, :]
+    tl.store(out_ptr, acc.to(OUT.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    if RETURN_LSE:
+        tl.store(LSE + b * stride_rb + head * stride_rh + token * stride_rs, tl.where(empty, float("inf"), lse),
+                 mask=row_ok)
 
 
 # ----------------------------------------------------------------------------- launchers
@@ -381,54 +299,6 @@ def programmatic_launch(device_index: int) -> bool:
     return device_index >= 0 and torch.version.hip is None and torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
-# The fused merge's tiles hold about this many fp32 elements per warp (16 a lane of a 32-wide warp): with
-# 1024, sm_90 builds of the merge took up to twice the split loop's registers (8 x 16 keys, 8 warps: 206
-# against 80, one program per SM instead of two) and spilled where the loop alone does not.
-MERGE_ELEMENTS_PER_WARP = 512
-
-
-def merge_tiles(rows: int, splits: int, block_d: int, num_warps: int) -> tuple[int, int]:
-    """MERGE_ROWS and CHUNK of a fused split program's merge of `rows` rows over `splits` (a power of
-    two) partials: each of its tiles, the [MERGE_ROWS, splits] lse and the [MERGE_ROWS, CHUNK, block_d]
-    partial outputs, about MERGE_ELEMENTS_PER_WARP elements per warp."""
-    budget = MERGE_ELEMENTS_PER_WARP * num_warps
-    merge_rows = min(next_pow2(rows), max(1, budget // splits))
-    return merge_rows, max(1, min(splits, budget // (merge_rows * block_d)))
-
-
-# Fused calls' split counters by (device index, stream), zero between calls; CPU (the interpreter): (-1, 0).
-_COUNTERS: dict[tuple[int, int], torch.Tensor] = {}
-# Counters replaced by larger ones stay allocated: a captured CUDA graph may hold their address.
-_RETIRED: list[torch.Tensor] = []
-MIN_COUNTERS = 1024
-
-
-def split_counters(device: torch.device, device_index: int, programs: int) -> torch.Tensor:
-    """At least `programs` int32 counters, all zero, for a fused call on the current stream of `device`.
-
-    A call's counters belong to its stream: calls on one stream run one after another and each leaves
-    them zero, so they share them; calls on other streams get their own. Each stream's buffer is made
-    once (zeros) and grows by a new zeroed buffer when a call needs more, so a call launches no memset.
-    A CUDA graph uses the buffer of the stream it was captured on (made by an eager call on that stream
-    before capture), so it must not replay while another call uses that stream's counters. Captured
-    with no buffer for its stream yet, the call gets one allocated in the graph, zeroed by a memset the
-    graph replays, and not kept (its zeros exist only on replay). Buffers are never freed (4 KB for up
-    to 1024 programs per stream that ran a fused call): a graph may still hold one whose stream is gone,
-    and a new stream may get a gone stream's handle, and with it its counters."""
-    stream = driver.active.get_current_stream(device_index) if device_index >= 0 else 0
-    counters = _COUNTERS.get((device_index, stream))
-    if counters is not None and counters.numel() >= programs:
-        return counters
-    size = max(next_pow2(programs), 2 * counters.numel() if counters is not None else MIN_COUNTERS)
-    fresh = torch.zeros(size, device=device, dtype=torch.int32)
-    if device_index >= 0 and torch.cuda.is_current_stream_capturing():
-        return fresh
-    if counters is not None:
-        _RETIRED.append(counters)
-    _COUNTERS[(device_index, stream)] = fresh
-    return fresh
-
-
 @dataclass(frozen=True)
 class DecodePlan:
     """What a call config fixes for every launch: both roles' tiles and launch knobs, read out of the
@@ -437,7 +307,6 @@ class DecodePlan:
     block_n: int
     waves: int
     kv_heads: int
-    fused: bool
     rows: int
     chunk: int
     split_knobs: dict
@@ -446,18 +315,16 @@ class DecodePlan:
     @classmethod
     def of(cls, config: CallConfig) -> DecodePlan:
         split, combine = config["split"], config["combine"]
-        return cls(split.blocks["BLOCK_N"], split.blocks["WAVES"], split.blocks["KV_HEADS"],
-                   bool(split.blocks["FUSED"]), combine.blocks["ROWS"], combine.blocks["CHUNK"], split.knobs(),
-                   combine.knobs())
+        return cls(split.blocks["BLOCK_N"], split.blocks["WAVES"], split.blocks["KV_HEADS"], combine.blocks["ROWS"],
+                   combine.blocks["CHUNK"], split.knobs(), combine.knobs())
 
 
 def decode_forward(args: dict, plan: DecodePlan, launch: Callable[..., Any] = triton_launch):
-    """Run the split kernel, and the combine unless the plan is fused, on the decode contract's
-    validated args: `out`, or `(out, lse)` with `return_lse`. Outputs and the workspace are allocated
-    here (a CUDA graph captures them with the launches); a fused call with several splits also takes
-    its stream's counters (`split_counters`). A 3-D q (one token) is passed with a token stride of 0
-    and its outputs are allocated 3-D: no view is made, each would cost a microsecond of host time.
-    `launch` runs each kernel: Triton's own launch, or a dispatch plan's `LaunchCache`."""
+    """Run the split and combine kernels on the decode contract's validated args: `out`, or
+    `(out, lse)` with `return_lse`. Outputs and the workspace are allocated here (a CUDA graph
+    captures them with the launches). A 3-D q (one token) is passed with a token stride of 0 and its
+    outputs are allocated 3-D: no view is made, each would cost a microsecond of host time. `launch`
+    runs each kernel: Triton's own launch, or a dispatch plan's `LaunchCache`."""
     q, k_cache, v_cache, table = args["q"], args["k_cache"], args["v_cache"], args["block_table"]
     one_token = q.dim() == 3
     if one_token:
@@ -479,8 +346,19 @@ def decode_forward(args: dict, plan: DecodePlan, launch: Callable[..., Any] = tr
     device_index = q.get_device()
     splits = args["num_splits"] or choose_splits(programs, reach, _sm_count(device_index), block_n, plan.waves)
     split_len = cdiv(cdiv(reach, splits), block_n) * block_n
-    direct = plan.fused and splits == 1
-    merge = plan.fused and splits > 1
+    o_part = torch.empty((b, s_q, h_q, splits, d), device=q.device, dtype=torch.float32)
+    lse_part = torch.empty((b, s_q, h_q, splits), device=q.device, dtype=torch.float32)
+    block_d = dot_block(d)
+    pdl = programmatic_launch(device_index)
+    launch(
+        _decode_split_kernel, (programs, splits),
+        q, k_cache, v_cache, args["cache_seqlens"], table if paged else args["cache_seqlens"], o_part, lse_part,
+        float(args["sm_scale"]) * LOG2E.value, window or 0, capacity, k_cache.shape[0], s_q, group, h_kv, split_len,
+        *q_strides, *k_cache.stride()[:3], *v_cache.stride()[:3], table.stride(0) if paged else 0,
+        *o_part.stride()[:4], *lse_part.stride()[:3],
+        HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=rows_block(s_q, group), BLOCK_N=block_n, KV_HEADS=kv_heads,
+        PAGED=paged, PAGE=page, HAS_WINDOW=window is not None, PDL=pdl, **plan.split_knobs,
+    )
     out = torch.empty(q.shape, device=q.device, dtype=q.dtype)
     lse = None
     if args["return_lse"]:
@@ -488,76 +366,38 @@ def decode_forward(args: dict, plan: DecodePlan, launch: Callable[..., Any] = tr
     so, sl = out.stride(), (lse.stride() if lse is not None else (0, 0, 0))
     out_strides = (so[0], 0, so[1]) if one_token else so[:3]
     lse_strides = (sl[0], sl[1], 0) if one_token else sl
-    if direct:
-        # No partials: the kernel's partial pointers are unused.
-        o_part, lse_part, part_strides = out, out, (0,) * 7
-    else:
-        o_part = torch.empty((b, s_q, h_q, splits, d), device=q.device, dtype=torch.float32)
-        lse_part = torch.empty((b, s_q, h_q, splits), device=q.device, dtype=torch.float32)
-        part_strides = (*o_part.stride()[:4], *lse_part.stride()[:3])
-    seqlens, sinks = args["cache_seqlens"], args["sinks"]
-    block_d = dot_block(d)
-    # Constexprs only the fused paths read are fixed otherwise, so they make no other compiles.
-    merge_rows, chunk = merge_tiles(s_q * group * kv_heads, next_pow2(splits), block_d,
-                                    plan.split_knobs.get("num_warps", 4)) if merge else (1, 1)
-    pdl = programmatic_launch(device_index) and not plan.fused
+    sinks = args["sinks"]
+    rows, per_program = b * s_q * h_q, plan.rows
     launch(
-        _decode_split_kernel, (programs, splits),
-        q, k_cache, v_cache, seqlens, table if paged else seqlens, o_part, lse_part,
-        sinks if sinks is not None else lse_part, out, lse if lse is not None else lse_part,
-        split_counters(q.device, device_index, programs) if merge else seqlens,
-        float(args["sm_scale"]) * LOG2E.value, window or 0, capacity, k_cache.shape[0], s_q, group, h_kv, split_len,
-        *q_strides, *k_cache.stride()[:3], *v_cache.stride()[:3], table.stride(0) if paged else 0,
-        *part_strides, *out_strides, *lse_strides,
-        HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=rows_block(s_q, group), BLOCK_N=block_n, KV_HEADS=kv_heads,
-        PAGED=paged, PAGE=page, HAS_WINDOW=window is not None, PDL=pdl, MERGE=merge, DIRECT=direct,
-        HAS_SINK=plan.fused and sinks is not None, RETURN_LSE=plan.fused and lse is not None,
-        SPLITS=next_pow2(splits) if merge else 1, MERGE_ROWS=merge_rows, CHUNK=chunk,
-        WAIT_STORES=merge and device_index >= 0 and torch.version.hip is not None, **plan.split_knobs,
+        _decode_combine_kernel, (cdiv(rows, per_program),),
+        o_part, lse_part, sinks if sinks is not None else lse_part, out, lse if lse is not None else lse_part,
+        rows, s_q, h_q, splits,
+        *o_part.stride()[:4], *lse_part.stride()[:3], *out_strides, *lse_strides,
+        HEAD_DIM=d, BLOCK_D=block_d, ROWS=per_program, SPLITS=next_pow2(splits), CHUNK=plan.chunk,
+        HAS_SINK=sinks is not None, RETURN_LSE=lse is not None, PDL=pdl, **({"launch_pdl": True} if pdl else {}),
+        **plan.combine_knobs,
     )
-    if not plan.fused:
-        rows, per_program = b * s_q * h_q, plan.rows
-        launch(
-            _decode_combine_kernel, (cdiv(rows, per_program),),
-            o_part, lse_part, sinks if sinks is not None else lse_part, out, lse if lse is not None else lse_part,
-            rows, s_q, h_q, splits,
-            *part_strides, *out_strides, *lse_strides,
-            HEAD_DIM=d, BLOCK_D=block_d, ROWS=per_program, SPLITS=next_pow2(splits), CHUNK=plan.chunk,
-            HAS_SINK=sinks is not None, RETURN_LSE=lse is not None, PDL=pdl,
-            **({"launch_pdl": True} if pdl else {}), **plan.combine_knobs,
-        )
     return (out, lse) if lse is not None else out
 
 
 # ----------------------------------------------------------------------------- offline compiles
-def decode_compile_specs(key: dict, config: CallConfig, dtype: str = "fp16", pdl: bool = False,
-                         amd: bool = False) -> list[CompileSpec]:
-    """The kernels a call with this key launches: the split, and the combine unless FUSED (with sinks
-    and lse, the heavier build of the combine and of a fused split's merge, which is compiled for
-    MAX_SPLITS partials; `pdl`: with the programmatic-dependent-launch instructions NVIDIA's Hopper
-    build carries, which a fused call does not launch; `amd`: for an AMD target)."""
+def decode_compile_specs(key: dict, config: CallConfig, dtype: str = "fp16", pdl: bool = False) -> list[CompileSpec]:
+    """Both kernels as a call with this key launches them (with sinks and lse, the heavier combine;
+    `pdl`: with the programmatic-dependent-launch instructions NVIDIA's Hopper build carries)."""
     elem = f"*{key.get('dtype', dtype)}"
     group = key["h_q"] // key["h_kv"]
     split = config["split"].blocks
-    fused = bool(split.get("FUSED", 0))
-    kv_heads = heads_per_program(key["h_kv"], split["KV_HEADS"])
     names = _decode_split_kernel.arg_names
     floats = ("qk_scale",)
     pointers = {"Q": elem, "K": elem, "V": elem, "SEQLENS": "*i32", "TABLE": "*i32", "O_PART": "*fp32",
-                "LSE_PART": "*fp32", "SINK": "*fp32", "OUT": elem, "LSE": "*fp32", "COUNTER": "*i32"}
-    merge_rows, chunk = merge_tiles(key["s_q"] * group * kv_heads, MAX_SPLITS, dot_block(key["d"]),
-                                    config["split"].num_warps) if fused else (1, 1)
+                "LSE_PART": "*fp32"}
     constexprs = {"HEAD_DIM": key["d"], "BLOCK_D": dot_block(key["d"]), "BLOCK_M": rows_block(key["s_q"], group),
-                  "BLOCK_N": split["BLOCK_N"], "KV_HEADS": kv_heads,
+                  "BLOCK_N": split["BLOCK_N"], "KV_HEADS": heads_per_program(key["h_kv"], split["KV_HEADS"]),
                   "PAGED": bool(key["paged"]), "PAGE": key["block_size"] or 1,
-                  "HAS_WINDOW": key["window"] is not None, "PDL": pdl and not fused, "MERGE": fused, "DIRECT": False,
-                  "HAS_SINK": fused, "RETURN_LSE": fused, "SPLITS": MAX_SPLITS if fused else 1,
-                  "MERGE_ROWS": merge_rows, "CHUNK": chunk, "WAIT_STORES": fused and amd}
+                  "HAS_WINDOW": key["window"] is not None, "PDL": pdl}
     signature = {n: pointers.get(n, "fp32" if n in floats else "i32") for n in names if n not in constexprs}
     split_spec = CompileSpec("split", _decode_split_kernel, signature, constexprs,
                              values={"s_q": key["s_q"], "group": group, "h_kv": key["h_kv"]})
-    if fused:
-        return [split_spec]
     names = _decode_combine_kernel.arg_names
     pointers = {"O_PART": "*fp32", "LSE_PART": "*fp32", "SINK": "*fp32", "OUT": elem, "LSE": "*fp32"}
     combine = config["combine"].blocks
@@ -572,10 +412,8 @@ def decode_compile_specs(key: dict, config: CallConfig, dtype: str = "fp16", pdl
 
 # ----------------------------------------------------------------------------- the variant
 # The interpreter's block shapes of the split kernel, both vendors (the default first): with pages of 16
-# the first reads one table entry per tile and the second one per key; the second takes two kv heads and
-# merges in its last program (FUSED 1).
-INTERPRETER_SPLIT = ({"BLOCK_N": 16, "WAVES": 2, "KV_HEADS": 1, "FUSED": 0},
-                     {"BLOCK_N": 32, "WAVES": 1, "KV_HEADS": 2, "FUSED": 1})
+# the first reads one table entry per tile and the second one per key; the second takes two kv heads.
+INTERPRETER_SPLIT = ({"BLOCK_N": 16, "WAVES": 2, "KV_HEADS": 1}, {"BLOCK_N": 32, "WAVES": 1, "KV_HEADS": 2})
 
 
 def key_rows_between(low: int, high: int) -> Keep:
@@ -606,9 +444,8 @@ COMBINE_SPACE = ConfigSpace(
 class DecodeSplitKVBase:
     """The split-KV variant's logic; each vendor file subclasses it with `Variant` and sets `spaces`:
     "split" (blocks BLOCK_N, the key tile, WAVES, the split programs per SM that num_splits aims for,
-    KV_HEADS, the kv heads per program, and FUSED, 1 where the split's last program merges and no
-    combine is launched) and "combine" (COMBINE_SPACE: blocks ROWS, the rows per program, and CHUNK,
-    the splits per load; unused by FUSED 1)."""
+    and KV_HEADS, the kv heads per program) and "combine" (COMBINE_SPACE: blocks ROWS, the rows per
+    program, and CHUNK, the splits per load)."""
 
     op = "decode"
     name = "decode_splitkv"
@@ -616,9 +453,6 @@ class DecodeSplitKVBase:
 
     def supports(self, key: dict, device) -> bool:
         return key["dtype"] in ("fp16", "bf16")
-
-    def launched_roles(self, config: CallConfig) -> tuple[str, ...]:
-        return ("split",) if config["split"].blocks.get("FUSED", 0) else self.roles
 
     def prune_reason(self, role: str, config: LaunchConfig, key: dict, device) -> str | None:
         if role != "split" or device.key == "cpu":
@@ -644,4 +478,4 @@ class DecodeSplitKVBase:
         return lambda args: decode_forward(args, plan, launches)
 
     def compile_specs(self, key: dict, config: CallConfig, dtype: str = "fp16") -> list[CompileSpec]:
-        return decode_compile_specs(key, config, dtype, pdl=self.vendor == "nvidia", amd=self.vendor == "amd")
+        return decode_compile_specs(key, config, dtype, pdl=self.vendor == "nvidia")

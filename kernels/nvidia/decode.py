@@ -6,8 +6,7 @@ kernel is bound by memory bandwidth: what matters is enough programs in flight t
 per program make each key position one contiguous read of KV_HEADS * d elements; a step reads 64..256
 key rows (KV_HEADS * BLOCK_N), so several heads come with shorter tiles, and each warp owns whole heads
 (num_warps <= KV_HEADS). Pages of 16 with KV_HEADS 4-8 x BLOCK_N 16 read one whole page of every head
-per step after one block-table load. FUSED 1 drops the combine launch and its wait for the whole grid:
-each program column's last split program merges (a release/acquire atomic at gpu scope).
+per step after one block-table load.
 """
 
 from kernels.base import Variant
@@ -21,12 +20,10 @@ class DecodeSplitKVNvidia(DecodeSplitKVBase, Variant):
     vendor = "nvidia"
     spaces = {
         "split": ConfigSpace(
-            blocks={"BLOCK_N": (16, 32, 64, 128, 256), "WAVES": (1, 2, 4, 8), "KV_HEADS": (1, 2, 4, 8),
-                    "FUSED": (0, 1)},
+            blocks={"BLOCK_N": (16, 32, 64, 128, 256), "WAVES": (1, 2, 4, 8), "KV_HEADS": (1, 2, 4, 8)},
             knobs={"num_warps": (2, 4, 8), "num_stages": (2, 3, 4)},
             keep=key_rows_between(64, 256),
-            defaults={"*": {"BLOCK_N": 128, "WAVES": 2, "KV_HEADS": 1, "FUSED": 0, "num_warps": 4,
-                            "num_stages": 3}},
+            defaults={"*": {"BLOCK_N": 128, "WAVES": 2, "KV_HEADS": 1, "num_warps": 4, "num_stages": 3}},
             interpreter=INTERPRETER_SPLIT,
         ),
         "combine": COMBINE_SPACE,
