@@ -40,7 +40,7 @@ DEVICE = torch.device("cuda" if HAS_GPU else "cpu")
 DTYPE = torch.bfloat16 if HAS_GPU else INTERPRETER_DTYPE
 RTOL, GRAD_RTOL = TOLERANCE[DTYPE], GRAD_TOLERANCE[DTYPE]
 VENDORS = ("nvidia", "amd")
-ROLES = ("fwd", "bwd_pre", "bwd_dkv", "bwd_dq")
+ROLES = ("fwd", "bwd_pre", "bwd_fused", "bwd_dkv", "bwd_dq")
 # The interpreter turns the loop bounds (0-d arrays) into ints through a path numpy deprecates.
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
 
@@ -58,6 +58,7 @@ def _variants():
 # heads along its rows (two heads: 16 rows of 8 tokens, where the case's group is even).
 OTHER_TILES = CallConfig({"fwd": LaunchConfig(blocks={"BLOCK_M": 16, "BLOCK_N": 16, "HEADS": 2}),
                           "bwd_pre": LaunchConfig(blocks={"BLOCK_M": 16}),
+                          "bwd_fused": LaunchConfig(blocks={"BLOCK_M": 32, "BLOCK_N": 16}),
                           "bwd_dkv": LaunchConfig(blocks={"BLOCK_M": 32, "BLOCK_N": 16}),
                           "bwd_dq": LaunchConfig(blocks={"BLOCK_M": 16, "BLOCK_N": 32})})
 

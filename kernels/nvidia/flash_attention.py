@@ -17,7 +17,7 @@ from tuning_db.records import LaunchConfig
 
 # The block that is the rows (wgmma's M) of each role's main products: the forward's and dQ's query
 # rows, dK/dV's key rows (it works transposed).
-_ROWS = {"fwd": "BLOCK_M", "bwd_dq": "BLOCK_M", "bwd_dkv": "BLOCK_N"}
+_ROWS = {"fwd": "BLOCK_M", "bwd_dq": "BLOCK_M", "bwd_dkv": "BLOCK_N", "bwd_fused": "BLOCK_N"}
 
 
 def _two_warpgroups(rows: str):
@@ -56,6 +56,8 @@ class AttentionNvidia:
             defaults={"*": {"BLOCK_M": 64, "num_warps": 4}},
             interpreter=INTERPRETER_TILES["bwd_pre"],
         ),
+        "bwd_fused": _space("bwd_fused", {"BLOCK_M": (16, 32, 64, 128), "BLOCK_N": (32, 64, 128)},
+                            {"BLOCK_M": 32, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3}),
         "bwd_dkv": _space("bwd_dkv", {"BLOCK_M": (16, 32, 64, 128), "BLOCK_N": (32, 64, 128)},
                           {"BLOCK_M": 32, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3}),
         "bwd_dq": _space("bwd_dq", {"BLOCK_M": (32, 64, 128), "BLOCK_N": (16, 32, 64, 128)},
@@ -81,7 +83,7 @@ class AttentionNvidia:
         blocks, stages = config.blocks, config.num_stages
         if role == "bwd_pre":
             return 0
-        resident, streamed = ("BLOCK_N", "BLOCK_M") if role == "bwd_dkv" else ("BLOCK_M", "BLOCK_N")
+        resident, streamed = ("BLOCK_N", "BLOCK_M") if role in ("bwd_dkv", "bwd_fused") else ("BLOCK_M", "BLOCK_N")
         tiles = 1 if role == "fwd" else 2  # Q; Q and dO; K and V
         return elem * block_d * (tiles * blocks[resident] + 2 * stages * blocks[streamed])
 
