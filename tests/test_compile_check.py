@@ -130,7 +130,7 @@ def test_cli_rejects_a_target_of_another_vendor(capsys):
         main(["--variant", "nope", "--vendor", "amd", "--target", "mi300x"])
     with pytest.raises(SystemExit):
         main(["--variant", "flash_attention_tiled", "--vendor", "amd", "--target", "mi300x", "--roles", "split"])
-    assert "--roles: flash_attention_tiled has the roles fwd, bwd_pre, bwd_dkv, bwd_dq, got split" in \
+    assert "--roles: flash_attention_tiled has the roles fwd, bwd_pre, bwd_fused, bwd_dkv, bwd_dq, got split" in \
         capsys.readouterr().err
 
 

@@ -68,6 +68,8 @@ class AttentionAmd:
     # waves_per_eu 1 (up to 512 registers: 415 used; it spills under 256); dQ 64x32, 64x16 at d 256.
     HEAD_DIM_DEFAULTS = {
         "fwd": ((64, {"num_warps": 4}), (128, {}), (256, {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4})),
+        "bwd_fused": ((64, {}), (128, {"BLOCK_M": 16, "waves_per_eu": 1}),
+                      (256, {"BLOCK_M": 16, "waves_per_eu": 1})),
         "bwd_dkv": ((64, {}), (128, {"BLOCK_M": 16}), (256, {"BLOCK_M": 16, "waves_per_eu": 1})),
         "bwd_dq": ((128, {}), (256, {"BLOCK_N": 16})),
     }

@@ -72,6 +72,8 @@ class AttentionNvidia:
     # registers; d 256 fits only 16x32 with 4 warps); dQ 128x32 up to d 128, 128x16 at d 256.
     HEAD_DIM_DEFAULTS = {
         "fwd": ((128, {}), (256, {"BLOCK_N": 16, "num_stages": 1})),
+        "bwd_fused": ((64, {}), (128, {"BLOCK_M": 16, "num_stages": 2}),
+                      (256, {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1})),
         "bwd_dkv": ((64, {}), (128, {"BLOCK_M": 16, "num_stages": 2}),
                     (256, {"BLOCK_M": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1})),
         "bwd_dq": ((128, {}), (256, {"BLOCK_N": 16, "num_stages": 2})),
