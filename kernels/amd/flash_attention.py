@@ -66,6 +66,10 @@ class AttentionAmd:
     # Backward (untimed; gfx942 and gfx950 compiles, bf16, sinks, windows and varlen, no spills): dK/dV
     # 32x64 with 4 warps, a 16-row query tile at d 128 (gfx942 spills with 32), and at d 256 16x64 with
     # waves_per_eu 1 (up to 512 registers: 415 used; it spills under 256); dQ 64x32, 64x16 at d 256.
+    # The atomic-dQ kernel (bwd_fused): 32x64 at d 64 (256 / 248 VGPRs on gfx942 / gfx950), 16x64 with
+    # waves_per_eu 1 from d 128 (304-346 / 252-320; with a 256-register budget gfx942 spills 35); at
+    # d 256 gfx950 fits (430-470) but gfx942 spills 35-38 in the padded layout (no tile that keeps
+    # 16 rows per wavefront fits there).
     HEAD_DIM_DEFAULTS = {
         "fwd": ((64, {"num_warps": 4}), (128, {}), (256, {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4})),
         "bwd_fused": ((64, {}), (128, {"BLOCK_M": 16, "waves_per_eu": 1}),

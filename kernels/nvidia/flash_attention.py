@@ -69,7 +69,11 @@ class AttentionNvidia:
     # with 32-key tiles or 2 stages: its default takes 16-key tiles and num_stages 1, outside the space.
     # Backward (untimed; sm_90 compiles, bf16, sinks, windows and varlen, no spills): dK/dV keeps 128 key
     # rows for two warpgroups and narrows its query tile as d grows (32, then 16 at d 128: 255
-    # registers; d 256 fits only 16x32 with 4 warps); dQ 128x32 up to d 128, 128x16 at d 256.
+    # registers; d 256 fits only 16x32 with 4 warps); dQ 128x32 up to d 128, 128x16 at d 256. The
+    # atomic-dQ kernel (bwd_fused) holds ~20-30 registers more than dK/dV (its dQ product runs on
+    # mma.sync with 16-32 query rows, and a [BLOCK_M, d] fp32 tile passes through shared memory to the
+    # vector reductions): 32x128 w8 s3 at d 64 (~200), 16x128 w8 s2 at d 128 (232-255 at GQA 1-4,
+    # windows and varlen; 32 rows spill), and at d 256 16-key tiles with 4 warps, outside the space.
     HEAD_DIM_DEFAULTS = {
         "fwd": ((128, {}), (256, {"BLOCK_N": 16, "num_stages": 1})),
         "bwd_fused": ((64, {}), (128, {"BLOCK_M": 16, "num_stages": 2}),
