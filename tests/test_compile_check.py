@@ -148,3 +148,16 @@ def test_integer_values_are_specialized_as_the_jit_does():
                                                values={"group": value}))
         attrs = _alignment_attrs(plain, _full_signature(plain))
         assert ((names.index("group"),) in attrs) is marked
+
+
+def test_atomic_dq_backward_defaults_fit_at_d128_gqa_with_a_window_and_sinks():
+    """The dK/dV kernel with its atomic dQ (bwd_fused) is the backward's register-critical kernel: its
+    default compiles without spills, padded and varlen, at its heaviest d 128 key (GQA 4, window,
+    sinks), on sm_90, gfx942 and gfx950."""
+    key = json.dumps({**KEY, "window": 128, "sinks": True})
+    for vendor, targets in (("nvidia", "h200"), ("amd", "mi300x,mi355x")):
+        rc, rows = _compile_check("--variant", "sink_attention_flash", "--vendor", vendor, "--target", targets,
+                                  "--key-json", key, "--roles", "bwd_fused")
+        assert rc == 0 and len(rows) == 2 * len(targets.split(","))
+        for row in rows:
+            assert row["kernel"] == "_attention_bwd_dkv_kernel" and row["fits"] and row["spills"] == 0, row
