@@ -285,6 +285,26 @@ def test_deterministic_backward_is_bitwise_reproducible_and_atomic_free():
         assert max_relative_error([g.float() for g in got], expected) <= GRAD_RTOL
 
 
+def test_lse_offsets_in_int64_give_the_same_gradients(monkeypatch):
+    """Past 2**31 (head, row) pairs the dK/dV kernel offsets Lse2 and Delta in int64 (LSE_I32 off): the
+    same gradients, bitwise on the deterministic path."""
+    from kernels.common import attention
+
+    args = _make(S, 2, 19, 23, 4, 2, 64, sinks="random", causal=True, window=9, seed=4)
+    variant = _variant(S, "amd")
+    config = variant.default_config(dict(OPS[S].tuning_key(args)), CPU)
+    call = lambda a: variant.launch(a, config)  # noqa: E731
+    for deterministic in (True, False):
+        det = {**args, "deterministic": deterministic}
+        narrow, dout = gradients(OPS[S], call, det)
+        monkeypatch.setattr(attention, "INT32_OFFSETS", 0)
+        wide, _ = gradients(OPS[S], call, det, dout)
+        monkeypatch.undo()
+        for a, b in zip(narrow, wide, strict=True):
+            assert torch.equal(a, b) or not deterministic
+        assert max_relative_error([g.float() for g in wide], reference_gradients(OPS[S], args, dout)) <= GRAD_RTOL
+
+
 def test_deterministic_algorithms_and_the_custom_op_backward_pick_the_path():
     """torch.use_deterministic_algorithms(True) selects the backward without atomics like the flag; the
     custom op's backward (`Variant.backward`, what torch.compile runs) follows args["deterministic"]."""

@@ -57,6 +57,8 @@ from tuning_db.records import CallConfig, LaunchConfig
 # Kernels can only read globals that are constexprs.
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
+# Element offsets below this are computed in int32 where the dK/dV kernel allows it (LSE_I32).
+INT32_OFFSETS = 2**31
 
 
 # ----------------------------------------------------------------------------- shared helpers
@@ -812,7 +814,7 @@ def attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks:
               *_strides(q, varlen), *_strides(k, varlen), *_strides(v, varlen), *_strides(dout, varlen))
     constexprs = {"IS_VARLEN": varlen, "HEAD_DIM": d, "BLOCK_D": block_d, **masks}
     # The dK/dV kernel's offsets into one batch entry's lse-shaped rows (dense: h_q x rows_q).
-    lse_i32 = h_q * rows_q < 2**31
+    lse_i32 = h_q * rows_q < INT32_OFFSETS
 
     if deterministic:
         dq = alloc(q.shape, dtype=q.dtype, device=q.device)
