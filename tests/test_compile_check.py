@@ -130,7 +130,7 @@ def test_cli_rejects_a_target_of_another_vendor(capsys):
         main(["--variant", "nope", "--vendor", "amd", "--target", "mi300x"])
     with pytest.raises(SystemExit):
         main(["--variant", "flash_attention_tiled", "--vendor", "amd", "--target", "mi300x", "--roles", "split"])
-    assert "--roles: flash_attention_tiled has the roles fwd, bwd_pre, bwd_fused, bwd_dkv, bwd_dq, got split" in \
+    assert "--roles: flash_attention_tiled has the roles fwd, bwd_pre, bwd_dkv, bwd_dq, got split" in \
         capsys.readouterr().err
 
 
@@ -138,28 +138,13 @@ def test_integer_values_are_specialized_as_the_jit_does():
     """A value of 1 becomes a constant, a multiple of 16 is marked divisible, others stay plain i32."""
     from tuning.compile_check import _alignment_attrs, _as_jit_specializes, _full_signature
 
-    # The dQ kernel takes the GQA group as a run-time integer (the forward's GROUP is a constexpr).
-    dq = CallConfig({"bwd_dq": LaunchConfig(blocks={"BLOCK_M": 64, "BLOCK_N": 32})})
-    spec = _variant("nvidia").compile_specs({**KEY, "h_kv": 32}, dq)[0]
+    spec = _variant("nvidia").compile_specs({**KEY, "h_kv": 32}, _fwd(blocks={"BLOCK_M": 64, "BLOCK_N": 32}))[0]
     assert spec.values == {"group": 1} and "group" not in spec.constexprs
     specialized = _as_jit_specializes(spec)
     assert specialized.constexprs["group"] == 1 and _full_signature(specialized)["group"] == "constexpr"
     names = spec.fn.arg_names
     for value, marked in ((32, True), (24, False)):
-        plain = _as_jit_specializes(type(spec)("bwd_dq", spec.fn, spec.signature, spec.constexprs,
+        plain = _as_jit_specializes(type(spec)("fwd", spec.fn, spec.signature, spec.constexprs,
                                                values={"group": value}))
         attrs = _alignment_attrs(plain, _full_signature(plain))
         assert ((names.index("group"),) in attrs) is marked
-
-
-def test_atomic_dq_backward_defaults_fit_at_d128_gqa_with_a_window_and_sinks():
-    """The dK/dV kernel with its atomic dQ (bwd_fused) is the backward's register-critical kernel: its
-    default compiles without spills, padded and varlen, at its heaviest d 128 key (GQA 4, window,
-    sinks), on sm_90, gfx942 and gfx950."""
-    key = json.dumps({**KEY, "window": 128, "sinks": True})
-    for vendor, targets in (("nvidia", "h200"), ("amd", "mi300x,mi355x")):
-        rc, rows = _compile_check("--variant", "sink_attention_flash", "--vendor", vendor, "--target", targets,
-                                  "--key-json", key, "--roles", "bwd_fused")
-        assert rc == 0 and len(rows) == 2 * len(targets.split(","))
-        for row in rows:
-            assert row["kernel"] == "_attention_bwd_dkv_kernel" and row["fits"] and row["spills"] == 0, row

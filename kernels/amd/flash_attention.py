@@ -18,7 +18,7 @@ from tuning_db.records import LaunchConfig
 
 # The block that is the rows of each role's main products: the forward's and dQ's query rows, dK/dV's
 # key rows (it works transposed).
-_ROWS = {"fwd": "BLOCK_M", "bwd_dq": "BLOCK_M", "bwd_dkv": "BLOCK_N", "bwd_fused": "BLOCK_N"}
+_ROWS = {"fwd": "BLOCK_M", "bwd_dq": "BLOCK_M", "bwd_dkv": "BLOCK_N"}
 _KNOBS = {"num_warps": (4, 8), "num_stages": (1, 2), "waves_per_eu": (0, 1, 2), "matrix_instr_nonkdim": (16, 32),
           "kpack": (1,)}
 
@@ -56,8 +56,6 @@ class AttentionAmd:
             defaults={"*": {"BLOCK_M": 64, "num_warps": 4, "num_stages": 1}},
             interpreter=INTERPRETER_TILES["bwd_pre"],
         ),
-        "bwd_fused": _space("bwd_fused", {"BLOCK_M": (16, 32, 64), "BLOCK_N": (32, 64, 128)},
-                            {"BLOCK_M": 32, "BLOCK_N": 64, "num_warps": 4, "num_stages": 1, **_DEFAULT_KNOBS}),
         "bwd_dkv": _space("bwd_dkv", {"BLOCK_M": (16, 32, 64), "BLOCK_N": (32, 64, 128)},
                           {"BLOCK_M": 32, "BLOCK_N": 64, "num_warps": 4, "num_stages": 1, **_DEFAULT_KNOBS}),
         "bwd_dq": _space("bwd_dq", {"BLOCK_M": (32, 64, 128), "BLOCK_N": (16, 32, 64)},
@@ -66,14 +64,8 @@ class AttentionAmd:
     # Backward (untimed; gfx942 and gfx950 compiles, bf16, sinks, windows and varlen, no spills): dK/dV
     # 32x64 with 4 warps, a 16-row query tile at d 128 (gfx942 spills with 32), and at d 256 16x64 with
     # waves_per_eu 1 (up to 512 registers: 415 used; it spills under 256); dQ 64x32, 64x16 at d 256.
-    # The atomic-dQ kernel (bwd_fused): 32x64 at d 64 (256 / 248 VGPRs on gfx942 / gfx950), 16x64 with
-    # waves_per_eu 1 from d 128 (304-346 / 252-320; with a 256-register budget gfx942 spills 35); at
-    # d 256 gfx950 fits (430-470) but gfx942 spills 35-38 in the padded layout (no tile that keeps
-    # 16 rows per wavefront fits there).
     HEAD_DIM_DEFAULTS = {
         "fwd": ((64, {"num_warps": 4}), (128, {}), (256, {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4})),
-        "bwd_fused": ((64, {}), (128, {"BLOCK_M": 16, "waves_per_eu": 1}),
-                      (256, {"BLOCK_M": 16, "waves_per_eu": 1})),
         "bwd_dkv": ((64, {}), (128, {"BLOCK_M": 16}), (256, {"BLOCK_M": 16, "waves_per_eu": 1})),
         "bwd_dq": ((128, {}), (256, {"BLOCK_N": 16})),
     }
@@ -85,7 +77,7 @@ class AttentionAmd:
             return 0
         if role == "fwd":
             return elem * block_d * max(blocks["BLOCK_M"], stages * blocks["BLOCK_N"])
-        resident, streamed = ("BLOCK_N", "BLOCK_M") if role in ("bwd_dkv", "bwd_fused") else ("BLOCK_M", "BLOCK_N")
+        resident, streamed = ("BLOCK_N", "BLOCK_M") if role == "bwd_dkv" else ("BLOCK_M", "BLOCK_N")
         return elem * block_d * max(blocks[resident], stages * blocks[streamed])
 
 

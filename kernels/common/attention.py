@@ -1,27 +1,23 @@
 """Dense attention (FlashAttention-2) with sinks, sliding windows, GQA and varlen packing: the Triton
 kernel family that flash_attention and sink_attention share, forward and backward, on both vendors.
 
-A call launches up to three kernels, roles of one tuned entry (five roles in all):
+A call launches up to four kernels, four roles of one tuned entry:
 
 - `fwd` (`_attention_fwd_kernel`): one program per (query block, query head, sequence); online
   softmax over the keys the block may see, the sink applied once at the end
   (`out = out_nosink * sigmoid(lse - sink)`); writes out and the lse without the sink.
 - `bwd_pre` (`_attention_bwd_pre_kernel`): one program per (row block, query head, sequence); reads
   dO and O once, writes `Delta = rowsum(dO * O)` and the row's total lse (the sink included, in log2
-  units, for the kernels below), and each program's partial sum of
+  units, for the two kernels below), and each program's partial sum of
   `d sink = -sigmoid(sink - lse) * Delta` (fixed-order sums, no atomics).
-- `bwd_fused` (`_attention_bwd_dkv_kernel` with ATOMIC_DQ; the default backward, FlashAttention-2's):
-  one program per (key block, kv head, sequence); loops over the GQA group's query heads and the
-  query blocks that may see its keys, so the group's sum happens in registers and K/V are never
-  expanded; writes dK and dV once, and adds each visited query block's `dS K` into an fp32 dQ
-  accumulator with atomics: 5 tile products per (query block, key block) pair. The launcher zeroes
-  the accumulator first and casts it to the input dtype after.
-- `bwd_dkv` and `bwd_dq` (`deterministic=True`, or torch.use_deterministic_algorithms): the same dK/dV
-  kernel without atomics, then `_attention_bwd_dq_kernel` on the forward's program layout, which
-  recomputes P and dS over the same key range and writes dQ once: 7 products per pair, no atomics,
-  bitwise reproducible gradients.
+- `bwd_dkv` (`_attention_bwd_dkv_kernel`): one program per (key block, kv head, sequence); loops over
+  the GQA group's query heads and the query blocks that may see its keys, so the group's sum happens
+  in registers and K/V are never expanded; writes dK and dV once.
+- `bwd_dq` (`_attention_bwd_dq_kernel`): the forward's program layout; recomputes P and dS over the
+  same key range and writes dQ.
 
-Sinks, windows, causal masks and varlen are constexpr switches of every kernel.
+No kernel uses atomics, so gradients are bitwise reproducible (`deterministic=True` changes nothing
+here). Sinks, windows, causal masks and varlen are constexpr switches of every kernel.
 
 Masking in stages (Triton's fused-attention tutorial): for one query block the key range [lo, hi) that
 holds any allowed key is cut into an unmasked middle [mid_lo, mid_hi), whose key blocks every row of
@@ -57,8 +53,6 @@ from tuning_db.records import CallConfig, LaunchConfig
 # Kernels can only read globals that are constexprs.
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
-# Element offsets below this are computed in int32 where the dK/dV kernel allows it (LSE_I32).
-INT32_OFFSETS = 2**31
 
 
 # ----------------------------------------------------------------------------- shared helpers
@@ -369,43 +363,26 @@ def _attention_bwd_pre_kernel(
 
 
 @triton.jit
-def _attention_bwd_dkv_inner(dk, dv, k, v, q_base, do_base, dq_base, lse2_base, delta_base, stride_qm, stride_qh,
-                             stride_dom, stride_doh, stride_dqm, stride_dqh, stride_lh, first_head, group,
-                             start, end, offs_n, seqlen_q, seqlen_k, window, qk_scale, sm_scale,
+def _attention_bwd_dkv_inner(dk, dv, k, v, q_head, do_head, lse2_head, delta_head, stride_qm, stride_dom,
+                             start, end, offs_n, seqlen_q, seqlen_k, window, qk_scale,
                              MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                             ATOMIC_DQ: tl.constexpr, LSE_I32: tl.constexpr, HEAD_DIM: tl.constexpr,
-                             BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Add query blocks [start, end) of the `group` query heads from `first_head` on to the key block's
-    dK (unscaled) and dV.
+                             HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Add query blocks [start, end) of one query head to the key block's dK (unscaled) and dV.
 
     Works transposed (keys as rows): P^T = exp2(K Q^T * qk_scale - Lse2), dV += P^T dO,
-    dS^T = P^T * (V dO^T - Delta), dK += dS^T Q. With ATOMIC_DQ, also dQ_part = dS K * sm_scale for
-    the query block, added into the fp32 accumulator at `dq_base` with atomics (the key blocks of
-    other programs add to the same rows). MASKED applies the row-length, causal, window and
+    dS^T = P^T * (V dO^T - Delta), dK += dS^T Q. MASKED applies the row-length, causal, window and
     key-length masks; the unmasked stage only runs on blocks every key of the block is allowed for.
     """
     offs_r = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
+    q_blk = q_head + tl.cast(start, tl.int64) * stride_qm
+    do_blk = do_head + tl.cast(start, tl.int64) * stride_dom
     q_offs = offs_r[:, None] * stride_qm + offs_d[None, :]
     do_offs = offs_r[:, None] * stride_dom + offs_d[None, :]
-    dq_offs = offs_r[:, None] * stride_dqm + offs_d[None, :]
     diag = seqlen_k - seqlen_q
-    n_blocks = (end - start + BLOCK_M - 1) // BLOCK_M
-    off_h = first_head
-    start_m = start
-    # One loop over (head, query block) pairs, the block fastest: a loop over heads around this one
-    # held 25-40 more registers live at GQA (sm_90, d 128), which made the atomic-dQ kernel spill. The
-    # masked edges are a few blocks each: pipelining them only costs registers.
-    for _ in tl.range(0, group * n_blocks, num_stages=1 if MASKED else None):
+    # The masked edges are a few blocks each: pipelining them only costs registers (sm_90 compiles).
+    for start_m in tl.range(start, end, BLOCK_M, num_stages=1 if MASKED else None):
         rows = start_m + offs_r
-        h64 = off_h.to(tl.int64)
-        m64 = tl.cast(start_m, tl.int64)
-        q_blk = q_base + h64 * stride_qh + m64 * stride_qm
-        do_blk = do_base + h64 * stride_doh + m64 * stride_dom
-        # In int32 when the launcher says it fits: in int64 the d 128 kernels spill (sm_90).
-        lse_head = (off_h if LSE_I32 else h64) * stride_lh
-        lse2_head = lse2_base + lse_head
-        delta_head = delta_base + lse_head
         if MASKED:
             row_ok = rows < seqlen_q
             tile_ok = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
@@ -414,13 +391,11 @@ def _attention_bwd_dkv_inner(dk, dv, k, v, q_base, do_base, dq_base, lse2_base, 
             lse2 = tl.load(lse2_head + rows, mask=row_ok, other=float("inf"))
             delta = tl.load(delta_head + rows, mask=row_ok, other=0.0)
         elif HEAD_DIM < BLOCK_D:
-            tile_ok = offs_d[None, :] < HEAD_DIM
-            q = tl.load(q_blk + q_offs, mask=tile_ok, other=0.0)
-            do = tl.load(do_blk + do_offs, mask=tile_ok, other=0.0)
+            q = tl.load(q_blk + q_offs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+            do = tl.load(do_blk + do_offs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
             lse2 = tl.load(lse2_head + rows)
             delta = tl.load(delta_head + rows)
         else:
-            tile_ok = None
             q = tl.load(q_blk + q_offs)
             do = tl.load(do_blk + do_offs)
             lse2 = tl.load(lse2_head + rows)
@@ -435,30 +410,20 @@ def _attention_bwd_dkv_inner(dk, dv, k, v, q_base, do_base, dq_base, lse2_base, 
                 allowed = allowed & (pos[None, :] - offs_n[:, None] < window)
             p_t = tl.where(allowed, p_t, 0.0)
         dv += tl.dot(p_t.to(do.dtype), do)
-        ds_t = (p_t * (tl.dot(v, tl.trans(do)) - delta[None, :])).to(q.dtype)
-        dk += tl.dot(ds_t, q)
-        if ATOMIC_DQ:
-            # Relaxed: the adds only need to be complete when the kernel ends, not ordered.
-            dq = tl.dot(tl.trans(ds_t), k) * sm_scale
-            dq_blk = dq_base + h64 * stride_dqh + m64 * stride_dqm
-            tl.atomic_add(dq_blk + dq_offs, dq, mask=tile_ok, sem="relaxed")
-        # The next block of this head, or the first of the next head.
-        start_m += BLOCK_M
-        wrap = start_m >= end
-        start_m = tl.where(wrap, start, start_m)
-        off_h += wrap.to(tl.int32)
+        ds_t = p_t * (tl.dot(v, tl.trans(do)) - delta[None, :])
+        dk += tl.dot(ds_t.to(q.dtype), q)
+        q_blk += BLOCK_M * stride_qm
+        do_blk += BLOCK_M * stride_dom
     return dk, dv
 
 
-def _attention_bwd_dkv_block_body(q_base, k_base, v_base, do_base, dk_base, dv_base, dq_base, lse2_base, delta_base,
+def _attention_bwd_dkv_block_body(q_base, k_base, v_base, do_base, dk_base, dv_base, lse2_base, delta_base,
                                   start_n, seqlen_q, seqlen_k, window, group, off_hk, qk_scale, sm_scale,
                                   stride_qm, stride_qh, stride_kn, stride_vn, stride_dom, stride_doh,
-                                  stride_dkn, stride_dvn, stride_dqm, stride_dqh, stride_lh,
-                                  IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, ATOMIC_DQ: tl.constexpr,
-                                  LSE_I32: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Key block `start_n` of one (sequence, kv head): dK and dV summed over the group's query heads
-    (with ATOMIC_DQ, each visited query block's dQ part added at `dq_base`)."""
+                                  stride_dkn, stride_dvn, stride_lh,
+                                  IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HEAD_DIM: tl.constexpr,
+                                  BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Key block `start_n` of one (sequence, kv head): dK and dV summed over the group's query heads."""
     n0 = start_n * BLOCK_N
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -469,21 +434,23 @@ def _attention_bwd_dkv_block_body(q_base, k_base, v_base, do_base, dk_base, dv_b
     lo, mid_lo, mid_hi, hi = _query_range(n0, seqlen_q, seqlen_k, window, IS_CAUSAL, HAS_WINDOW, BLOCK_M, BLOCK_N)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    first_head = off_hk * group
-    # Stage 1: the causal diagonal; stage 2: rows that see the whole block; stage 3: the window's far
-    # edge and the tail; each over the group's query heads.
-    dk, dv = _attention_bwd_dkv_inner(dk, dv, k, v, q_base, do_base, dq_base, lse2_base, delta_base, stride_qm,
-                                      stride_qh, stride_dom, stride_doh, stride_dqm, stride_dqh, stride_lh, first_head,
-                                      group, lo, mid_lo, offs_n, seqlen_q, seqlen_k, window, qk_scale, sm_scale,
-                                      True, IS_CAUSAL, HAS_WINDOW, ATOMIC_DQ, LSE_I32, HEAD_DIM, BLOCK_M, BLOCK_D)
-    dk, dv = _attention_bwd_dkv_inner(dk, dv, k, v, q_base, do_base, dq_base, lse2_base, delta_base, stride_qm,
-                                      stride_qh, stride_dom, stride_doh, stride_dqm, stride_dqh, stride_lh, first_head,
-                                      group, mid_lo, mid_hi, offs_n, seqlen_q, seqlen_k, window, qk_scale, sm_scale,
-                                      False, IS_CAUSAL, HAS_WINDOW, ATOMIC_DQ, LSE_I32, HEAD_DIM, BLOCK_M, BLOCK_D)
-    dk, dv = _attention_bwd_dkv_inner(dk, dv, k, v, q_base, do_base, dq_base, lse2_base, delta_base, stride_qm,
-                                      stride_qh, stride_dom, stride_doh, stride_dqm, stride_dqh, stride_lh, first_head,
-                                      group, mid_hi, hi, offs_n, seqlen_q, seqlen_k, window, qk_scale, sm_scale,
-                                      True, IS_CAUSAL, HAS_WINDOW, ATOMIC_DQ, LSE_I32, HEAD_DIM, BLOCK_M, BLOCK_D)
+    for g in tl.range(group, disable_licm=True):
+        off_h = (off_hk * group + g).to(tl.int64)
+        q_head = q_base + off_h * stride_qh
+        do_head = do_base + off_h * stride_doh
+        lse2_head = lse2_base + off_h * stride_lh
+        delta_head = delta_base + off_h * stride_lh
+        # Stage 1: the causal diagonal; stage 2: rows that see the whole block; stage 3: the window's
+        # far edge and the tail.
+        dk, dv = _attention_bwd_dkv_inner(dk, dv, k, v, q_head, do_head, lse2_head, delta_head, stride_qm,
+                                          stride_dom, lo, mid_lo, offs_n, seqlen_q, seqlen_k, window, qk_scale,
+                                          True, IS_CAUSAL, HAS_WINDOW, HEAD_DIM, BLOCK_M, BLOCK_D)
+        dk, dv = _attention_bwd_dkv_inner(dk, dv, k, v, q_head, do_head, lse2_head, delta_head, stride_qm,
+                                          stride_dom, mid_lo, mid_hi, offs_n, seqlen_q, seqlen_k, window, qk_scale,
+                                          False, IS_CAUSAL, HAS_WINDOW, HEAD_DIM, BLOCK_M, BLOCK_D)
+        dk, dv = _attention_bwd_dkv_inner(dk, dv, k, v, q_head, do_head, lse2_head, delta_head, stride_qm,
+                                          stride_dom, mid_hi, hi, offs_n, seqlen_q, seqlen_k, window, qk_scale,
+                                          True, IS_CAUSAL, HAS_WINDOW, HEAD_DIM, BLOCK_M, BLOCK_D)
     dk_ptrs = dk_base + n0.to(tl.int64) * stride_dkn + rows * stride_dkn + offs_d[None, :]
     dv_ptrs = dv_base + n0.to(tl.int64) * stride_dvn + rows * stride_dvn + offs_d[None, :]
     tl.store(dk_ptrs, (dk * sm_scale).to(dk_base.dtype.element_ty), mask=tile_ok)
@@ -496,7 +463,7 @@ _attention_bwd_dkv_block_called = triton.jit(noinline=True)(_attention_bwd_dkv_b
 
 @triton.jit
 def _attention_bwd_dkv_kernel(
-        Q, K, V, DOut, Lse2, Delta, DK, DV, DQAcc, cu_seqlens_q, cu_seqlens_k,
+        Q, K, V, DOut, Lse2, Delta, DK, DV, cu_seqlens_q, cu_seqlens_k,
         qk_scale, sm_scale, rows_q, rows_k, window, group,
         stride_qb, stride_qm, stride_qh,
         stride_kb, stride_kn, stride_kh,
@@ -504,20 +471,13 @@ def _attention_bwd_dkv_kernel(
         stride_dob, stride_dom, stride_doh,
         stride_dkb, stride_dkn, stride_dkh,
         stride_dvb, stride_dvn, stride_dvh,
-        stride_dqb, stride_dqm, stride_dqh,
         stride_lb, stride_lh,
-        IS_VARLEN: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, ATOMIC_DQ: tl.constexpr,
-        LSE_I32: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr):
+        IS_VARLEN: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """One program: dK and dV of BLOCK_N keys of one kv head of one sequence (grid: key blocks, h_kv,
     batch), summed over the `group` query heads that read it and over every query block that may see
-    those keys; written once. Lse2 and Delta come from the pre kernel (laid out like lse). Varlen
-    bounds as in the forward; a program strides over the sequence's key blocks.
-
-    ATOMIC_DQ (role `bwd_fused`): each (query head, query block) the program visits also gets its dQ
-    part, `dS K * sm_scale`, added into the fp32 `DQAcc` (zeroed by the caller, laid out like Q) with
-    relaxed atomics. Without it (role `bwd_dkv`) no atomics are used and DQAcc is not read.
-    LSE_I32: a head's offset into Lse2 and Delta fits int32 (h_q * rows < 2**31), the usual case.
+    those keys; written once, no atomics. Lse2 and Delta come from the pre kernel (laid out like lse).
+    Varlen bounds as in the forward; a program strides over the sequence's key blocks.
     """
     off_hk = tl.program_id(1)
     off_b = tl.program_id(2)
@@ -526,7 +486,6 @@ def _attention_bwd_dkv_kernel(
         k_start, seqlen_k = _sequence(cu_seqlens_k, off_b, rows_k)
         q_base = Q + q_start.to(tl.int64) * stride_qm
         do_base = DOut + q_start.to(tl.int64) * stride_dom
-        dq_base = DQAcc + q_start.to(tl.int64) * stride_dqm
         lse2_base = Lse2 + q_start
         delta_base = Delta + q_start
         k_base = K + k_start.to(tl.int64) * stride_kn + off_hk.to(tl.int64) * stride_kh
@@ -535,28 +494,26 @@ def _attention_bwd_dkv_kernel(
         dv_base = DV + k_start.to(tl.int64) * stride_dvn + off_hk.to(tl.int64) * stride_dvh
         n_blocks = (seqlen_k + BLOCK_N - 1) // BLOCK_N
         for start_n in range(tl.program_id(0), n_blocks, tl.num_programs(0)):
-            _attention_bwd_dkv_block_called(q_base, k_base, v_base, do_base, dk_base, dv_base, dq_base, lse2_base,
+            _attention_bwd_dkv_block_called(q_base, k_base, v_base, do_base, dk_base, dv_base, lse2_base,
                                             delta_base, start_n, seqlen_q, seqlen_k, window, group, off_hk,
                                             qk_scale, sm_scale, stride_qm, stride_qh, stride_kn, stride_vn,
-                                            stride_dom, stride_doh, stride_dkn, stride_dvn, stride_dqm, stride_dqh,
-                                            stride_lh, IS_CAUSAL, HAS_WINDOW, ATOMIC_DQ, LSE_I32, HEAD_DIM, BLOCK_D,
-                                            BLOCK_M, BLOCK_N)
+                                            stride_dom, stride_doh, stride_dkn, stride_dvn, stride_lh,
+                                            IS_CAUSAL, HAS_WINDOW, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N)
     else:
         b64 = off_b.to(tl.int64)
         q_base = Q + b64 * stride_qb
         do_base = DOut + b64 * stride_dob
-        dq_base = DQAcc + b64 * stride_dqb
         lse2_base = Lse2 + b64 * stride_lb
         delta_base = Delta + b64 * stride_lb
         k_base = K + b64 * stride_kb + off_hk.to(tl.int64) * stride_kh
         v_base = V + b64 * stride_vb + off_hk.to(tl.int64) * stride_vh
         dk_base = DK + b64 * stride_dkb + off_hk.to(tl.int64) * stride_dkh
         dv_base = DV + b64 * stride_dvb + off_hk.to(tl.int64) * stride_dvh
-        _attention_bwd_dkv_block(q_base, k_base, v_base, do_base, dk_base, dv_base, dq_base, lse2_base, delta_base,
+        _attention_bwd_dkv_block(q_base, k_base, v_base, do_base, dk_base, dv_base, lse2_base, delta_base,
                                  tl.program_id(0), rows_q, rows_k, window, group, off_hk, qk_scale, sm_scale,
                                  stride_qm, stride_qh, stride_kn, stride_vn, stride_dom, stride_doh,
-                                 stride_dkn, stride_dvn, stride_dqm, stride_dqh, stride_lh,
-                                 IS_CAUSAL, HAS_WINDOW, ATOMIC_DQ, LSE_I32, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N)
+                                 stride_dkn, stride_dvn, stride_lh,
+                                 IS_CAUSAL, HAS_WINDOW, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N)
 
 
 @triton.jit
@@ -772,15 +729,9 @@ def attention_forward(args: Mapping, config: LaunchConfig, keep_lse: bool, launc
 
 
 def attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None, out: torch.Tensor,
-                       lse: torch.Tensor, dout: torch.Tensor, args: Mapping, config: CallConfig,
-                       deterministic: bool = True):
-    """Run the backward's kernels; returns (dq, dk, dv, dsinks or None). `args` holds the call's
-    non-tensor arguments and cu_seqlens.
-
-    `deterministic` (the default here: callers that never asked for atomics get none) runs the pre,
-    dK/dV and dQ kernels ("bwd_pre", "bwd_dkv", "bwd_dq"); without it, the pre kernel and the fused
-    dK/dV kernel that adds dQ with atomics ("bwd_pre", "bwd_fused"), whose summation order, and so
-    the last bits of dq, vary between runs."""
+              lse: torch.Tensor, dout: torch.Tensor, args: Mapping, config: CallConfig):
+    """Run the pre, dK/dV and dQ kernels; returns (dq, dk, dv, dsinks or None). `args` holds the
+    call's non-tensor arguments and cu_seqlens."""
     varlen, batch, rows_q, rows_k, span_q, span_k = _geometry({**args, "q": q, "k": k})
     h_q, h_kv, d = q.shape[-2], k.shape[-2], q.shape[-1]
     # The kernels read dO through q's element type with a unit last stride.
@@ -805,7 +756,7 @@ def attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks:
 
     # Varlen rows outside every sequence get no program: their gradients are the zeros allocated here.
     alloc = torch.zeros if varlen else torch.empty
-    dk, dv = (alloc(t.shape, dtype=t.dtype, device=t.device) for t in (k, v))
+    dq, dk, dv = (alloc(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
     cu_q, cu_k = (args["cu_seqlens_q"], args["cu_seqlens_k"]) if varlen else (q, q)
     masks = _masks(args, rows_k)
     window = masks.pop("window")
@@ -813,41 +764,25 @@ def attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks:
     common = (sm_scale * LOG2E.value, sm_scale, rows_q, rows_k, window, h_q // h_kv,
               *_strides(q, varlen), *_strides(k, varlen), *_strides(v, varlen), *_strides(dout, varlen))
     constexprs = {"IS_VARLEN": varlen, "HEAD_DIM": d, "BLOCK_D": block_d, **masks}
-    # The dK/dV kernel's offsets into one batch entry's lse-shaped rows (dense: h_q x rows_q).
-    lse_i32 = h_q * rows_q < INT32_OFFSETS
 
-    if deterministic:
-        dq = alloc(q.shape, dtype=q.dtype, device=q.device)
-        dkv = config["bwd_dkv"]
-        _attention_bwd_dkv_kernel[(cdiv(span_k, dkv.blocks["BLOCK_N"]), h_kv, batch)](
-            q, k, v, dout, lse2, delta, dk, dv, delta, cu_q, cu_k, *common,  # delta: DQAcc, unread
-            *_strides(dk, varlen), *_strides(dv, varlen), 0, 0, 0, *lse_strides,
-            ATOMIC_DQ=False, LSE_I32=lse_i32, **constexprs, **dkv.blocks, **dkv.knobs())
-        dq_config = config["bwd_dq"]
-        _attention_bwd_dq_kernel[(cdiv(span_q, dq_config.blocks["BLOCK_M"]), h_q, batch)](
-            q, k, v, dout, lse2, delta, dq, cu_q, cu_k, *common, *_strides(dq, varlen), *lse_strides,
-            **constexprs, **dq_config.blocks, **dq_config.knobs())
-    else:
-        # Every program adds into dq_acc, rows no program reaches included (they stay 0); sm_scale is
-        # applied in the kernel, so one cast pass finishes dq.
-        dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        fused = config["bwd_fused"]
-        _attention_bwd_dkv_kernel[(cdiv(span_k, fused.blocks["BLOCK_N"]), h_kv, batch)](
-            q, k, v, dout, lse2, delta, dk, dv, dq_acc, cu_q, cu_k, *common,
-            *_strides(dk, varlen), *_strides(dv, varlen), *_strides(dq_acc, varlen), *lse_strides,
-            ATOMIC_DQ=True, LSE_I32=lse_i32, **constexprs, **fused.blocks, **fused.knobs())
-        dq = dq_acc.to(q.dtype)
+    dkv = config["bwd_dkv"]
+    _attention_bwd_dkv_kernel[(cdiv(span_k, dkv.blocks["BLOCK_N"]), h_kv, batch)](
+        q, k, v, dout, lse2, delta, dk, dv, cu_q, cu_k, *common,
+        *_strides(dk, varlen), *_strides(dv, varlen), *lse_strides,
+        **constexprs, **dkv.blocks, **dkv.knobs())
+    dq_config = config["bwd_dq"]
+    _attention_bwd_dq_kernel[(cdiv(span_q, dq_config.blocks["BLOCK_M"]), h_q, batch)](
+        q, k, v, dout, lse2, delta, dq, cu_q, cu_k, *common, *_strides(dq, varlen), *lse_strides,
+        **constexprs, **dq_config.blocks, **dq_config.knobs())
     # One slot per pre program, summed in a fixed order: no atomics, the same bits every run.
     dsinks = dsink_parts.sum(dim=1) if dsink_parts is not None else None
     return dq, dk, dv, dsinks
 
 
 class _AttentionFunction(torch.autograd.Function):
-    """Autograd for the family: the forward kernel keeps lse for the backward's kernels. The returned
-    lse is not differentiable (as in FlashAttention); gradients flow from `out` to q, k, v and sinks.
-    The default backward adds dq with fp32 atomics, so its last bits vary between runs; with
-    `deterministic` (or torch.use_deterministic_algorithms) it takes the kernels without atomics,
-    whose gradients are bitwise reproducible."""
+    """Autograd for the family: the forward kernel keeps lse for the backward's three kernels. The
+    returned lse is not differentiable (as in FlashAttention); gradients flow from `out` to q, k, v
+    and sinks. No atomics anywhere, so gradients are bitwise reproducible."""
 
     @staticmethod
     def forward(ctx, q, k, v, sinks, args: Mapping, config: CallConfig):
@@ -861,8 +796,7 @@ class _AttentionFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, *_lse_grad):
         q, k, v, sinks, out, lse = ctx.saved_tensors
-        deterministic = ctx.rest["deterministic"] or torch.are_deterministic_algorithms_enabled()
-        dq, dk, dv, dsinks = attention_backward(q, k, v, sinks, out, lse, dout, ctx.rest, ctx.config, deterministic)
+        dq, dk, dv, dsinks = attention_backward(q, k, v, sinks, out, lse, dout, ctx.rest, ctx.config)
         return dq, dk, dv, dsinks, None, None
 
 
@@ -871,9 +805,9 @@ def attention_call(args: Mapping, config: CallConfig, launch: Callable[..., Any]
     `sinks`): `out`, or `(out, lse)` with `return_lse`.
 
     The forward runs with the "fwd" role's config; when grad is enabled and an input requires grad it
-    runs under `_AttentionFunction`, whose backward launches the "bwd_pre" and "bwd_fused" roles'
-    configs, or with `deterministic` "bwd_pre", "bwd_dkv" and "bwd_dq". `launch` runs the forward
-    kernel of a call without autograd (a dispatch plan's `LaunchCache`, or Triton's launch).
+    runs under `_AttentionFunction`, whose backward launches the "bwd_pre", "bwd_dkv" and "bwd_dq"
+    roles' configs. `deterministic` needs nothing: no kernel here uses atomics. `launch` runs the
+    forward kernel of a call without autograd (a dispatch plan's `LaunchCache`, or Triton's launch).
     """
     q, k, v = args["q"], args["k"], args["v"]
     sinks = args.get("sinks")
@@ -885,13 +819,10 @@ def attention_call(args: Mapping, config: CallConfig, launch: Callable[..., Any]
 
 # ----------------------------------------------------------------------------- offline compiles
 _ELEMENT_POINTERS = ("Q", "K", "V", "Out", "DOut", "DQ", "DK", "DV")
-_FP32_POINTERS = ("Lse", "Sinks", "Delta", "Lse2", "DSinks", "DQAcc")
+_FP32_POINTERS = ("Lse", "Sinks", "Delta", "Lse2", "DSinks")
 _FLOATS = ("qk_scale", "sm_scale")
-# The default backward's roles first, then the deterministic one's: `bwd_fused` is the dK/dV kernel
-# with its atomic dQ switched on.
 _ROLE_KERNELS = {"fwd": _attention_fwd_kernel, "bwd_pre": _attention_bwd_pre_kernel,
-                 "bwd_fused": _attention_bwd_dkv_kernel, "bwd_dkv": _attention_bwd_dkv_kernel,
-                 "bwd_dq": _attention_bwd_dq_kernel}
+                 "bwd_dkv": _attention_bwd_dkv_kernel, "bwd_dq": _attention_bwd_dq_kernel}
 
 
 def attention_compile_specs(key: dict, config: CallConfig, roles: tuple[str, ...], dtype: str = "fp16"
@@ -915,8 +846,7 @@ def attention_compile_specs(key: dict, config: CallConfig, roles: tuple[str, ...
         for varlen in ((False,) if role == "bwd_pre" else (False, True)):
             constexprs = {"GROUP": group, "IS_VARLEN": varlen, "IS_CAUSAL": bool(key["causal"]),
                           "HAS_WINDOW": key["window"] is not None, "HAS_SINKS": bool(key.get("sinks", False)),
-                          "RETURN_LSE": True, "ATOMIC_DQ": role == "bwd_fused", "LSE_I32": True,
-                          "HEAD_DIM": int(key["d"]), "BLOCK_D": dot_block(key["d"]), **blocks,
+                          "RETURN_LSE": True, "HEAD_DIM": int(key["d"]), "BLOCK_D": dot_block(key["d"]), **blocks,
                           "HEADS": packed_heads(config[role], group)}
             constexprs = {name: value for name, value in constexprs.items() if name in fn.arg_names}
             pointers = {name: f"*{elem}" for name in _ELEMENT_POINTERS}
@@ -936,22 +866,21 @@ def attention_compile_specs(key: dict, config: CallConfig, roles: tuple[str, ...
 INTERPRETER_TILES = {
     "fwd": ({"BLOCK_M": 32, "BLOCK_N": 32, "HEADS": 1}, {"BLOCK_M": 16, "BLOCK_N": 16, "HEADS": 2}),
     "bwd_pre": ({"BLOCK_M": 32},),
-    "bwd_fused": ({"BLOCK_M": 16, "BLOCK_N": 32},),
     "bwd_dkv": ({"BLOCK_M": 16, "BLOCK_N": 32},),
     "bwd_dq": ({"BLOCK_M": 32, "BLOCK_N": 16},),
 }
 # Which block a role's sequence-length dim bounds, and which block streams through the pipeline (the
 # one to narrow when shared memory runs short).
 _BLOCK_DIMS = {"BLOCK_M": "s_q", "BLOCK_N": "s_k"}
-_STREAMED = {"fwd": "BLOCK_N", "bwd_fused": "BLOCK_M", "bwd_dkv": "BLOCK_M", "bwd_dq": "BLOCK_N"}
+_STREAMED = {"fwd": "BLOCK_N", "bwd_dkv": "BLOCK_M", "bwd_dq": "BLOCK_N"}
 
 
 class AttentionTiledBase:
     """The tiled family's variant logic; each (vendor, op) file subclasses it with `Variant` and sets:
 
     op, name: flash_attention's "flash_attention_tiled", sink_attention's "sink_attention_flash";
-    spaces: a ConfigSpace per role: "fwd", "bwd_fused", "bwd_dkv" and "bwd_dq" (blocks BLOCK_M,
-        BLOCK_N), "bwd_pre" (BLOCK_M), each with the vendor's knobs, keep rule and d 128 default;
+    spaces: a ConfigSpace per role: "fwd", "bwd_dkv" and "bwd_dq" (blocks BLOCK_M, BLOCK_N), "bwd_pre"
+        (BLOCK_M), each with the vendor's knobs, keep rule and d 128 default;
     HEAD_DIM_DEFAULTS: per role, (largest head dim, fields) rows: the first row whose head dim fits
         changes those fields of the space's default;
     shared_bytes(role, config, block_d, elem): shared memory/LDS estimate, calibrated on real compiles.
@@ -959,8 +888,6 @@ class AttentionTiledBase:
     """
 
     kernels = dict(_ROLE_KERNELS)
-    # Only deterministic calls launch the two-kernel backward: the sweep gates and times its roles on those.
-    role_arguments = {role: {"deterministic": True} for role in ("bwd_dkv", "bwd_dq")}
     HEAD_DIM_DEFAULTS: Mapping[str, tuple[tuple[int, dict], ...]] = {}
 
     def shared_bytes(self, role: str, config: LaunchConfig, block_d: int, elem: int) -> int:
@@ -1044,9 +971,7 @@ class AttentionTiledBase:
         if not lse.numel():
             out, lse = attention_forward(args, config["fwd"], keep_lse=True)
         sinks = args.get("sinks")
-        deterministic = args["deterministic"] or torch.are_deterministic_algorithms_enabled()
-        dq, dk, dv, dsinks = attention_backward(args["q"], args["k"], args["v"], sinks, out, lse, grad, args, config,
-                                                deterministic)
+        dq, dk, dv, dsinks = attention_backward(args["q"], args["k"], args["v"], sinks, out, lse, grad, args, config)
         return {"q": dq, "k": dk, "v": dv, "sinks": dsinks}
 
     def compile_specs(self, key: dict, config: CallConfig, dtype: str = "fp16") -> list[CompileSpec]:

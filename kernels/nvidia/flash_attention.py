@@ -17,7 +17,7 @@ from tuning_db.records import LaunchConfig
 
 # The block that is the rows (wgmma's M) of each role's main products: the forward's and dQ's query
 # rows, dK/dV's key rows (it works transposed).
-_ROWS = {"fwd": "BLOCK_M", "bwd_dq": "BLOCK_M", "bwd_dkv": "BLOCK_N", "bwd_fused": "BLOCK_N"}
+_ROWS = {"fwd": "BLOCK_M", "bwd_dq": "BLOCK_M", "bwd_dkv": "BLOCK_N"}
 
 
 def _two_warpgroups(rows: str):
@@ -56,8 +56,6 @@ class AttentionNvidia:
             defaults={"*": {"BLOCK_M": 64, "num_warps": 4}},
             interpreter=INTERPRETER_TILES["bwd_pre"],
         ),
-        "bwd_fused": _space("bwd_fused", {"BLOCK_M": (16, 32, 64, 128), "BLOCK_N": (32, 64, 128)},
-                            {"BLOCK_M": 32, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3}),
         "bwd_dkv": _space("bwd_dkv", {"BLOCK_M": (16, 32, 64, 128), "BLOCK_N": (32, 64, 128)},
                           {"BLOCK_M": 32, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3}),
         "bwd_dq": _space("bwd_dq", {"BLOCK_M": (32, 64, 128), "BLOCK_N": (16, 32, 64, 128)},
@@ -69,15 +67,9 @@ class AttentionNvidia:
     # with 32-key tiles or 2 stages: its default takes 16-key tiles and num_stages 1, outside the space.
     # Backward (untimed; sm_90 compiles, bf16, sinks, windows and varlen, no spills): dK/dV keeps 128 key
     # rows for two warpgroups and narrows its query tile as d grows (32, then 16 at d 128: 255
-    # registers; d 256 fits only 16x32 with 4 warps); dQ 128x32 up to d 128, 128x16 at d 256. The
-    # atomic-dQ kernel (bwd_fused) holds ~20-30 registers more than dK/dV (its dQ product runs on
-    # mma.sync with 16-32 query rows, and a [BLOCK_M, d] fp32 tile passes through shared memory to the
-    # vector reductions): 32x128 w8 s3 at d 64 (~200), 16x128 w8 s2 at d 128 (232-255 at GQA 1-4,
-    # windows and varlen; 32 rows spill), and at d 256 16-key tiles with 4 warps, outside the space.
+    # registers; d 256 fits only 16x32 with 4 warps); dQ 128x32 up to d 128, 128x16 at d 256.
     HEAD_DIM_DEFAULTS = {
         "fwd": ((128, {}), (256, {"BLOCK_N": 16, "num_stages": 1})),
-        "bwd_fused": ((64, {}), (128, {"BLOCK_M": 16, "num_stages": 2}),
-                      (256, {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1})),
         "bwd_dkv": ((64, {}), (128, {"BLOCK_M": 16, "num_stages": 2}),
                     (256, {"BLOCK_M": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1})),
         "bwd_dq": ((128, {}), (256, {"BLOCK_N": 16, "num_stages": 2})),
@@ -89,7 +81,7 @@ class AttentionNvidia:
         blocks, stages = config.blocks, config.num_stages
         if role == "bwd_pre":
             return 0
-        resident, streamed = ("BLOCK_N", "BLOCK_M") if role in ("bwd_dkv", "bwd_fused") else ("BLOCK_M", "BLOCK_N")
+        resident, streamed = ("BLOCK_N", "BLOCK_M") if role == "bwd_dkv" else ("BLOCK_M", "BLOCK_N")
         tiles = 1 if role == "fwd" else 2  # Q; Q and dO; K and V
         return elem * block_d * (tiles * blocks[resident] + 2 * stages * blocks[streamed])
 

@@ -61,10 +61,8 @@ def validate(
     Returns `out` like q (q's dtype), or `(out, lse)` when `return_lse`: lse fp32 natural-log
     `[b, h_q, s_q]` (varlen: `[h_q, total_q]`). A row with no allowed key (causal with s_q > s_k)
     returns out 0 and lse +inf. Differentiable for q, k and v (through `out`; the returned lse is not
-    differentiable, as in FlashAttention). The kernels' default backward adds dq with fp32 atomics, so
-    its last bits vary from run to run; `deterministic=True` (or torch.use_deterministic_algorithms)
-    asks for a backward without atomics, bitwise identical from run to run (one more pass over the
-    keys: the kernels recompute P and dS for dq).
+    differentiable, as in FlashAttention). `deterministic=True` asks for a backward without atomics,
+    bitwise identical from run to run; the kernels' backward never uses atomics, so it costs nothing.
 
     Raises ValueError/TypeError naming the argument for wrong ranks, shapes, dtypes or devices, a
     non-contiguous last dimension, h_q not divisible by h_kv, an empty batch, a window without

@@ -60,9 +60,8 @@ def validate(
     Differentiable for q, k, v and sinks (through `out`; the returned lse is not differentiable). With
     `lse_tot = logaddexp(lse, sinks[h])`, `P = exp(z - lse_tot)` and `Delta = rowsum(dO * O)`, the
     backward is FlashAttention-2's and `d sinks[h] = -sum_{b,i} exp(sinks[h] - lse_tot) * Delta`.
-    The kernels' default backward adds dq with fp32 atomics, so its last bits vary from run to run;
-    `deterministic=True` (or torch.use_deterministic_algorithms) asks for a backward without atomics,
-    bitwise identical from run to run. d sinks is a fixed-order sum of per-block partials either way.
+    `deterministic=True` asks for a backward without atomics, bitwise identical from run to run (the
+    kernels' backward never uses atomics: d sinks is a fixed-order sum of per-block partials).
 
     Raises ValueError/TypeError naming the argument for wrong ranks, shapes, dtypes (sinks must be
     fp32) or devices, a non-contiguous last dimension, h_q not divisible by h_kv, an empty batch, a
