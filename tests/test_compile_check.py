@@ -138,13 +138,15 @@ def test_integer_values_are_specialized_as_the_jit_does():
     """A value of 1 becomes a constant, a multiple of 16 is marked divisible, others stay plain i32."""
     from tuning.compile_check import _alignment_attrs, _as_jit_specializes, _full_signature
 
-    spec = _variant("nvidia").compile_specs({**KEY, "h_kv": 32}, _fwd(blocks={"BLOCK_M": 64, "BLOCK_N": 32}))[0]
+    # The dQ kernel takes the GQA group as a run-time integer (the forward's GROUP is a constexpr).
+    dq = CallConfig({"bwd_dq": LaunchConfig(blocks={"BLOCK_M": 64, "BLOCK_N": 32})})
+    spec = _variant("nvidia").compile_specs({**KEY, "h_kv": 32}, dq)[0]
     assert spec.values == {"group": 1} and "group" not in spec.constexprs
     specialized = _as_jit_specializes(spec)
     assert specialized.constexprs["group"] == 1 and _full_signature(specialized)["group"] == "constexpr"
     names = spec.fn.arg_names
     for value, marked in ((32, True), (24, False)):
-        plain = _as_jit_specializes(type(spec)("fwd", spec.fn, spec.signature, spec.constexprs,
+        plain = _as_jit_specializes(type(spec)("bwd_dq", spec.fn, spec.signature, spec.constexprs,
                                                values={"group": value}))
         attrs = _alignment_attrs(plain, _full_signature(plain))
         assert ((names.index("group"),) in attrs) is marked
