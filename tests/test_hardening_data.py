@@ -111,7 +111,8 @@ def _tuned(key_json: str, block_m: int = 32, block_n: int = 16, source_hash: str
     current = next(v for v in load_all()[OP] if v.name == VARIANT and v.vendor == "nvidia").source_hash
     return TunedConfig(op=OP, device_key=CPU.key, tuning_key=key_json, variant=VARIANT, vendor="nvidia",
                        source_hash=source_hash or current,
-                       config=CallConfig({"fwd": LaunchConfig(blocks={"BLOCK_M": block_m, "BLOCK_N": block_n})}),
+                       config=CallConfig({"fwd": LaunchConfig(blocks={"BLOCK_M": block_m, "BLOCK_N": block_n,
+                                                                      "HEADS": 1})}),
                        time_ms=0.5, triton_version="3.6.0", torch_version="2.13.0")
 
 

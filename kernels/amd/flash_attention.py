@@ -64,8 +64,10 @@ class AttentionAmd:
     # Backward (untimed; gfx942 and gfx950 compiles, bf16, sinks, windows and varlen, no spills): dK/dV
     # 32x64 with 4 warps, a 16-row query tile at d 128 (gfx942 spills with 32), and at d 256 16x64 with
     # waves_per_eu 1 (up to 512 registers: 415 used; it spills under 256); dQ 64x32, 64x16 at d 256.
+    # Forward at d 64: 128x32 (128x64 spilled one VGPR on gfx942 in the varlen window build once the GQA
+    # group became a constant).
     HEAD_DIM_DEFAULTS = {
-        "fwd": ((64, {"num_warps": 4}), (128, {}), (256, {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4})),
+        "fwd": ((64, {"BLOCK_N": 32, "num_warps": 4}), (128, {}), (256, {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4})),
         "bwd_dkv": ((64, {}), (128, {"BLOCK_M": 16}), (256, {"BLOCK_M": 16, "waves_per_eu": 1})),
         "bwd_dq": ((128, {}), (256, {"BLOCK_N": 16})),
     }
