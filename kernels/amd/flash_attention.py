@@ -67,7 +67,8 @@ class AttentionAmd:
     # Forward at d 64: 128x32 (128x64 spilled one VGPR on gfx942 in the varlen window build once the GQA
     # group became a constant).
     HEAD_DIM_DEFAULTS = {
-        "fwd": ((64, {"BLOCK_N": 32, "num_warps": 4}), (128, {}), (256, {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4})),
+        "fwd": ((64, {"BLOCK_N": 32, "num_warps": 4}), (128, {}),
+                (256, {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4})),
         "bwd_dkv": ((64, {}), (128, {"BLOCK_M": 16}), (256, {"BLOCK_M": 16, "waves_per_eu": 1})),
         "bwd_dq": ((128, {}), (256, {"BLOCK_N": 16})),
     }
