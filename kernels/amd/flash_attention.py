@@ -23,7 +23,10 @@ _KNOBS = {"num_warps": (4, 8), "num_stages": (1, 2), "waves_per_eu": (0, 1, 2), 
           "kpack": (1,)}
 
 
-def _rows_per_wavefront(rows: str):
+def rows_per_wavefront_of(rows: str):
+    """The keep predicate for a role whose product rows are the block `rows` (shared with other
+    ops' tiled attention kernels)."""
+
     def rows_per_wavefront(config: LaunchConfig, key: dict) -> bool:
         """Keep: each wavefront owns rows / num_warps rows of the products: at least 16, and at least
         32 for the 32x32 MFMA (matrix_instr_nonkdim 32)."""
@@ -35,7 +38,7 @@ def _rows_per_wavefront(rows: str):
 
 def _space(role: str, blocks: dict, defaults: dict) -> ConfigSpace:
     return ConfigSpace(blocks=blocks, knobs=_KNOBS, arch={"gfx942": {"kpack": (1, 2)}},
-                       keep=_rows_per_wavefront(_ROWS[role]), defaults={"*": defaults},
+                       keep=rows_per_wavefront_of(_ROWS[role]), defaults={"*": defaults},
                        interpreter=INTERPRETER_TILES[role])
 
 

@@ -15,9 +15,10 @@ the head-block spaces.
 
 from dataclasses import replace
 
+from kernels.amd.flash_attention import rows_per_wavefront_of
 from kernels.base import Variant
 from kernels.common.gsa_sparse_attention import (
-    INTERPRETER_BUILD,
+    BUILD_SPACE,
     INTERPRETER_DENSE,
     INTERPRETER_DKV,
     INTERPRETER_FWD,
@@ -27,7 +28,6 @@ from kernels.common.gsa_sparse_attention import (
 )
 from registry.catalog import register
 from tuning.space import ConfigSpace
-from tuning_db.records import LaunchConfig
 
 _HEADS = (1, 2, 4, 8, 16, 32, 64, 128)
 _KNOBS = {"num_warps": (2, 4, 8), "num_stages": (1, 2), "waves_per_eu": (0, 1, 2, 4),
@@ -59,13 +59,6 @@ class GSASparseAttentionHeadBlockAmd(GSASparseAttentionHeadBlockBase, Variant):
     TILE_REGS_LIMIT = 256
 
 
-def rows_per_wavefront(config: LaunchConfig, key: dict) -> bool:
-    """Keep: each wavefront owns BLOCK_M / num_warps query rows: at least 16, and at least 32 for the
-    32x32 MFMA (matrix_instr_nonkdim 32)."""
-    per_wave = config.blocks["BLOCK_M"] // config.num_warps
-    return per_wave >= 16 and (config.matrix_instr_nonkdim != 32 or per_wave >= 32)
-
-
 _HEADBLOCK = GSASparseAttentionHeadBlockAmd.spaces
 
 
@@ -75,17 +68,13 @@ class GSASparseAttentionDenseAmd(GSASparseAttentionDenseBase, Variant):
     # Untimed (no AMD GPU here); the defaults compile without spills for gfx942 and gfx950 at d 128
     # (benchmarks/NOTES.md, "GSA sparse attention, dense masked tiles").
     spaces = {
-        "build": ConfigSpace(
-            blocks={"BLOCK_SLOTS": (128, 256, 512, 1024)}, knobs={"num_warps": (1, 2, 4, 8), "num_stages": (1,)},
-            defaults={"*": {"BLOCK_SLOTS": 256, "num_warps": 4, "num_stages": 1}},
-            interpreter=INTERPRETER_BUILD,
-        ),
+        "build": BUILD_SPACE,
         "fwd_extras": replace(_HEADBLOCK["fwd"], interpreter=INTERPRETER_FWD[:1]),
         "fwd": ConfigSpace(
             blocks={"BLOCK_M": (32, 64, 128), "BLOCK_N": (16, 32, 64)},
             knobs={"num_warps": (2, 4, 8), "num_stages": (1,), "waves_per_eu": (0, 1, 2),
                    "matrix_instr_nonkdim": (16, 32), "kpack": (1,)},
-            arch={"gfx942": {"kpack": (1, 2)}}, keep=rows_per_wavefront,
+            arch={"gfx942": {"kpack": (1, 2)}}, keep=rows_per_wavefront_of("BLOCK_M"),
             defaults={"*": {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1, "waves_per_eu": 2,
                             "matrix_instr_nonkdim": 16, "kpack": 1}},
             interpreter=INTERPRETER_DENSE,

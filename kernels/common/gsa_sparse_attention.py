@@ -55,6 +55,7 @@ import triton.language as tl
 from kernels.base import CompileSpec
 from kernels.common.tiles import cdiv, dot_block
 from registry.nvtx import nvtx_range
+from tuning.space import ConfigSpace
 from tuning_db.records import CallConfig, LaunchConfig
 
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -787,3 +788,10 @@ INTERPRETER_DKV = ({"BLOCK_H": 8, "BLOCK_Q": 8}, {"BLOCK_H": 4, "BLOCK_Q": 4})
 # head-block kernels' defaults only (the head-block variant runs their other shapes).
 INTERPRETER_BUILD = ({"BLOCK_SLOTS": 8}, {"BLOCK_SLOTS": 32})
 INTERPRETER_DENSE = ({"BLOCK_M": 16, "BLOCK_N": 16}, {"BLOCK_M": 32, "BLOCK_N": 32})
+# The build kernel's space, both vendors: it uses no matrix instructions or vendor knobs. One program per
+# query; the atomics' latency is hidden by programs in flight, not by stages.
+BUILD_SPACE = ConfigSpace(
+    blocks={"BLOCK_SLOTS": (128, 256, 512, 1024)}, knobs={"num_warps": (1, 2, 4, 8), "num_stages": (1,)},
+    defaults={"*": {"BLOCK_SLOTS": 256, "num_warps": 4, "num_stages": 1}},
+    interpreter=INTERPRETER_BUILD,
+)

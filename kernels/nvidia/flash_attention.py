@@ -20,7 +20,10 @@ from tuning_db.records import LaunchConfig
 _ROWS = {"fwd": "BLOCK_M", "bwd_dq": "BLOCK_M", "bwd_dkv": "BLOCK_N"}
 
 
-def _two_warpgroups(rows: str):
+def two_warpgroups(rows: str):
+    """The keep predicate for a role whose product rows are the block `rows` (shared with other
+    ops' tiled attention kernels)."""
+
     def two_warpgroups_need_128_rows(config: LaunchConfig, key: dict) -> bool:
         """Keep: 8 warps are two warpgroups of 64 rows each; with fewer than 128 rows they only split
         the other dimension."""
@@ -31,7 +34,7 @@ def _two_warpgroups(rows: str):
 
 def _space(role: str, blocks: dict, defaults: dict) -> ConfigSpace:
     return ConfigSpace(blocks=blocks, knobs={"num_warps": (4, 8), "num_stages": (2, 3, 4)},
-                       keep=_two_warpgroups(_ROWS[role]), defaults={"*": defaults},
+                       keep=two_warpgroups(_ROWS[role]), defaults={"*": defaults},
                        interpreter=INTERPRETER_TILES[role])
 
 
@@ -45,7 +48,7 @@ class AttentionNvidia:
             # tokens each); it must divide the GQA group.
             blocks={"BLOCK_M": (64, 128), "BLOCK_N": (32, 64, 128), "HEADS": (1, 2, 4, 8, 16)},
             knobs={"num_warps": (4, 8), "num_stages": (2, 3, 4, 5)},
-            keep=_two_warpgroups("BLOCK_M"),
+            keep=two_warpgroups("BLOCK_M"),
             defaults={"*": {"BLOCK_M": 128, "BLOCK_N": 64, "HEADS": 1, "num_warps": 8, "num_stages": 3}},
             interpreter=INTERPRETER_TILES["fwd"],
         ),

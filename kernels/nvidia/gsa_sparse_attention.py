@@ -13,7 +13,7 @@ from dataclasses import replace
 
 from kernels.base import Variant
 from kernels.common.gsa_sparse_attention import (
-    INTERPRETER_BUILD,
+    BUILD_SPACE,
     INTERPRETER_DENSE,
     INTERPRETER_DKV,
     INTERPRETER_FWD,
@@ -21,9 +21,9 @@ from kernels.common.gsa_sparse_attention import (
     GSASparseAttentionHeadBlockBase,
     heads_fit,
 )
+from kernels.nvidia.flash_attention import two_warpgroups
 from registry.catalog import register
 from tuning.space import ConfigSpace
-from tuning_db.records import LaunchConfig
 
 _GATHER = {"BLOCK_H": (1, 2, 4, 8, 16, 32, 64), "BLOCK_TOPK": (4, 8, 16, 32)}
 
@@ -52,11 +52,6 @@ class GSASparseAttentionHeadBlockNvidia(GSASparseAttentionHeadBlockBase, Variant
     }
 
 
-def two_warpgroups_need_128_rows(config: LaunchConfig, key: dict) -> bool:
-    """Keep: 8 warps are two warpgroups of 64 query rows each; a 64-row tile leaves the second idle."""
-    return not (config.num_warps == 8 and config.blocks["BLOCK_M"] < 128)
-
-
 _HEADBLOCK = GSASparseAttentionHeadBlockNvidia.spaces
 
 
@@ -66,16 +61,11 @@ class GSASparseAttentionDenseNvidia(GSASparseAttentionDenseBase, Variant):
     # Untimed until the first H100/H200 sweep; the defaults compile without spills for sm_90 at d 128
     # (benchmarks/NOTES.md, "GSA sparse attention, dense masked tiles").
     spaces = {
-        # One program per query; the atomics' latency is hidden by programs in flight, not stages.
-        "build": ConfigSpace(
-            blocks={"BLOCK_SLOTS": (128, 256, 512, 1024)}, knobs={"num_warps": (1, 2, 4, 8), "num_stages": (1,)},
-            defaults={"*": {"BLOCK_SLOTS": 256, "num_warps": 4, "num_stages": 1}},
-            interpreter=INTERPRETER_BUILD,
-        ),
+        "build": BUILD_SPACE,
         "fwd_extras": replace(_HEADBLOCK["fwd"], interpreter=INTERPRETER_FWD[:1]),
         "fwd": ConfigSpace(
             blocks={"BLOCK_M": (64, 128), "BLOCK_N": (32, 64, 128)},
-            knobs={"num_warps": (4, 8), "num_stages": (2, 3)}, keep=two_warpgroups_need_128_rows,
+            knobs={"num_warps": (4, 8), "num_stages": (2, 3)}, keep=two_warpgroups("BLOCK_M"),
             defaults={"*": {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}},
             interpreter=INTERPRETER_DENSE,
         ),
