@@ -242,10 +242,11 @@ def _row_tile(r0, c0, rows, t, n, stride_b, stride_t, BLOCK_R: tl.constexpr, BLO
 @triton.jit
 def _gsa_output_gate_kernel(O, G, OUT, t, rows, n, stride_ob, stride_ot, stride_gb, stride_gt, stride_xb, stride_xt,
                             BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
-    """One program: out = o * sigmoid(g) over rows program_id(1) * BLOCK_R.. and features
-    program_id(0) * BLOCK_N.. (a row is one token's h * d features)."""
-    r0 = tl.program_id(1) * BLOCK_R
-    c0 = tl.program_id(0) * BLOCK_N
+    """One program: out = o * sigmoid(g) over rows program_id(0) * BLOCK_R.. and features
+    program_id(1) * BLOCK_N.. (a row is one token's h * d features; rows on the grid's first axis, which
+    has no 65535 limit)."""
+    r0 = tl.program_id(0) * BLOCK_R
+    c0 = tl.program_id(1) * BLOCK_N
     o_off, ok = _row_tile(r0, c0, rows, t, n, stride_ob, stride_ot, BLOCK_R, BLOCK_N)
     g_off, _ = _row_tile(r0, c0, rows, t, n, stride_gb, stride_gt, BLOCK_R, BLOCK_N)
     x_off, _ = _row_tile(r0, c0, rows, t, n, stride_xb, stride_xt, BLOCK_R, BLOCK_N)
@@ -260,8 +261,8 @@ def _gsa_output_gate_bwd_kernel(DOUT, O, G, DO, DG, t, rows, n, stride_db, strid
                                 BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
     """One program: with s = sigmoid(g), do = dout * s and dg = dout * o * s * (1 - s) over the tile of
     `_gsa_output_gate_kernel`'s program with the same ids. DO and DG share strides."""
-    r0 = tl.program_id(1) * BLOCK_R
-    c0 = tl.program_id(0) * BLOCK_N
+    r0 = tl.program_id(0) * BLOCK_R
+    c0 = tl.program_id(1) * BLOCK_N
     d_off, ok = _row_tile(r0, c0, rows, t, n, stride_db, stride_dt, BLOCK_R, BLOCK_N)
     o_off, _ = _row_tile(r0, c0, rows, t, n, stride_ob, stride_ot, BLOCK_R, BLOCK_N)
     g_off, _ = _row_tile(r0, c0, rows, t, n, stride_gb, stride_gt, BLOCK_R, BLOCK_N)
@@ -344,7 +345,7 @@ def _rope_value_gate_backward(dqo, dko, dvo, v, gate, inv_freq, tiles: Elementwi
 
 def _gate_grid(o: torch.Tensor, blocks: dict) -> tuple[int, int]:
     b, t, h, d = o.shape
-    return cdiv(h * d, blocks["BLOCK_N"]), cdiv(b * t, blocks["BLOCK_R"])
+    return cdiv(b * t, blocks["BLOCK_R"]), cdiv(h * d, blocks["BLOCK_N"])
 
 
 def _output_gate_forward(o, gate, tiles: ElementwiseTiles) -> torch.Tensor:
