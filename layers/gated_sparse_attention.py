@@ -57,8 +57,9 @@ class GatedLightningIndexer(nn.Module):
     def selection_inputs(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """`forward`'s four tensors without autograd (the selection gets no gradient), from one GEMM of x
         with the three weights stacked: strided views of one [b, t, n] output. The stack is padded with
-        zero rows to n a multiple of 16, so the views' token stride and starts stay 16-element aligned
-        (Triton vectorizes their loads only then)."""
+        zero rows to n a multiple of 16, so the views' token stride is 16-element aligned (and their starts
+        too when n_heads * d_indexer and d_indexer are multiples of 16, as at the defaults): Triton
+        vectorizes the top-k kernel's loads only then."""
         b, t, _ = x.shape
         n_q = self.n_heads * self.d_indexer
         weights = [self.idx_q_proj.weight, self.idx_k_proj.weight, self.idx_w_proj.weight]
