@@ -5,13 +5,20 @@ gated lightning indexer on x (no RoPE) -> each query's top-k keys -> sparse atte
 output gate o * sigmoid(W_g1 x) (per head and dim) -> o_proj.
 
 `backend="registry"` runs the ops through `registry.get` (the tuned Triton kernels on a GPU; `vendor=`
-forces one vendor's kernels, which on CPU tensors run in the Triton interpreter); `backend="reference"`
-runs the same module through the ops' PyTorch references. Both share one state_dict by construction:
-the backend only decides which function runs each op.
+forces one vendor's kernels, which on CPU tensors run in the Triton interpreter), and the elementwise
+steps through the fused kernels of `kernels.common.gsa_layer`: RoPE of q and k and the value gate's
+product in one pass, the output gate's product in another (each differentiable by its own backward
+kernel); the indexer's three projections are one GEMM there. `backend="reference"` runs the same
+module through the ops' PyTorch references and the plain PyTorch math below (RotaryEmbedding,
+SigmoidGate), which is what the fused kernels are tested against. Both share one state_dict by
+construction: the backend only decides which function runs each step. A plain CPU call of the registry
+backend (no `vendor=`) runs the references, as the ops do.
 
 Every step runs inside an NVTX range `gsa/<step>` (qkv_proj, value_gate, rotary_emb, indexer,
-topk_select, sparse_attn, output_gate, o_proj), and the kernel launchers add their own inside, so
-Nsight Systems and Nsight Compute show where the time goes (benchmarks/gsa.py --profile, --ncu).
+topk_select, sparse_attn, output_gate, o_proj), in that order with either backend, and the kernel
+launchers add their own inside, so Nsight Systems and Nsight Compute show where the time goes
+(benchmarks/gsa.py --profile, --ncu). With the fused kernels, `gsa/value_gate` holds the gate's
+projection and `gsa/rotary_emb` the fused kernel, which also applies the value gate.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ import torch
 from torch import nn
 
 import registry
+from kernels.common.gsa_layer import output_gate, rope_value_gate
 from registry.nvtx import nvtx_range
 from registry.ops import OPS
 from registry.ops.gsa_indexer import score_chunks
@@ -45,6 +53,25 @@ class GatedLightningIndexer(nn.Module):
         q_idx = self.idx_q_proj(x).view(b, t, self.n_heads, self.d_indexer)
         return q_idx, self.idx_k_proj(x), self.idx_w_proj(x), self.idx_bias
 
+    @torch.no_grad()
+    def selection_inputs(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`forward`'s four tensors without autograd (the selection gets no gradient), from one GEMM of x
+        with the three weights stacked: strided views of one [b, t, n] output. The stack is padded with
+        zero rows to n a multiple of 16, so the views' token stride is 16-element aligned (and their starts
+        too when n_heads * d_indexer and d_indexer are multiples of 16, as at the defaults): Triton
+        vectorizes the top-k kernel's loads only then."""
+        b, t, _ = x.shape
+        n_q = self.n_heads * self.d_indexer
+        weights = [self.idx_q_proj.weight, self.idx_k_proj.weight, self.idx_w_proj.weight]
+        pad = -(n_q + self.d_indexer + self.n_heads) % 16
+        if pad:
+            weights.append(self.idx_q_proj.weight.new_zeros(pad, x.shape[-1]))
+        out = torch.nn.functional.linear(x, torch.cat(weights))
+        q_idx = out[..., :n_q].view(b, t, self.n_heads, self.d_indexer)
+        k_idx = out[..., n_q:n_q + self.d_indexer]
+        w = out[..., n_q + self.d_indexer:n_q + self.d_indexer + self.n_heads]
+        return q_idx, k_idx, w, self.idx_bias.detach()
+
 
 class SigmoidGate(nn.Module):
     """A gate sigmoid(W x) with one value per output feature (a head's dim, for every head)."""
@@ -55,6 +82,10 @@ class SigmoidGate(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.sigmoid(self.gate_proj(x))
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """W x, before the sigmoid (the fused kernels apply it)."""
+        return self.gate_proj(x)
 
 
 class RotaryEmbedding(nn.Module):
@@ -158,24 +189,38 @@ class GatedSparseAttention(nn.Module):
         op = OPS[name]
         return lambda *args, **kwargs: op.reference(**op.validate(*args, **kwargs))
 
+    def _fused(self, x: torch.Tensor) -> bool:
+        """Whether the elementwise steps run the fused kernels: the registry backend on a GPU, or on CPU
+        tensors with a forced vendor (the interpreter)."""
+        return self.backend == "registry" and (x.device.type != "cpu" or self.vendor is not None)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [b, t, d_model] -> [b, t, d_model]."""
         if x.dim() != 3 or x.shape[-1] != self.q_proj.in_features:
             raise ValueError(f"x: expected shape [b, t, {self.q_proj.in_features}], got {list(x.shape)}")
         b, t, _ = x.shape
         h, h_kv, d = self.n_heads, self.n_kv_heads, self.head_dim
+        fused = self._fused(x)
         with nvtx_range("gsa/qkv_proj"):
             q = self.q_proj(x).view(b, t, h, d)
             k = self.k_proj(x).view(b, t, h_kv, d)
             v = self.v_proj(x).view(b, t, h_kv, d)
         with nvtx_range("gsa/value_gate"):
-            v = v * self.value_gate(x).view(b, t, h_kv, d)
+            if fused:
+                v_gate = self.value_gate.logits(x).view(b, t, h_kv, d)
+            else:
+                v = v * self.value_gate(x).view(b, t, h_kv, d)
         with nvtx_range("gsa/rotary_emb"):
-            q, k = self.rotary_emb(q, k)
+            if fused:
+                q, k, v = rope_value_gate(q, k, v, v_gate, self.rotary_emb.inv_freq, vendor=self.vendor)
+            else:
+                q, k = self.rotary_emb(q, k)
         with nvtx_range("gsa/indexer"):
-            q_idx, k_idx, w, bias = self.indexer(x)
-            # Selection is not differentiable: the indexer gets no gradient through it.
-            q_idx, k_idx, w, bias = (y.detach() for y in (q_idx, k_idx, w, bias))
+            if fused:
+                q_idx, k_idx, w, bias = self.indexer.selection_inputs(x)
+            else:
+                # Selection is not differentiable: the indexer gets no gradient through it.
+                q_idx, k_idx, w, bias = (y.detach() for y in self.indexer(x))
             lengths = None
             if self.adaptive_k:
                 lengths = adaptive_topk_length(q_idx, k_idx, w, bias, self.k, self.k_min, self.k_max)
@@ -185,6 +230,9 @@ class GatedSparseAttention(nn.Module):
         with nvtx_range("gsa/sparse_attn"):
             o = self._op("gsa_sparse_attention")(q, k, v, indices, topk_length=lengths)
         with nvtx_range("gsa/output_gate"):
-            o = o * self.output_gate(x).view(b, t, h, d)
+            if fused:
+                o = output_gate(o, self.output_gate.logits(x).view(b, t, h, d), vendor=self.vendor)
+            else:
+                o = o * self.output_gate(x).view(b, t, h, d)
         with nvtx_range("gsa/o_proj"):
             return self.o_proj(o.reshape(b, t, h * d))

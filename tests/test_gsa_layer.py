@@ -1,6 +1,7 @@
-"""layers.GatedSparseAttention: the registry backend (Triton kernels; the interpreter on the CPU, both
-vendors) against the reference backend of the same module: outputs, parameter gradients, adaptive k,
-the shared state_dict, NVTX ranges and argument errors."""
+"""layers.GatedSparseAttention: the registry backend (Triton kernels, the fused RoPE and gate kernels
+included; the interpreter on the CPU, both vendors) against the reference backend of the same module:
+outputs, parameter gradients, adaptive k, the indexer's one-GEMM projections, the shared state_dict,
+NVTX ranges and argument errors."""
 
 from __future__ import annotations
 
@@ -44,12 +45,19 @@ def _run(layer, x, backend: str, vendor: str | None):
     return out.detach(), grads
 
 
+CASES = {  # layer arguments over TINY, (b, t)
+    "fixed-k": ({}, (2, 11)),
+    "adaptive-k": (dict(adaptive_k=True, k_min=2, k_max=7), (2, 11)),
+    "d32-t17": (dict(head_dim=32), (1, 17)),
+}
+
+
 @pytest.mark.parametrize("vendor", VENDORS, ids=lambda v: v or "device")
-@pytest.mark.parametrize("adaptive", [False, True], ids=["fixed-k", "adaptive-k"])
-def test_registry_backend_matches_reference_and_trains(vendor, adaptive):
-    extra = dict(adaptive_k=True, k_min=2, k_max=7) if adaptive else {}
+@pytest.mark.parametrize("case", list(CASES))
+def test_registry_backend_matches_reference_and_trains(vendor, case):
+    extra, (b, t) = CASES[case]
     layer = _layer(**extra)
-    x = _x(2, 11)
+    x = _x(b, t)
     want, want_grads = _run(layer, x, "reference", None)
     got, got_grads = _run(layer, x, "registry", vendor)
     assert_close(got, want, TOLERANCE[DTYPE], what="layer output")
@@ -90,16 +98,42 @@ def test_backends_share_one_state_dict():
                                                  strict=True))
 
 
-def test_every_step_runs_in_its_nvtx_range(monkeypatch):
-    opened = []
+def test_indexer_projections_in_one_gemm():
+    """The registry path's indexer inputs: the three projections' values, no autograd, and views whose
+    token stride and starts are 16-element aligned."""
+    layer = _layer()
+    x = _x(2, 9)
+    got, want = layer.indexer.selection_inputs(x), layer.indexer(x)
+    for a, e in zip(got, want, strict=True):
+        assert not a.requires_grad
+        assert_close(a, e.detach(), TOLERANCE[DTYPE], what="indexer input")
+    q_idx, k_idx, w, _ = got
+    assert q_idx.stride(1) == k_idx.stride(1) == w.stride(1) == 64  # 2 x 16 + 16 + 2 features, padded
+    assert all(y.data_ptr() % 32 == 0 for y in (q_idx, k_idx, w))
+
+
+@pytest.mark.parametrize("backend", ["reference", "registry"])
+def test_every_step_runs_in_its_nvtx_range(monkeypatch, backend):
+    """The same ranges in the same order with either backend; the registry backend runs the fused
+    kernels (the value gate's product inside gsa/rotary_emb)."""
+    opened, fused = [], []
 
     def record(name):
         opened.append(name)
         return torch.autograd.profiler.record_function(name)
 
+    def spy(fn):
+        return lambda *args, **kwargs: fused.append((opened[-1], fn.__name__)) or fn(*args, **kwargs)
+
     monkeypatch.setattr(gsa_layer, "nvtx_range", record)
-    _layer(backend="reference")(_x(1, 4))
+    for name in ("rope_value_gate", "output_gate"):
+        monkeypatch.setattr(gsa_layer, name, spy(getattr(gsa_layer, name)))
+    _layer(backend=backend, vendor=VENDORS[0])(_x(1, 4))
     assert opened == [f"gsa/{step}" for step in STEPS]
+    if backend == "registry":
+        assert fused == [("gsa/rotary_emb", "rope_value_gate"), ("gsa/output_gate", "output_gate")]
+    else:
+        assert fused == []
 
 
 def test_defaults_and_argument_errors():

@@ -239,7 +239,7 @@ def test_any_layer_imports_first_without_a_cycle():
 
     modules = ["kernels.nvidia.sparse_mla", "kernels.amd.flash_attention", "kernels.common.sparse_mla",
                "kernels.base", "registry.ops.sparse_mla", "registry.device", "registry.dispatch", "tuning.sweep",
-               "layers.gated_sparse_attention"]
+               "layers.gated_sparse_attention", "kernels.common.gsa_layer"]
     check = ("import importlib, sys; importlib.import_module(sys.argv[1]); import registry; "
              "assert 'get' in vars(registry) and '__getattr__' not in vars(registry); "
              "assert registry.variants('sparse_mla')")
