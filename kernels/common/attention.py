@@ -418,11 +418,12 @@ def _attention_bwd_dkv_inner(dk, dv, k, v, q_head, do_head, lse2_head, delta_hea
 
 
 def _attention_bwd_dkv_block_body(q_base, k_base, v_base, do_base, dk_base, dv_base, lse2_base, delta_base,
-                                  start_n, seqlen_q, seqlen_k, window, group, off_hk, qk_scale, sm_scale,
+                                  start_n, seqlen_q, seqlen_k, window, off_hk, qk_scale, sm_scale,
                                   stride_qm, stride_qh, stride_kn, stride_vn, stride_dom, stride_doh,
                                   stride_dkn, stride_dvn, stride_lh,
-                                  IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HEAD_DIM: tl.constexpr,
-                                  BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                                  GROUP: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                                  BLOCK_N: tl.constexpr):
     """Key block `start_n` of one (sequence, kv head): dK and dV summed over the group's query heads."""
     n0 = start_n * BLOCK_N
     offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -434,12 +435,14 @@ def _attention_bwd_dkv_block_body(q_base, k_base, v_base, do_base, dk_base, dv_b
     lo, mid_lo, mid_hi, hi = _query_range(n0, seqlen_q, seqlen_k, window, IS_CAUSAL, HAS_WINDOW, BLOCK_M, BLOCK_N)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    for g in tl.range(group, disable_licm=True):
-        off_h = (off_hk * group + g).to(tl.int64)
-        q_head = q_base + off_h * stride_qh
-        do_head = do_base + off_h * stride_doh
-        lse2_head = lse2_base + off_h * stride_lh
-        delta_head = delta_base + off_h * stride_lh
+    # The group's heads are consecutive: the head pointers step by one head's stride (sm_90 compiles
+    # of the d 128 GQA default spilled 8 B with the offsets recomputed from the head index instead).
+    first = (off_hk * GROUP).to(tl.int64)
+    q_head = q_base + first * stride_qh
+    do_head = do_base + first * stride_doh
+    lse2_head = lse2_base + first * stride_lh
+    delta_head = delta_base + first * stride_lh
+    for _ in tl.range(GROUP, disable_licm=True):
         # Stage 1: the causal diagonal; stage 2: rows that see the whole block; stage 3: the window's
         # far edge and the tail.
         dk, dv = _attention_bwd_dkv_inner(dk, dv, k, v, q_head, do_head, lse2_head, delta_head, stride_qm,
@@ -451,6 +454,10 @@ def _attention_bwd_dkv_block_body(q_base, k_base, v_base, do_base, dk_base, dv_b
         dk, dv = _attention_bwd_dkv_inner(dk, dv, k, v, q_head, do_head, lse2_head, delta_head, stride_qm,
                                           stride_dom, mid_hi, hi, offs_n, seqlen_q, seqlen_k, window, qk_scale,
                                           True, IS_CAUSAL, HAS_WINDOW, HEAD_DIM, BLOCK_M, BLOCK_D)
+        q_head += stride_qh
+        do_head += stride_doh
+        lse2_head += stride_lh
+        delta_head += stride_lh
     dk_ptrs = dk_base + n0.to(tl.int64) * stride_dkn + rows * stride_dkn + offs_d[None, :]
     dv_ptrs = dv_base + n0.to(tl.int64) * stride_dvn + rows * stride_dvn + offs_d[None, :]
     tl.store(dk_ptrs, (dk * sm_scale).to(dk_base.dtype.element_ty), mask=tile_ok)
@@ -464,7 +471,7 @@ _attention_bwd_dkv_block_called = triton.jit(noinline=True)(_attention_bwd_dkv_b
 @triton.jit
 def _attention_bwd_dkv_kernel(
         Q, K, V, DOut, Lse2, Delta, DK, DV, cu_seqlens_q, cu_seqlens_k,
-        qk_scale, sm_scale, rows_q, rows_k, window, group,
+        qk_scale, sm_scale, rows_q, rows_k, window,
         stride_qb, stride_qm, stride_qh,
         stride_kb, stride_kn, stride_kh,
         stride_vb, stride_vn, stride_vh,
@@ -472,12 +479,13 @@ def _attention_bwd_dkv_kernel(
         stride_dkb, stride_dkn, stride_dkh,
         stride_dvb, stride_dvn, stride_dvh,
         stride_lb, stride_lh,
-        IS_VARLEN: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+        GROUP: tl.constexpr, IS_VARLEN: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """One program: dK and dV of BLOCK_N keys of one kv head of one sequence (grid: key blocks, h_kv,
-    batch), summed over the `group` query heads that read it and over every query block that may see
-    those keys; written once, no atomics. Lse2 and Delta come from the pre kernel (laid out like lse).
-    Varlen bounds as in the forward; a program strides over the sequence's key blocks.
+    batch), summed over the GROUP query heads that read it (a compile-time constant, as in the
+    forward) and over every query block that may see those keys; written once, no atomics. Lse2 and
+    Delta come from the pre kernel (laid out like lse). Varlen bounds as in the forward; a program
+    strides over the sequence's key blocks.
     """
     off_hk = tl.program_id(1)
     off_b = tl.program_id(2)
@@ -495,10 +503,10 @@ def _attention_bwd_dkv_kernel(
         n_blocks = (seqlen_k + BLOCK_N - 1) // BLOCK_N
         for start_n in range(tl.program_id(0), n_blocks, tl.num_programs(0)):
             _attention_bwd_dkv_block_called(q_base, k_base, v_base, do_base, dk_base, dv_base, lse2_base,
-                                            delta_base, start_n, seqlen_q, seqlen_k, window, group, off_hk,
+                                            delta_base, start_n, seqlen_q, seqlen_k, window, off_hk,
                                             qk_scale, sm_scale, stride_qm, stride_qh, stride_kn, stride_vn,
                                             stride_dom, stride_doh, stride_dkn, stride_dvn, stride_lh,
-                                            IS_CAUSAL, HAS_WINDOW, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N)
+                                            GROUP, IS_CAUSAL, HAS_WINDOW, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N)
     else:
         b64 = off_b.to(tl.int64)
         q_base = Q + b64 * stride_qb
@@ -510,10 +518,10 @@ def _attention_bwd_dkv_kernel(
         dk_base = DK + b64 * stride_dkb + off_hk.to(tl.int64) * stride_dkh
         dv_base = DV + b64 * stride_dvb + off_hk.to(tl.int64) * stride_dvh
         _attention_bwd_dkv_block(q_base, k_base, v_base, do_base, dk_base, dv_base, lse2_base, delta_base,
-                                 tl.program_id(0), rows_q, rows_k, window, group, off_hk, qk_scale, sm_scale,
+                                 tl.program_id(0), rows_q, rows_k, window, off_hk, qk_scale, sm_scale,
                                  stride_qm, stride_qh, stride_kn, stride_vn, stride_dom, stride_doh,
                                  stride_dkn, stride_dvn, stride_lh,
-                                 IS_CAUSAL, HAS_WINDOW, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N)
+                                 GROUP, IS_CAUSAL, HAS_WINDOW, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N)
 
 
 @triton.jit
@@ -594,21 +602,23 @@ _attention_bwd_dq_block_called = triton.jit(noinline=True)(_attention_bwd_dq_blo
 @triton.jit
 def _attention_bwd_dq_kernel(
         Q, K, V, DOut, Lse2, Delta, DQ, cu_seqlens_q, cu_seqlens_k,
-        qk_scale, sm_scale, rows_q, rows_k, window, group,
+        qk_scale, sm_scale, rows_q, rows_k, window,
         stride_qb, stride_qm, stride_qh,
         stride_kb, stride_kn, stride_kh,
         stride_vb, stride_vn, stride_vh,
         stride_dob, stride_dom, stride_doh,
         stride_dqb, stride_dqm, stride_dqh,
         stride_lb, stride_lh,
-        IS_VARLEN: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+        GROUP: tl.constexpr, IS_VARLEN: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """One program: dQ of BLOCK_M queries of one query head of one sequence (the forward's grid and
-    key ranges), from Lse2 and Delta of the pre kernel. Varlen bounds and striding as in the forward.
+    key ranges), from Lse2 and Delta of the pre kernel. Head h reads kv head h // GROUP (a constant:
+    as a run-time integer the GQA kernel took ~20 more registers). Varlen bounds and striding as in
+    the forward.
     """
     off_h = tl.program_id(1)
     off_b = tl.program_id(2)
-    off_hk = off_h // group
+    off_hk = off_h // GROUP
     h64 = off_h.to(tl.int64)
     if IS_VARLEN:
         q_start, seqlen_q = _sequence(cu_seqlens_q, off_b, rows_q)
@@ -761,9 +771,9 @@ def attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks:
     masks = _masks(args, rows_k)
     window = masks.pop("window")
     sm_scale = float(args["sm_scale"])
-    common = (sm_scale * LOG2E.value, sm_scale, rows_q, rows_k, window, h_q // h_kv,
+    common = (sm_scale * LOG2E.value, sm_scale, rows_q, rows_k, window,
               *_strides(q, varlen), *_strides(k, varlen), *_strides(v, varlen), *_strides(dout, varlen))
-    constexprs = {"IS_VARLEN": varlen, "HEAD_DIM": d, "BLOCK_D": block_d, **masks}
+    constexprs = {"GROUP": h_q // h_kv, "IS_VARLEN": varlen, "HEAD_DIM": d, "BLOCK_D": block_d, **masks}
 
     dkv = config["bwd_dkv"]
     _attention_bwd_dkv_kernel[(cdiv(span_k, dkv.blocks["BLOCK_N"]), h_kv, batch)](
@@ -833,7 +843,8 @@ def attention_compile_specs(key: dict, config: CallConfig, roles: tuple[str, ...
 
     `key["dtype"]` picks the element type when present (`dtype` otherwise); sinks are on when the key
     says so (sink_attention's keys do); the forward compiles with RETURN_LSE on (the heavier of the
-    two, and what a backward needs); the GQA group's value lets the check specialize it.
+    two, and what a backward needs); the GQA group is a constexpr (`GROUP`) of the forward, dK/dV
+    and dQ kernels. Lengths and the window compile as plain i32 (neither 1 nor marked divisible).
     """
     elem = key.get("dtype", dtype)
     if elem not in ("fp16", "bf16", "fp32"):
@@ -854,8 +865,7 @@ def attention_compile_specs(key: dict, config: CallConfig, roles: tuple[str, ...
             pointers.update({name: "*i32" if varlen else f"*{elem}" for name in ("cu_seqlens_q", "cu_seqlens_k")})
             signature = {name: pointers.get(name, "fp32" if name in _FLOATS else "i32")
                          for name in fn.arg_names if name not in constexprs}
-            values = {"group": group} if "group" in signature else {}
-            specs.append(CompileSpec(role, fn, signature, constexprs, values=values))
+            specs.append(CompileSpec(role, fn, signature, constexprs))
     return specs
 
 
