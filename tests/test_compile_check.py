@@ -138,15 +138,34 @@ def test_integer_values_are_specialized_as_the_jit_does():
     """A value of 1 becomes a constant, a multiple of 16 is marked divisible, others stay plain i32."""
     from tuning.compile_check import _alignment_attrs, _as_jit_specializes, _full_signature
 
-    # The dQ kernel takes the GQA group as a run-time integer (the forward's GROUP is a constexpr).
-    dq = CallConfig({"bwd_dq": LaunchConfig(blocks={"BLOCK_M": 64, "BLOCK_N": 32})})
-    spec = _variant("nvidia").compile_specs({**KEY, "h_kv": 32}, dq)[0]
-    assert spec.values == {"group": 1} and "group" not in spec.constexprs
+    # decode's split kernel takes s_q, the GQA group and h_kv as run-time integers (the attention
+    # family's kernels take the group as a constexpr).
+    decode = next(v for v in load_all()["decode"] if v.vendor == "nvidia")
+    key = {"b": 4, "block_size": None, "d": 64, "dtype": "bf16", "h_kv": 16, "h_q": 64, "n": 8192, "paged": False,
+           "s_q": 1, "sinks": True, "window": None}
+    (spec,) = (s for s in decode.compile_specs(key, decode.default_config(key, device_info.preset("h200")))
+               if s.role == "split")
+    assert spec.values == {"s_q": 1, "group": 4, "h_kv": 16} and "s_q" not in spec.constexprs
     specialized = _as_jit_specializes(spec)
-    assert specialized.constexprs["group"] == 1 and _full_signature(specialized)["group"] == "constexpr"
+    signature = _full_signature(specialized)
+    assert specialized.constexprs["s_q"] == 1 and signature["s_q"] == "constexpr"
     names = spec.fn.arg_names
+    attrs = _alignment_attrs(specialized, signature)
+    assert (names.index("h_kv"),) in attrs and (names.index("group"),) not in attrs
     for value, marked in ((32, True), (24, False)):
-        plain = _as_jit_specializes(type(spec)("bwd_dq", spec.fn, spec.signature, spec.constexprs,
-                                               values={"group": value}))
+        plain = _as_jit_specializes(type(spec)("split", spec.fn, spec.signature, spec.constexprs,
+                                               values={**spec.values, "group": value}))
         attrs = _alignment_attrs(plain, _full_signature(plain))
         assert ((names.index("group"),) in attrs) is marked
+
+
+def test_gqa_costs_the_dq_kernel_no_registers():
+    """The dQ kernel takes the GQA group as a constexpr: gpt-oss's group of 8 compiles to the registers
+    of the same kernel without GQA (as a run-time integer it took 110 against 91 on sm_90, d 64)."""
+    keys = [{**KEY, "d": 64, "h_q": 64, "h_kv": h_kv, "sinks": True} for h_kv in (64, 8)]
+    rc, rows = _compile_check("--variant", "sink_attention_flash", "--vendor", "nvidia", "--target", "h200",
+                              *(arg for key in keys for arg in ("--key-json", json.dumps(key))), "--roles", "bwd_dq")
+    assert rc == 0 and [row["key"]["h_kv"] for row in rows] == [64, 64, 8, 8]  # padded, then varlen
+    assert {row["kernel"] for row in rows} == {"_attention_bwd_dq_kernel"}
+    registers = [row["registers"] for row in rows]
+    assert registers[:2] == registers[2:], rows
