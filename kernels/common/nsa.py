@@ -551,12 +551,14 @@ def nsa_forward(args: dict, config: CallConfig, selected: SelectedBranch = group
 
 
 # ----------------------------------------------------------------------------- offline compiles
-def typed_spec(role: str, fn, constexprs: dict, key: dict, dtype: str, values: dict) -> CompileSpec:
+def typed_spec(role: str, fn, constexprs: dict, key: dict, dtype: str, values: dict,
+               pointers: dict[str, str] | None = None) -> CompileSpec:
     """A forward kernel's CompileSpec: arguments typed by name (upper-case pointers in the key's dtype
-    unless `FORWARD_POINTERS` says otherwise, `FORWARD_FLOATS` fp32, the rest i32), `values` kept for
-    the integer arguments the kernel takes."""
+    unless `pointers` (default `FORWARD_POINTERS`) says otherwise, `FORWARD_FLOATS` fp32, the rest
+    i32), `values` kept for the integer arguments the kernel takes."""
     elem = f"*{key.get('dtype', dtype)}"
-    signature = {n: FORWARD_POINTERS.get(n, elem) if n[0].isupper() else "fp32" if n in FORWARD_FLOATS else "i32"
+    pointers = FORWARD_POINTERS if pointers is None else pointers
+    signature = {n: pointers.get(n, elem) if n[0].isupper() else "fp32" if n in FORWARD_FLOATS else "i32"
                  for n in fn.arg_names if n not in constexprs}
     return CompileSpec(role, fn, signature, constexprs, values={n: v for n, v in values.items() if n in signature})
 
@@ -602,7 +604,8 @@ def nsa_compile_specs(key: dict, config: CallConfig, dtype: str = "fp16") -> lis
                   "BLOCK_S": next_pow2(block_count)}
     values = {"group": group, "block_size": block_size, "block_count": block_count,
               "n_sub": cdiv(block_size, block_b)}
-    return [*shared_compile_specs(key, config, dtype), typed_spec("slc", _nsa_slc_kernel, constexprs, key, dtype, values)]
+    slc_spec = typed_spec("slc", _nsa_slc_kernel, constexprs, key, dtype, values)
+    return [*shared_compile_specs(key, config, dtype), slc_spec]
 
 
 # ----------------------------------------------------------------------------- the variant
@@ -633,6 +636,8 @@ class NSAGroupCentricBase:
     name = "nsa_group_centric"
     # The selected branch's launcher (a `SelectedBranch`); staticmethod keeps it a plain function.
     selected_branch = staticmethod(group_centric_selected)
+    # Roles whose BLOCK_N steps through the keys of one block.
+    STEP_ROLES = ("slc", "compress")
     kernels = {"compress": _nsa_compress_kernel, "cmp": _nsa_cmp_kernel, "swa": _attention_fwd_kernel,
                "slc": _nsa_slc_kernel, **BACKWARD_KERNELS}
     HEAD_DIM_DEFAULTS: dict = {}
@@ -666,13 +671,7 @@ class NSAGroupCentricBase:
         smallest = {n: min(v) for n, v in self.spaces[role].block_values(device).items()}
         # A tile longer than what it covers only computes masked rows or keys, unless no smaller
         # tile exists to take its place.
-        spans = {"slc": {"BLOCK_N": next_pow2(key["block_size"]) * next_pow2(key["block_count"])},
-                 "compress": {"BLOCK_N": next_pow2(key["block_size"])},
-                 "swa": {"BLOCK_M": key["t"], "BLOCK_N": key["t"]},
-                 "cmp": {"BLOCK_N": max(1, key["t"] // key["block_size"])},
-                 "bwd_slc_dq": {"BLOCK_N": next_pow2(key["block_size"])},
-                 "bwd_slc_dkv": {"BLOCK_N": next_pow2(key["block_size"])}}.get(role, {})
-        for block, span in spans.items():
+        for block, span in self.tile_spans(role, key).items():
             if blocks[block] > span and blocks[block] > smallest[block]:
                 return f"{block}={blocks[block]} is longer than the {span} it covers"
         if role == "cmp" and cmp_tokens(blocks["BLOCK_M"], key["h_q"] // key["h_kv"]) > key["t"] \
@@ -684,6 +683,16 @@ class NSAGroupCentricBase:
         if need > device.shared_mem_bytes:
             return f"needs ~{need} B of shared memory/LDS (> {device.shared_mem_bytes} B)"
         return None
+
+    def tile_spans(self, role: str, key: dict) -> dict[str, int]:
+        """Per block of a role's tiles, the length it covers at this key (a longer tile only computes
+        masked rows or keys)."""
+        return {"slc": {"BLOCK_N": next_pow2(key["block_size"]) * next_pow2(key["block_count"])},
+                "compress": {"BLOCK_N": next_pow2(key["block_size"])},
+                "swa": {"BLOCK_M": key["t"], "BLOCK_N": key["t"]},
+                "cmp": {"BLOCK_N": max(1, key["t"] // key["block_size"])},
+                "bwd_slc_dq": {"BLOCK_N": next_pow2(key["block_size"])},
+                "bwd_slc_dkv": {"BLOCK_N": next_pow2(key["block_size"])}}.get(role, {})
 
     def role_default(self, role: str, key: dict, device) -> LaunchConfig:
         space = self.spaces[role]
@@ -700,7 +709,7 @@ class NSAGroupCentricBase:
         smallest = {n: min(v) for n, v in space.block_values(device).items()}
         # No tile longer than what it covers (down to the space's smallest); a selected-branch step
         # spans at most one block by default (several are the sweep's to try).
-        if role in ("slc", "compress"):
+        if role in self.STEP_ROLES:
             fields["BLOCK_N"] = max(min(fields["BLOCK_N"], next_pow2(key["block_size"])), smallest["BLOCK_N"])
         if role == "swa":
             for block in ("BLOCK_M", "BLOCK_N"):
