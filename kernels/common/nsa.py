@@ -428,7 +428,7 @@ SelectedBranch = Callable[[dict, CallConfig, Branches, bool],
                           tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]]
 
 
-def _cmp_swa(args: dict, config: CallConfig, parts: bool) -> Branches:
+def shared_branches(args: dict, config: CallConfig, parts: bool) -> Branches:
     """Launch compress, cmp (with the selection unless ids are given) and the window branch."""
     q, k, v = args["q"], args["k"], args["v"]
     b, t, h_q, d = q.shape
@@ -491,7 +491,7 @@ def group_centric_selected(args: dict, config: CallConfig, branches: Branches, p
 
 def _run(args: dict, config: CallConfig, parts: bool, selected: SelectedBranch) -> NSAForward:
     """Launch the kernels; without `parts` the lse tensors and o_slc are not kept (None)."""
-    branches = _cmp_swa(args, config, parts)
+    branches = shared_branches(args, config, parts)
     out, o_slc, lse_slc = selected(args, config, branches, parts)
     return NSAForward(out, branches.o_cmp, branches.lse_cmp, o_slc, lse_slc, branches.o_swa, branches.lse_swa,
                       branches.block_indices)
