@@ -17,7 +17,7 @@ import torch
 
 from kernels.common.nsa import NSAForward, group_centric_selected, nsa_forward_parts, shared_branches
 from kernels.common.nsa_backward import block_entries
-from kernels.common.nsa_selected import block_centric_selected, chunk_worklist
+from kernels.common.nsa_selected import BLOCK_CENTRIC_TILES, block_centric_selected, chunk_worklist
 from registry.catalog import load_all
 from registry.device import CPU, detect, preset
 from registry.ops import OPS
@@ -62,8 +62,7 @@ CASES = {
     "t100-block32-group16-given-ids": (dict(b=1, t=100, h_q=16, h_kv=1, d=16, block_size=32, block_count=3,
                                             window=20, blocks=True), ("nvidia", "amd"), {}),
     "t130-block16-second-tiles": (dict(b=1, t=130, h_q=4, h_kv=1, d=16, block_size=16, block_count=3, window=9),
-                                  ("amd",), {"slc_block": {"BLOCK_M": 16, "BLOCK_N": 32},
-                                             "slc_combine": {"BLOCK_M": 16}}),
+                                  ("amd",), {role: tiles[1] for role, tiles in BLOCK_CENTRIC_TILES.items()}),
 }
 GPU_CASES = {
     "target-heads-t1536": (dict(b=1, t=1536, h_q=64, h_kv=4, d=128, block_size=64, block_count=16, window=512),
@@ -146,7 +145,7 @@ def test_partials_cost_no_more_than_one_rounding():
 def test_lists_and_worklist_match_a_count():
     """block_entries lists every valid (token, slot) once under its (batch, kv head, block), in token
     then slot order; chunk_worklist cuts each list into chunks of `tokens` entries, covers every entry
-    once, orders chunks by (batch, kv head, first token) and marks the unused grid with n_lists."""
+    once, orders chunks by (batch, kv head, first token) and pads the bound with n_lists and -1."""
     spec = dict(b=2, t=37, h_q=8, h_kv=2, d=16, block_size=8, block_count=5, window=11)
     ids = make_case(**spec, blocks=True, seed=4)["block_indices"]
     ids[0, 3, 1, 2] = -(2**31)
@@ -168,17 +167,23 @@ def test_lists_and_worklist_match_a_count():
         assert got == want.get(lst, []), lst
     assert int(offsets[-1]) == sum(len(x) for x in want.values())
 
-    work_list, work_start = chunk_worklist(offsets, positions, tokens, t, n_blocks, h_kv * count)
-    assert work_list.shape == work_start.shape == (b * t * h_kv * count // tokens + n_lists,)
-    live = work_list < n_lists
-    assert bool((work_list[~live] == n_lists).all()) and bool(live[: int(live.sum())].all()), "dead chunks last"
-    covered = []
-    keys = []
-    for lst, start in zip(work_list[live].tolist(), work_start[live].tolist(), strict=True):
-        assert offsets[lst] <= start < offsets[lst + 1] and (start - offsets[lst]) % tokens == 0
-        covered += range(start, min(start + tokens, int(offsets[lst + 1])))
-        keys.append((lst // n_blocks, decode(int(positions[start]))[0]))
-    assert sorted(covered) == list(range(int(offsets[-1]))), "every entry in exactly one chunk"
+    work_list, chunk_pos, n_work = chunk_worklist(offsets, positions, tokens, t, n_blocks, h_kv * count)
+    bound = b * t * h_kv * count // tokens + n_lists
+    assert work_list.shape == (bound,) and chunk_pos.shape == (bound, tokens) and chunk_pos.dtype == torch.int32
+    n = int(n_work[0])
+    assert bool((work_list[n:] == n_lists).all()) and bool((chunk_pos[n:] == -1).all()), "padding past the chunks"
+    covered, keys = [], []
+    for lst, entries in zip(work_list[:n].tolist(), chunk_pos[:n].tolist(), strict=True):
+        listed = [p for p in entries if p >= 0]
+        assert listed and entries == listed + [-1] * (tokens - len(listed)), "entries first, -1 after"
+        # A chunk is `tokens` consecutive entries of its list, starting at a multiple of `tokens`.
+        start = positions[offsets[lst]:offsets[lst + 1]].tolist().index(listed[0])
+        assert start % tokens == 0
+        assert positions[offsets[lst] + start:offsets[lst] + start + len(listed)].tolist() == listed
+        assert len(listed) == min(tokens, int(offsets[lst + 1] - offsets[lst]) - start)
+        covered += listed
+        keys.append((lst // n_blocks, decode(listed[0])[0]))
+    assert sorted(covered) == sorted(positions[: int(offsets[-1])].tolist()), "every entry in exactly one chunk"
     assert keys == sorted(keys), "chunks ordered by (batch, kv head, first token)"
 
 
@@ -199,4 +204,4 @@ def test_defaults_fit_the_targets_and_name_the_roles():
             config = VARIANTS[vendor].default_config(key, device)
             for role in config.roles():
                 assert VARIANTS[vendor].prune_reason(role, config[role], key, device) is None, (target, role)
-            assert config["slc_block"].blocks["BLOCK_N"] == 64  # one block a step at block 64
+            assert config["slc_block"].blocks["BLOCK_N"] <= shape["block_size"]  # no step past the block

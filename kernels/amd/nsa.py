@@ -120,13 +120,16 @@ class NSABlockCentricAmd(NSABlockCentricBase, NSAGroupCentricAmd):
     keys; slc_combine streams the partials of each token's slots (no products)."""
 
     # Untimed (no AMD GPU here); the defaults compile without spills for gfx942 and gfx950 at the full
-    # preset's key (d 128, group 16).
+    # preset's key (d 128, group 16). slc_block's loop is not pipelined at one stage, so its default
+    # keeps three small CTAs per CU (64 rows, 4 waves, ~165 VGPRs) to overlap one's loads with
+    # another's products; 128 rows at 8 waves take 160-230 VGPRs, one CTA per CU.
     spaces = {
         **shared_spaces(NSAGroupCentricAmd.spaces),
         "slc_block": ConfigSpace(
-            blocks={"BLOCK_M": (64, 128), "BLOCK_N": (32, 64)}, knobs=_KNOBS, arch={"gfx942": {"kpack": (1, 2)}},
-            keep=rows_per_wavefront,
-            defaults={"*": {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 1, **_DEFAULT_KNOBS}},
+            blocks={"BLOCK_M": (64, 128), "BLOCK_N": (32, 64), "WAVES": (1, 2, 3, 4)}, knobs=_KNOBS,
+            arch={"gfx942": {"kpack": (1, 2)}}, keep=rows_per_wavefront,
+            defaults={"*": {"BLOCK_M": 64, "BLOCK_N": 32, "WAVES": 3, "num_warps": 4, "num_stages": 1,
+                            **_DEFAULT_KNOBS}},
             interpreter=BLOCK_CENTRIC_TILES["slc_block"],
         ),
         "slc_combine": ConfigSpace(
@@ -142,12 +145,12 @@ class NSABlockCentricAmd(NSABlockCentricBase, NSAGroupCentricAmd):
     }
 
     def shared_bytes(self, role: str, config: LaunchConfig, key: dict) -> int:
-        """slc_block: about one operand tile set at a time (the Q rows or the K/V steps); slc_combine:
-        none."""
+        """slc_block: the gathered Q rows, plus the K/V steps in flight when pipelined (gfx942/gfx950
+        compiles at d 128); slc_combine: none."""
         if role == "slc_combine":
             return 0
         if role == "slc_block":
             blocks, block_d = config.blocks, dot_block(key["d"])
             rows = cmp_tokens(blocks["BLOCK_M"], key["h_q"] // key["h_kv"]) * next_pow2(key["h_q"] // key["h_kv"])
-            return 2 * block_d * max(rows, config.num_stages * blocks["BLOCK_N"])
+            return 2 * block_d * (rows + 2 * (config.num_stages - 1) * blocks["BLOCK_N"])
         return super().shared_bytes(role, config, key)

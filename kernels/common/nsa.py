@@ -663,7 +663,8 @@ class NSAGroupCentricBase:
         expected = set(self.spaces[role].blocks)
         if set(blocks) != expected:
             return f"blocks must be {sorted(expected)}, got {sorted(blocks)}"
-        if role != "compress" and min(tile_blocks(blocks).values()) < 16:
+        # WAVES (persistent programs per SM) is a count, not a tile.
+        if role != "compress" and min(v for n, v in tile_blocks(blocks).items() if n != "WAVES") < 16:
             return f"tl.dot needs tiles of at least 16, got {blocks}"
         reason = packing_reason(blocks, key)
         if reason is not None:

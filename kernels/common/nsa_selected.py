@@ -39,6 +39,7 @@ Reads top-down: kernels, launchers, offline compile specs, the variant's logic. 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 
 import torch
@@ -64,62 +65,68 @@ from tuning_db.records import CallConfig
 # ----------------------------------------------------------------------------- Triton kernels
 @triton.jit
 def _nsa_slc_block_kernel(
-        Q, K, V, Positions, Offsets, WorkList, WorkStart, OPART, LPART,
-        t, h_kv, n_blocks, n_lists, group, block_size, block_count, qk_scale,
+        Q, K, V, WorkList, ChunkPos, NumWork, OPART, LPART,
+        t, h_kv, n_blocks, group, block_size, block_count, n_sub, qk_scale,
         stride_qb, stride_qt, stride_qh,
         stride_kb, stride_kt, stride_kh,
         stride_vb, stride_vt, stride_vh,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_T: tl.constexpr,
         BLOCK_N: tl.constexpr):
-    """One program: chunk program_id(0) of the worklist (WorkList: its list l = (batch * h_kv + kv head)
-    * n_blocks + block, n_lists past the last chunk; WorkStart: its first entry), the list's entries
-    [start, min(start + BLOCK_T, Offsets[l + 1])) of Positions (flat slot positions
-    ((batch * t + token) * h_kv + kv head) * block_count + slot). Row r is entry r // BLOCK_G, head
+    """A persistent program: chunks program_id(0), + num_programs(0), ... below NumWork[0] of the
+    worklist (WorkList: the chunk's list l = (batch * h_kv + kv head) * n_blocks + block; ChunkPos
+    [chunks, BLOCK_T]: its entries' flat slot positions ((batch * t + token) * h_kv + kv head) *
+    block_count + slot, -1 past the list's end). Row r of a chunk is entry r // BLOCK_G, head
     r % BLOCK_G of the group.
 
-    Attends the rows to the block's keys [block * block_size, + block_size), key j allowed for a row
-    iff j <= its token, BLOCK_N keys a step, and writes per row the normalized partial o to OPART
-    [positions, group, HEAD_DIM] (its element type) and its lse in log2 units to LPART [positions,
-    group] (fp32), at the entry's position. Listed blocks are valid for their tokens (block <= token //
-    block_size), so every listed row sees at least the block's first key."""
-    w = tl.program_id(0)
-    lst = tl.load(WorkList + w)
-    if lst >= n_lists:
-        return
-    blk = lst % n_blocks
-    bh = lst // n_blocks
-    hk = (bh % h_kv).to(tl.int64)
-    b = (bh // h_kv).to(tl.int64)
-    start = tl.load(WorkStart + w)
-    end = tl.load(Offsets + lst + 1)
+    Attends a chunk's rows to its block's keys [block * block_size, + block_size), key j allowed for a
+    row iff j <= its token, in n_sub steps of BLOCK_N keys, and writes per row the normalized partial o
+    to OPART [positions, group, HEAD_DIM] (its element type) and its lse in log2 units to LPART
+    [positions, group] (fp32), at the entry's position. One flat loop over (chunk, step) pairs, so that
+    Triton pipelines the next chunk's loads under this one's products. Listed blocks are valid for
+    their tokens (block <= token // block_size): every listed row sees the block's first key."""
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
+    mine = tl.maximum(tl.load(NumWork).to(tl.int32) - pid + programs - 1, 0) // programs
     BLOCK_M: tl.constexpr = BLOCK_T * BLOCK_G
     offs_r = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_n = tl.arange(0, BLOCK_N)
-    entry = start + offs_r // BLOCK_G
     member = offs_r % BLOCK_G
-    listed = entry < end
-    row_ok = listed & (member < group)
-    pos = tl.load(Positions + entry, mask=listed, other=0).to(tl.int64)
-    tok = pos // block_count // h_kv % t
     d_ok = offs_d[None, :] < HEAD_DIM
-    head = hk * group + member
-    q = tl.load(Q + b * stride_qb + (tok * stride_qt + head * stride_qh)[:, None] + offs_d[None, :],
-                mask=row_ok[:, None] & d_ok, other=0.0)
-    first = blk.to(tl.int64) * block_size
-    k_blk = K + b * stride_kb + hk * stride_kh + first * stride_kt
-    v_blk = V + b * stride_vb + hk * stride_vh + first * stride_vt
 
+    # The chunk's list and entries are read one iteration ahead (carried in registers), so that the
+    # K/V and Q addresses of an iteration do not wait on a load of the same iteration and Triton can
+    # pipeline those tiles across chunks.
+    lst = tl.load(WorkList + pid, mask=mine > 0, other=0)
+    pos = tl.load(ChunkPos + pid.to(tl.int64) * BLOCK_T + offs_r // BLOCK_G, mask=mine > 0, other=-1)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for n0 in range(0, block_size, BLOCK_N):
-        offs = n0 + offs_n
-        keys = first + offs
+    for it in range(0, mine * n_sub):
+        step = it % n_sub
+        blk = lst % n_blocks
+        bh = lst // n_blocks
+        hk = (bh % h_kv).to(tl.int64)
+        b = (bh // h_kv).to(tl.int64)
+        row_ok = (pos >= 0) & (member < group)
+        tok = tl.where(pos >= 0, pos // block_count // h_kv % t, 0).to(tl.int64)
+        row = pos.to(tl.int64) * group + member
+        head = hk * group + member
+        q = tl.load(Q + b * stride_qb + (tok * stride_qt + head * stride_qh)[:, None] + offs_d[None, :],
+                    mask=row_ok[:, None] & d_ok, other=0.0)
+        offs = step * BLOCK_N + offs_n
+        keys = blk.to(tl.int64) * block_size + offs
         key_ok = (offs < block_size) & (keys < t)
         mask = key_ok[:, None] & d_ok
-        k = tl.load(k_blk + offs.to(tl.int64)[:, None] * stride_kt + offs_d[None, :], mask=mask, other=0.0)
-        v = tl.load(v_blk + offs.to(tl.int64)[:, None] * stride_vt + offs_d[None, :], mask=mask, other=0.0)
+        k = tl.load(K + b * stride_kb + hk * stride_kh + keys[:, None] * stride_kt + offs_d[None, :], mask=mask,
+                    other=0.0)
+        v = tl.load(V + b * stride_vb + hk * stride_vh + keys[:, None] * stride_vt + offs_d[None, :], mask=mask,
+                    other=0.0)
+        # A chunk's first step starts a new online softmax.
+        fresh = step == 0
+        m_i = tl.where(fresh, float("-inf"), m_i)
+        l_i = tl.where(fresh, 0.0, l_i)
+        acc = tl.where(fresh, 0.0, acc)
         allowed = key_ok[None, :] & (keys[None, :] <= tok[:, None])
         s = tl.where(allowed, tl.dot(q, tl.trans(k)) * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -130,13 +137,29 @@ def _nsa_slc_block_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
+        # The chunk's last step stores its rows.
+        done = row_ok & (step == n_sub - 1)
+        seen = l_i > 0.0
+        o = acc * tl.where(seen, 1.0 / tl.where(seen, l_i, 1.0), 0.0)[:, None]
+        tl.store(OPART + row[:, None] * HEAD_DIM + offs_d[None, :], o.to(OPART.dtype.element_ty),
+                 mask=done[:, None] & d_ok)
+        tl.store(LPART + row, m_i + tl.math.log2(tl.where(seen, l_i, 1.0)), mask=done)
+        # The next iteration's chunk (the same one until its last step).
+        w = pid + ((it + 1) // n_sub) * programs
+        more = it + 1 < mine * n_sub
+        lst = tl.load(WorkList + w, mask=more, other=0)
+        pos = tl.load(ChunkPos + w.to(tl.int64) * BLOCK_T + offs_r // BLOCK_G, mask=more, other=-1)
 
-    seen = l_i > 0.0
-    o = acc * tl.where(seen, 1.0 / tl.where(seen, l_i, 1.0), 0.0)[:, None]
-    row = pos * group + member
-    tl.store(OPART + row[:, None] * HEAD_DIM + offs_d[None, :], o.to(OPART.dtype.element_ty),
-             mask=row_ok[:, None] & d_ok)
-    tl.store(LPART + row, m_i + tl.math.log2(tl.where(seen, l_i, 1.0)), mask=row_ok)
+
+@triton.jit
+def _merge_partial(m_i, l_i, acc, lse, o):
+    """Fold one partial (o [rows, d], its lse in log2 units, -inf for a slot not taken) into the rows'
+    running merge: (max lse, sum of 2^(lse - max), weighted sum of o)."""
+    m_new = tl.maximum(m_i, lse)
+    m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    weight = tl.math.exp2(lse - m_shift)  # 0 for a slot not taken (lse -inf); NaN stays NaN
+    alpha = tl.math.exp2(m_i - m_shift)
+    return m_new, l_i * alpha + weight, acc * alpha[:, None] + weight[:, None] * o.to(tl.float32)
 
 
 @triton.jit
@@ -148,7 +171,7 @@ def _nsa_slc_combine_kernel(
         stride_gcb, stride_gct, stride_gsb, stride_gst, stride_gwb, stride_gwt,
         stride_lb, stride_lh,
         STORE_PARTS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr,
-        BLOCK_T: tl.constexpr):
+        BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr):
     """One program: BLOCK_T consecutive tokens (tile program_id(0)) of kv head program_id(1) of sequence
     program_id(2), all `group` query heads: row r is token r // BLOCK_G, head r % BLOCK_G of the group.
 
@@ -170,26 +193,29 @@ def _nsa_slc_combine_kernel(
     d_ok = offs_d[None, :] < HEAD_DIM
     tile_ok = row_ok[:, None] & d_ok
     head = hk * group + member
-    own = tok // block_size
-    ids = IDX + b * stride_ib + tok * stride_it + hk * stride_ih
     slot0 = ((b * t + tok) * h_kv + hk) * block_count  # the token's first slot position
+    # Which slots are valid, read before the loop, so that nothing an iteration loads waits on another
+    # of its loads; two slots a step keep twice the partials in flight (the loop is not pipelined).
+    slots = tl.arange(0, BLOCK_S)
+    ids = tl.load(IDX + b * stride_ib + (tok * stride_it + hk * stride_ih)[:, None] + slots[None, :],
+                  mask=row_ok[:, None] & (slots < block_count)[None, :], other=-1)
+    valid_slots = ((ids >= 0) & (ids <= (tok // block_size)[:, None])).to(tl.int32)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for s in range(0, block_count):
-        blk = tl.load(ids + s, mask=row_ok, other=-1)
-        valid = row_ok & (blk >= 0) & (blk <= own)
-        row = (slot0 + s) * group + member
-        lse = tl.load(LPART + row, mask=valid, other=float("-inf"))
-        o = tl.load(OPART + row[:, None] * HEAD_DIM + offs_d[None, :], mask=valid[:, None] & d_ok, other=0.0)
-        m_new = tl.maximum(m_i, lse)
-        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        weight = tl.math.exp2(lse - m_shift)  # 0 for an invalid slot (lse -inf); NaN stays NaN
-        alpha = tl.math.exp2(m_i - m_shift)
-        l_i = l_i * alpha + weight
-        acc = acc * alpha[:, None] + weight[:, None] * o.to(tl.float32)
-        m_i = m_new
+    for s in range(0, block_count, 2):
+        # Slot s + 1 may be past block_count: its column of valid_slots is 0 (or absent) then.
+        valid_a = tl.max(tl.where(slots[None, :] == s, valid_slots, 0), 1) > 0
+        valid_b = tl.max(tl.where(slots[None, :] == s + 1, valid_slots, 0), 1) > 0
+        row_a = (slot0 + s) * group + member
+        row_b = row_a + group
+        lse_a = tl.load(LPART + row_a, mask=valid_a, other=float("-inf"))
+        lse_b = tl.load(LPART + row_b, mask=valid_b, other=float("-inf"))
+        o_a = tl.load(OPART + row_a[:, None] * HEAD_DIM + offs_d[None, :], mask=valid_a[:, None] & d_ok, other=0.0)
+        o_b = tl.load(OPART + row_b[:, None] * HEAD_DIM + offs_d[None, :], mask=valid_b[:, None] & d_ok, other=0.0)
+        m_i, l_i, acc = _merge_partial(m_i, l_i, acc, lse_a, o_a)
+        m_i, l_i, acc = _merge_partial(m_i, l_i, acc, lse_b, o_b)
 
     empty = l_i == 0.0
     o_slc = acc * tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, l_i))[:, None]
@@ -208,12 +234,20 @@ def _nsa_slc_combine_kernel(
 
 
 # ----------------------------------------------------------------------------- launchers
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    from registry.device import detect
+
+    return detect(device).num_sms
+
+
 def chunk_worklist(offsets: torch.Tensor, positions: torch.Tensor, tokens: int, t: int, n_blocks: int,
-                   per_token: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The chunks of `block_entries`' lists, TOKENS entries each (a list's last may hold fewer):
-    (list int32, first entry int64), each of length positions.numel() // tokens + n_lists (a bound
-    from shapes: no host sync), ordered by (batch, kv head, first token); past the last chunk the list
-    is n_lists (the kernel's exit) and the entry 0. per_token: slot positions per token (h_kv *
+                   per_token: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The chunks of `block_entries`' lists, `tokens` entries each (a list's last may hold fewer), in
+    (batch, kv head, first token) order: (list int32 [chunks], entry positions [chunks, tokens] (-1 past
+    the list's end; int32 where positions fit, else int64), number of chunks int64 [1]). `chunks` is a
+    bound from shapes, positions.numel() // tokens + lists (no host sync); rows past the number of
+    chunks are padding (list n_lists, positions -1). per_token: slot positions per token (h_kv *
     block_count)."""
     n_lists = offsets.numel() - 1
     total = positions.numel()
@@ -224,12 +258,15 @@ def chunk_worklist(offsets: torch.Tensor, positions: torch.Tensor, tokens: int, 
     lst = torch.searchsorted(ends, work, right=True)  # the list whose chunks hold `work`
     live = lst < n_lists
     safe = torch.where(live, lst, 0)
-    start = torch.where(live, offsets[safe] + (work - ends[safe] + chunks[safe]) * tokens, 0)
-    # Order: the list's (batch, kv head), then the chunk's first token; dead chunks last.
-    token = positions[start] // per_token % t
-    key = torch.where(live, safe // n_blocks * t + token, n_lists * t)
+    start = offsets[safe] + (work - ends[safe] + chunks[safe]) * tokens
+    entry = start[:, None] + torch.arange(tokens, device=device)
+    listed = live[:, None] & (entry < offsets[safe + 1][:, None])
+    chunk_pos = torch.where(listed, positions[torch.where(listed, entry, 0)], -1)
+    # Order: the list's (batch, kv head), then the chunk's first token; padding last.
+    key = torch.where(live, safe // n_blocks * t + chunk_pos[:, 0] // per_token % t, n_lists * t)
     order = torch.argsort(key)
-    return lst[order].to(torch.int32), start[order]
+    kind = torch.int32 if total < 2**31 else torch.int64
+    return lst[order].to(torch.int32), chunk_pos[order].to(kind), ends[-1:]
 
 
 def block_centric_selected(args: dict, config: CallConfig, branches: Branches, parts: bool):
@@ -247,16 +284,17 @@ def block_centric_selected(args: dict, config: CallConfig, branches: Branches, p
     block_cfg, combine_cfg = config["slc_block"], config["slc_combine"]
     block_g, block_d = next_pow2(group), dot_block(d)
     tokens = cmp_tokens(block_cfg.blocks["BLOCK_M"], group)
-    work_list, work_start = chunk_worklist(offsets, positions, tokens, t, n_blocks, h_kv * block_count)
+    work_list, chunk_pos, n_work = chunk_worklist(offsets, positions, tokens, t, n_blocks, h_kv * block_count)
     o_part = torch.empty((positions.numel(), group, d), dtype=q.dtype, device=q.device)
     lse_part = torch.empty((positions.numel(), group), dtype=torch.float32, device=q.device)
-    _nsa_slc_block_kernel[(work_list.numel(),)](
-        q, k, v, positions, offsets, work_list, work_start, o_part, lse_part,
-        t, h_kv, n_blocks, offsets.numel() - 1, group, block_size, block_count,
+    block_n = block_cfg.blocks["BLOCK_N"]
+    programs = min(work_list.numel(), block_cfg.blocks["WAVES"] * _sm_count(q.device))
+    _nsa_slc_block_kernel[(programs,)](
+        q, k, v, work_list, chunk_pos, n_work, o_part, lse_part,
+        t, h_kv, n_blocks, group, block_size, block_count, cdiv(block_size, block_n),
         float(args["sm_scale"]) * LOG2E.value,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
-        HEAD_DIM=d, BLOCK_D=block_d, BLOCK_G=block_g, BLOCK_T=tokens, BLOCK_N=block_cfg.blocks["BLOCK_N"],
-        **block_cfg.knobs())
+        HEAD_DIM=d, BLOCK_D=block_d, BLOCK_G=block_g, BLOCK_T=tokens, BLOCK_N=block_n, **block_cfg.knobs())
 
     o_cmp, o_swa = branches.o_cmp, branches.o_swa
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -269,13 +307,14 @@ def block_centric_selected(args: dict, config: CallConfig, branches: Branches, p
         t, h_kv, group, block_size, block_count,
         *blocks.stride()[:3], *out.stride()[:3], *(s for g in gates for s in g.stride()[:2]),
         *(lse_slc.stride()[:2] if parts else (0, 0)),
-        STORE_PARTS=parts, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_G=block_g, BLOCK_T=combine_t, **combine_cfg.knobs())
+        STORE_PARTS=parts, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_G=block_g, BLOCK_T=combine_t,
+        BLOCK_S=next_pow2(block_count), **combine_cfg.knobs())
     return out, o_slc, lse_slc
 
 
 # ----------------------------------------------------------------------------- offline compiles
-_POINTERS = {"Positions": "*i64", "Offsets": "*i64", "WorkList": "*i32", "WorkStart": "*i64", "LPART": "*fp32",
-             "IDX": "*i32", "LSE": "*fp32"}
+_POINTERS = {"WorkList": "*i32", "ChunkPos": "*i32", "NumWork": "*i64", "LPART": "*fp32", "IDX": "*i32",
+             "LSE": "*fp32"}
 
 
 def block_centric_compile_specs(key: dict, config: CallConfig, dtype: str = "fp16") -> list[CompileSpec]:
@@ -288,24 +327,26 @@ def block_centric_compile_specs(key: dict, config: CallConfig, dtype: str = "fp1
     values = {"h_kv": h_kv, "group": group, "block_size": block_size, "block_count": int(key["block_count"])}
     if "t" in key:
         t = int(key["t"])
-        values.update({"t": t, "n_blocks": cdiv(t, block_size), "n_lists": h_kv * cdiv(t, block_size)})
+        values.update({"t": t, "n_blocks": cdiv(t, block_size)})
     block, combine = config["slc_block"].blocks, config["slc_combine"].blocks
+    values["n_sub"] = cdiv(block_size, block["BLOCK_N"])
     return [
         *shared_compile_specs(key, config, dtype),
         typed_spec("slc_block", _nsa_slc_block_kernel,
                    {**shapes, "BLOCK_T": cmp_tokens(block["BLOCK_M"], group), "BLOCK_N": block["BLOCK_N"]},
                    key, dtype, values, _POINTERS),
         typed_spec("slc_combine", _nsa_slc_combine_kernel,
-                   {**shapes, "STORE_PARTS": True, "BLOCK_T": cmp_tokens(combine["BLOCK_M"], group)},
+                   {**shapes, "STORE_PARTS": True, "BLOCK_T": cmp_tokens(combine["BLOCK_M"], group),
+                    "BLOCK_S": next_pow2(int(key["block_count"]))},
                    key, dtype, values, _POINTERS),
     ]
 
 
 # ----------------------------------------------------------------------------- the variant
-# The interpreter's tiles of the two roles, the default first (a second token count per chunk and a
-# key step wider than small blocks).
+# The interpreter's tiles of the two roles, the default first (a second token count per chunk, a key
+# step wider than small blocks, more persistent programs).
 BLOCK_CENTRIC_TILES = {
-    "slc_block": ({"BLOCK_M": 32, "BLOCK_N": 16}, {"BLOCK_M": 16, "BLOCK_N": 32}),
+    "slc_block": ({"BLOCK_M": 32, "BLOCK_N": 16, "WAVES": 1}, {"BLOCK_M": 16, "BLOCK_N": 32, "WAVES": 2}),
     "slc_combine": ({"BLOCK_M": 32}, {"BLOCK_M": 16}),
 }
 

@@ -115,18 +115,20 @@ class NSABlockCentricNvidia(NSABlockCentricBase, NSAGroupCentricNvidia):
     block's 64 keys, one step; slc_combine streams the partials of each token's slots (no products)."""
 
     # Untimed until the first H100/H200 run; the defaults compile without spills for sm_90 at the full
-    # preset's key (d 128, group 16).
+    # preset's key (d 128, group 16). slc_block: 128 rows at 8 warps take 160-212 registers, so one CTA
+    # per SM; its persistent loop at 3 stages keeps the next chunk's Q, K and V loading under this one's
+    # products (224 KiB of shared memory; at 2 stages Triton waits for them at the top of the step).
     spaces = {
         **shared_spaces(NSAGroupCentricNvidia.spaces),
         "slc_block": ConfigSpace(
-            blocks={"BLOCK_M": (64, 128), "BLOCK_N": (32, 64)},
+            blocks={"BLOCK_M": (64, 128), "BLOCK_N": (32, 64), "WAVES": (1, 2)},
             knobs={"num_warps": (4, 8), "num_stages": (1, 2, 3)}, keep=a_warpgroup_per_64_rows,
-            defaults={"*": {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 1}},
+            defaults={"*": {"BLOCK_M": 128, "BLOCK_N": 64, "WAVES": 1, "num_warps": 8, "num_stages": 3}},
             interpreter=BLOCK_CENTRIC_TILES["slc_block"],
         ),
         "slc_combine": ConfigSpace(
-            blocks={"BLOCK_M": (16, 32, 64, 128)}, knobs={"num_warps": (2, 4, 8), "num_stages": (1, 2)},
-            defaults={"*": {"BLOCK_M": 32, "num_warps": 4, "num_stages": 2}},
+            blocks={"BLOCK_M": (16, 32, 64, 128)}, knobs={"num_warps": (2, 4, 8), "num_stages": (1,)},
+            defaults={"*": {"BLOCK_M": 32, "num_warps": 4, "num_stages": 1}},
             interpreter=BLOCK_CENTRIC_TILES["slc_combine"],
         ),
     }
@@ -136,11 +138,12 @@ class NSABlockCentricNvidia(NSABlockCentricBase, NSAGroupCentricNvidia):
     }
 
     def shared_bytes(self, role: str, config: LaunchConfig, key: dict) -> int:
-        """slc_block: the gathered Q rows plus num_stages K/V buffers; slc_combine: none (no products)."""
+        """slc_block: num_stages buffers of the gathered Q rows and the K/V step, plus the partial's
+        store staging when pipelined (sm_90 compiles at d 128); slc_combine: none (no products)."""
         if role == "slc_combine":
             return 0
         if role == "slc_block":
-            blocks, block_d = config.blocks, dot_block(key["d"])
+            blocks, block_d, stages = config.blocks, dot_block(key["d"]), config.num_stages
             rows = cmp_tokens(blocks["BLOCK_M"], key["h_q"] // key["h_kv"]) * next_pow2(key["h_q"] // key["h_kv"])
-            return 2 * block_d * (rows + 2 * config.num_stages * blocks["BLOCK_N"])
+            return 2 * block_d * (stages * (rows + 2 * blocks["BLOCK_N"]) + (rows if stages > 1 else 0))
         return super().shared_bytes(role, config, key)
