@@ -205,3 +205,17 @@ def test_defaults_fit_the_targets_and_name_the_roles():
             for role in config.roles():
                 assert VARIANTS[vendor].prune_reason(role, config[role], key, device) is None, (target, role)
             assert config["slc_block"].blocks["BLOCK_N"] <= shape["block_size"]  # no step past the block
+
+
+def test_nan_reaches_what_it_reaches_in_the_reference():
+    """A NaN query element, gate or key reaches exactly the outputs it reaches in the reference (the
+    cases tests/test_nan.py runs on the dispatched variant): a NaN partial stays NaN through the merge."""
+    from .test_nan import _nan_masks, _nsa_cases
+
+    variant = VARIANTS[INFO.vendor if HAS_GPU else "nvidia"]
+    for kw, expect_nan in _nsa_cases():
+        args = OP.validate(**kw)
+        want = _nan_masks(OP.reference(**args))[0]
+        got = _nan_masks(variant.launch(args, _config(variant, args)))[0]
+        assert bool(want.any()) == expect_nan
+        assert torch.equal(got, want), f"NaN at {int(got.sum())} elements, reference {int(want.sum())}"

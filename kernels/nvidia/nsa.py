@@ -127,7 +127,7 @@ class NSABlockCentricNvidia(NSABlockCentricBase, NSAGroupCentricNvidia):
             interpreter=BLOCK_CENTRIC_TILES["slc_block"],
         ),
         "slc_combine": ConfigSpace(
-            blocks={"BLOCK_M": (16, 32, 64, 128)}, knobs={"num_warps": (2, 4, 8), "num_stages": (1,)},
+            blocks={"BLOCK_M": (16, 32, 64)}, knobs={"num_warps": (2, 4, 8), "num_stages": (1,)},
             defaults={"*": {"BLOCK_M": 32, "num_warps": 4, "num_stages": 1}},
             interpreter=BLOCK_CENTRIC_TILES["slc_combine"],
         ),
