@@ -11,16 +11,20 @@ selected branch as a `SelectedBranch` and two kernel roles:
   valid slots of the block ids [b, t, h_kv, block_count] by (batch, kv head, block) with one stable
   sort, so each (batch, kv head, block) has a list of flat slot positions in token order; an id outside
   0 .. token // block_size is left out, a duplicate is listed once per slot. `chunk_worklist` cuts
-  every list into chunks of TOKENS entries and orders the chunks by (batch, kv head, first token): the
+  every list into chunks of TOKENS entries (each chunk its list and its entries' positions, so that a
+  program reads them without a search) and orders the chunks by (batch, kv head, first token): the
   programs running at one time then gather the Q rows of nearby tokens (each token's are read once
   per selected block, from L2 after the first) and the K/V of one kv head, as the group-centric grid
-  does. The grid is a bound from shapes (entries / TOKENS + lists); programs past the chunks exit.
-- `slc_block` (`_nsa_slc_block_kernel`): one program per chunk: rows are its TOKENS entries times the
-  group's heads (BLOCK_M rows, as the cmp kernel packs them), the block's keys loaded once for all of
-  them, BLOCK_N at a time, S = Q K^T masked causally per row (key <= the row's token), an online
-  softmax, and per (entry, head) the normalized partial o in q's dtype and its lse (log2 units, fp32),
-  at the entry's flat slot position: workspaces [b * t * h_kv * block_count, group, d] and
-  [..., group]. Slots that are not listed are never written.
+  does. Its length is a bound from shapes (entries / TOKENS + lists); the count of real chunks stays
+  on the device.
+- `slc_block` (`_nsa_slc_block_kernel`): WAVES persistent programs per SM walk the chunks. A chunk's
+  rows are its TOKENS entries times the group's heads (BLOCK_M rows, as the cmp kernel packs them);
+  the block's keys are loaded once for all of them, BLOCK_N at a time; S = Q K^T is masked causally
+  per row (key <= the row's token); an online softmax gives per (entry, head) the normalized partial o
+  in q's dtype and its lse (log2 units, fp32), stored at the entry's flat slot position: workspaces
+  [b * t * h_kv * block_count, group, d] and [..., group]. Slots that are not listed are never
+  written. One flat loop over (chunk, key step) with the next step's chunk read a step ahead, so that
+  Triton pipelines the next chunk's Q, K and V under this one's products (num_stages 3 on sm_90).
 - `slc_combine` (`_nsa_slc_combine_kernel`): one program per (BLOCK_M rows of tokens x heads, kv head,
   sequence): reads each token's ids again, merges the partials of its valid slots by their lse
   (duplicates count once per slot, as attending the block twice does) and writes the gated sum
