@@ -14,10 +14,6 @@ same q, k, v, at the target's heads (b 1, h_q 64, h_kv 4, d 128, block 64, 16 bl
 - "nsa fwd+bwd" against SDPA's forward+backward, only once the op is differentiable and the chosen
   variant has backward kernels (a backward through the reference's autograd holds [t, t] scores per
   head and is not a peer at these lengths; a note says which case held).
-- "nsa fwd" rows per registered variant (`nsa_group_centric`, `nsa_block_centric`: the selected branch
-  group-centric or key-block-centric), each checked first and naming its kernels' times, after SDPA's
-  row (run.py compares ours with the first peer); notes: the block-centric lists and worklist (torch
-  on the device, not among the kernels) timed alone, and each variant's peak memory.
 """
 
 from __future__ import annotations
@@ -28,7 +24,6 @@ import torch.nn.functional as F
 import registry
 from benchmarks.common import PROVIDER, Measurement, checked, checked_backward, explore_main, kernel_ms, measure
 from kernels.base import Variant
-from kernels.common.nsa import cmp_tokens, nsa_forward_parts
 from registry.ops import OPS
 from registry.testing import cotangent
 
@@ -63,43 +58,6 @@ def _sdpa_inputs(args: dict, requires_grad: bool = False):
     if requires_grad:
         q, k, v = (x.detach().clone().requires_grad_() for x in (q, k, v))
     return q, k, v
-
-
-def _variant_rows(name: str, small: dict, args: dict) -> list[Measurement]:
-    """The forward through each registered variant that serves the key (lowest priority last), with
-    each kernel's time; the block-centric variant's lists and worklist timed alone in a note."""
-    from kernels.common.nsa_backward import block_entries
-    from kernels.common.nsa_selected import chunk_worklist
-    from registry.device import detect
-    from tuning.bench import time_gpu
-
-    device = detect()
-    key = dict(OP.tuning_key(args))
-    out = []
-    for variant in (v for v in registry.variants("nsa", device.vendor) if v.supports(key, device)):
-        handle = registry.get("nsa", variant=variant.name)
-        fn = lambda a=args, h=handle: h(**a)  # noqa: E731
-        err = checked(OP, small, lambda a, h=handle: h(**a))
-        torch.cuda.reset_peak_memory_stats()
-        fn()
-        peak = torch.cuda.max_memory_allocated()
-        kernels = [k for role, k in variant.kernels.items() if not role.startswith("bwd")]
-        out.append(measure("nsa fwd", name, f"kreg {variant.name} ({kernel_ms(fn, kernels)})", fn, OP.flops(args),
-                           "TFLOP/s", err))
-        _NOTES.append(f"nsa {name}: {variant.name} peak memory {peak / 2**30:.1f} GiB")
-        if "slc_block" in variant.roles:
-            ids = nsa_forward_parts(args, handle.choice(**args).config, variant.selected_branch).block_indices
-            b, t, h_kv, count = ids.shape
-            tokens = cmp_tokens(handle.choice(**args).config["slc_block"].blocks["BLOCK_M"],
-                                args["q"].shape[2] // h_kv)
-
-            def lists(ids=ids, bs=args["block_size"], t=t, per_token=h_kv * count, tokens=tokens):
-                offsets, positions = block_entries(ids, bs)
-                return chunk_worklist(offsets, positions, tokens, t, -(-t // bs), per_token)
-
-            _NOTES.append(f"nsa {name}: {variant.name} lists + worklist {time_gpu(lists):.3f} ms")
-        torch.cuda.empty_cache()
-    return out
 
 
 def _kernel_notes(name: str, args: dict, given: dict) -> None:
@@ -154,6 +112,8 @@ def _backward_rows(name: str, shape: dict, args: dict, dtype: torch.dtype) -> li
 
 def run(dtype: torch.dtype = torch.bfloat16) -> list[Measurement]:
     """The rows of the module docstring; kernel times and skipped rows go to `notes()`."""
+    from kernels.common.nsa import nsa_forward_parts
+
     _NOTES.clear()
     handle = registry.get("nsa")
     call = lambda a: handle(**a)  # noqa: E731
@@ -166,11 +126,10 @@ def run(dtype: torch.dtype = torch.bfloat16) -> list[Measurement]:
         out.append(measure("nsa fwd", name, PROVIDER, lambda a=args: call(a), OP.flops(args), "TFLOP/s", err))
         choice = handle.choice(**args)
         if choice.variant is not None:
-            selected = choice.variant.selected_branch
-            ids = nsa_forward_parts(args, choice.config, selected).block_indices
+            ids = nsa_forward_parts(args, choice.config).block_indices
             given = OP.validate(**{**args, "block_indices": ids})
             given_err = checked(OP, OP.validate(**{**small, "block_indices": nsa_forward_parts(
-                small, handle.choice(**small).config, selected).block_indices}), call)
+                small, handle.choice(**small).config).block_indices}), call)
             out.append(measure("nsa fwd, ids given", name, PROVIDER, lambda a=given: call(a), OP.flops(given),
                                "TFLOP/s", given_err))
             _kernel_notes(name, args, given)
@@ -182,7 +141,6 @@ def run(dtype: torch.dtype = torch.bfloat16) -> list[Measurement]:
                            None))
         del q, k, v
         torch.cuda.empty_cache()
-        out += _variant_rows(name, small, args)
         out += _backward_rows(name, shape, args, dtype)
         del args
         torch.cuda.empty_cache()

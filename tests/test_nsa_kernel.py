@@ -30,7 +30,7 @@ OP = OPS["nsa"]
 DTYPE = torch.bfloat16 if HAS_GPU else torch.float16
 TOL = TOLERANCE[DTYPE]
 INFO = detect() if HAS_GPU else CPU
-VARIANTS = {v.vendor: v for v in load_all()["nsa"] if v.name == "nsa_group_centric"}
+VARIANTS = {v.vendor: v for v in load_all()["nsa"]}
 
 
 # ----------------------------------------------------------------------------- each branch alone

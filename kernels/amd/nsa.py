@@ -7,8 +7,7 @@ A wavefront is 64 lanes and owns rows / num_warps rows of the compressed branch'
 group's heads), one 16x16 MFMA tile: matrix_instr_nonkdim 16 only. Two GEMMs in one loop, so
 num_stages 1 or 2, LDS (64 KiB on gfx942, 160 KiB on gfx950) holding about one operand tile set at a
 time; waves_per_eu trades registers for waves in flight that hide the L2 reads of the selected blocks.
-kpack 2 exists on gfx942 only. Two variants: `nsa_group_centric`, and `nsa_block_centric` (its selected
-branch key-block-centric, kernels/common/nsa_selected.py; every other role and space shared).
+kpack 2 exists on gfx942 only.
 """
 
 from dataclasses import replace
@@ -17,7 +16,6 @@ from kernels.amd.flash_attention import AttentionAmd
 from kernels.base import Variant
 from kernels.common.nsa import INTERPRETER_TILES, NSAGroupCentricBase, cmp_tokens, slc_heads
 from kernels.common.nsa_backward import INTERPRETER, SWA_ROLES
-from kernels.common.nsa_selected import BLOCK_CENTRIC_TILES, NSABlockCentricBase, shared_spaces
 from kernels.common.tiles import dot_block, next_pow2
 from registry.catalog import register
 from tuning.space import ConfigSpace
@@ -111,46 +109,3 @@ class NSAGroupCentricAmd(NSAGroupCentricBase, Variant):
             return 2 * block_d * max(slc_heads(group), stages * blocks["BLOCK_N"])
         rows = cmp_tokens(blocks["BLOCK_M"], group) * next_pow2(group)
         return 2 * block_d * max(rows, stages * blocks["BLOCK_N"])
-
-
-@register
-class NSABlockCentricAmd(NSABlockCentricBase, NSAGroupCentricAmd):
-    """The group-centric variant's roles and spaces but slc; slc_block packs the group's heads of
-    TOKENS listed tokens as rows (each wavefront at least 16, `rows_per_wavefront`) against one block's
-    keys; slc_combine streams the partials of each token's slots (no products)."""
-
-    # Untimed (no AMD GPU here); the defaults compile without spills for gfx942 and gfx950 at the full
-    # preset's key (d 128, group 16). slc_block's loop is not pipelined at one stage, so its default
-    # keeps three small CTAs per CU (64 rows, 4 waves, ~165 VGPRs) to overlap one's loads with
-    # another's products; 128 rows at 8 waves take 160-230 VGPRs, one CTA per CU.
-    spaces = {
-        **shared_spaces(NSAGroupCentricAmd.spaces),
-        "slc_block": ConfigSpace(
-            blocks={"BLOCK_M": (64, 128), "BLOCK_N": (32, 64), "WAVES": (1, 2, 3, 4)}, knobs=_KNOBS,
-            arch={"gfx942": {"kpack": (1, 2)}}, keep=rows_per_wavefront,
-            defaults={"*": {"BLOCK_M": 64, "BLOCK_N": 32, "WAVES": 3, "num_warps": 4, "num_stages": 1,
-                            **_DEFAULT_KNOBS}},
-            interpreter=BLOCK_CENTRIC_TILES["slc_block"],
-        ),
-        "slc_combine": ConfigSpace(
-            blocks={"BLOCK_M": (16, 32, 64, 128)},
-            knobs={"num_warps": (2, 4, 8), "num_stages": (1,), "waves_per_eu": (0, 1, 2)},
-            defaults={"*": {"BLOCK_M": 32, "num_warps": 4, "num_stages": 1, "waves_per_eu": 0}},
-            interpreter=BLOCK_CENTRIC_TILES["slc_combine"],
-        ),
-    }
-    HEAD_DIM_DEFAULTS = {
-        **NSAGroupCentricAmd.HEAD_DIM_DEFAULTS,
-        "slc_block": ((128, {}), (256, {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "waves_per_eu": 1})),
-    }
-
-    def shared_bytes(self, role: str, config: LaunchConfig, key: dict) -> int:
-        """slc_block: the gathered Q rows, plus the K/V steps in flight when pipelined (gfx942/gfx950
-        compiles at d 128); slc_combine: none."""
-        if role == "slc_combine":
-            return 0
-        if role == "slc_block":
-            blocks, block_d = config.blocks, dot_block(key["d"])
-            rows = cmp_tokens(blocks["BLOCK_M"], key["h_q"] // key["h_kv"]) * next_pow2(key["h_q"] // key["h_kv"])
-            return 2 * block_d * (rows + 2 * (config.num_stages - 1) * blocks["BLOCK_N"])
-        return super().shared_bytes(role, config, key)

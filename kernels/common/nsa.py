@@ -62,7 +62,6 @@ variant's logic. Semantics: `registry.ops.nsa.reference` (docs/op-contracts.md).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import replace
 from typing import NamedTuple
 
@@ -410,32 +409,15 @@ def _window(args: dict, config: LaunchConfig, keep_lse: bool):
     return attention_forward(window_args, config, keep_lse=keep_lse)
 
 
-class Branches(NamedTuple):
-    """What the kernels before the selected branch leave for it: the compressed and window branches'
-    ungated outputs (and lse, None unless the parts are kept) and the block ids to attend (the caller's,
-    or the cmp kernel's selection)."""
-
-    o_cmp: torch.Tensor
-    lse_cmp: torch.Tensor | None
-    o_swa: torch.Tensor
-    lse_swa: torch.Tensor | None
-    block_indices: torch.Tensor
-
-
-# A selected branch: (args, config, branches, parts) -> (out, o_slc, lse_slc), the last two None
-# unless the parts are kept. Each variant brings its own; the kernels before it are shared.
-SelectedBranch = Callable[[dict, CallConfig, Branches, bool],
-                          tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]]
-
-
-def shared_branches(args: dict, config: CallConfig, parts: bool) -> Branches:
-    """Launch compress, cmp (with the selection unless ids are given) and the window branch."""
+def _run(args: dict, config: CallConfig, parts: bool) -> NSAForward:
+    """Launch the four kernels; without `parts` the lse tensors and o_slc are not kept (None)."""
     q, k, v = args["q"], args["k"], args["v"]
     b, t, h_q, d = q.shape
     h_kv = k.shape[2]
     group = h_q // h_kv
     block_size, block_count = args["block_size"], args["block_count"]
     qk_scale = float(args["sm_scale"]) * LOG2E.value
+    block_d = dot_block(d)
     k_cmp, v_cmp = _compress(k, v, block_size, q.dtype, config["compress"])
 
     blocks = args["block_indices"]
@@ -451,26 +433,11 @@ def shared_branches(args: dict, config: CallConfig, parts: bool) -> Branches:
         t, group, block_size, block_count, qk_scale,
         *q.stride()[:3], *k_cmp.stride()[:3], *o_cmp.stride()[:3],
         *(lse_cmp.stride()[:2] if parts else (0, 0)), *blocks.stride()[:3],
-        SELECT=select, STORE_LSE=parts, HEAD_DIM=d, BLOCK_D=dot_block(d), BLOCK_G=next_pow2(group), BLOCK_T=block_t,
+        SELECT=select, STORE_LSE=parts, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_G=next_pow2(group), BLOCK_T=block_t,
         BLOCK_N=cmp.blocks["BLOCK_N"], BLOCK_S=next_pow2(block_count), **cmp.knobs())
 
     o_swa, lse_swa = _window(args, config["swa"], keep_lse=parts)
-    # o_cmp, o_swa, out and o_slc share one layout (the attention family allocates o_swa like q).
-    if o_swa.stride() != o_cmp.stride():
-        o_swa = o_swa.contiguous()
-    return Branches(o_cmp, lse_cmp, o_swa, lse_swa, blocks)
 
-
-def group_centric_selected(args: dict, config: CallConfig, branches: Branches, parts: bool):
-    """The selected branch of `nsa_group_centric` (`SelectedBranch`): the slc kernel, the gated sum in
-    its epilogue."""
-    q, k, v = args["q"], args["k"], args["v"]
-    b, t, h_q, d = q.shape
-    h_kv = k.shape[2]
-    group = h_q // h_kv
-    block_size, block_count = args["block_size"], args["block_count"]
-    qk_scale = float(args["sm_scale"]) * LOG2E.value
-    o_cmp, o_swa, blocks = branches.o_cmp, branches.o_swa, branches.block_indices
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     o_slc = torch.empty(q.shape, dtype=q.dtype, device=q.device) if parts else None
     lse_slc = torch.empty((b, h_q, t), dtype=torch.float32, device=q.device) if parts else None
@@ -479,30 +446,23 @@ def group_centric_selected(args: dict, config: CallConfig, branches: Branches, p
     span = min(block_size, t)  # the keys a block can hold here
     block_b = min(block_n, next_pow2(span))
     gates = [args[name] for name in ("g_cmp", "g_slc", "g_swa")]
+    # o_cmp, o_swa, out and o_slc share one layout (the attention family allocates o_swa like q).
+    if o_swa.stride() != out.stride():
+        o_swa = o_swa.contiguous()
     _nsa_slc_kernel[(t, h_kv, b)](
         q, k, v, blocks, o_cmp, o_swa, *gates, out, o_slc if parts else out, lse_slc if parts else out,
         t, group, block_size, block_count, cdiv(span, block_b), qk_scale,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *blocks.stride()[:3], *out.stride()[:3],
         *(s for g in gates for s in g.stride()[:2]), *(lse_slc.stride()[:2] if parts else (0, 0)),
-        STORE_PARTS=parts, ROWS_I32=rows_fit_int32(k, v), HEAD_DIM=d, BLOCK_D=dot_block(d), BLOCK_H=slc_heads(group),
+        STORE_PARTS=parts, ROWS_I32=rows_fit_int32(k, v), HEAD_DIM=d, BLOCK_D=block_d, BLOCK_H=slc_heads(group),
         BLOCK_N=block_n, BLOCK_B=block_b, BLOCK_S=next_pow2(block_count), **slc.knobs())
-    return out, o_slc, lse_slc
+    return NSAForward(out, o_cmp, lse_cmp, o_slc, lse_slc, o_swa, lse_swa, blocks)
 
 
-def _run(args: dict, config: CallConfig, parts: bool, selected: SelectedBranch) -> NSAForward:
-    """Launch the kernels; without `parts` the lse tensors and o_slc are not kept (None)."""
-    branches = shared_branches(args, config, parts)
-    out, o_slc, lse_slc = selected(args, config, branches, parts)
-    return NSAForward(out, branches.o_cmp, branches.lse_cmp, o_slc, lse_slc, branches.o_swa, branches.lse_swa,
-                      branches.block_indices)
-
-
-def nsa_forward_parts(args: dict, config: CallConfig, selected: SelectedBranch = group_centric_selected
-                      ) -> NSAForward:
+def nsa_forward_parts(args: dict, config: CallConfig) -> NSAForward:
     """nsa on validated arguments, keeping what a backward needs: every branch's ungated output and
-    lse, and the block ids attended (`NSAForward`). `selected` runs the selected branch and the gated
-    sum (the variant's)."""
-    return _run(args, config, True, selected)
+    lse, and the block ids attended (`NSAForward`)."""
+    return _run(args, config, parts=True)
 
 
 GRAD_INPUTS = ("q", "k", "v", "g_cmp", "g_slc", "g_swa")
@@ -519,13 +479,14 @@ def nsa_gradients(args: dict, config: CallConfig, parts: NSAForward, dout: torch
     return dict(zip(GRAD_INPUTS, grads, strict=True))
 
 
+
 class _NSAFunction(torch.autograd.Function):
     """Autograd for an eager call: the forward keeps its parts (branch outputs, lse, block ids) for the
     backward kernels. The selection is not differentiable; gradients flow to q, k, v and the gates."""
 
     @staticmethod
-    def forward(ctx, q, k, v, g_cmp, g_slc, g_swa, args: dict, config: CallConfig, selected: SelectedBranch):
-        parts = nsa_forward_parts(args, config, selected)
+    def forward(ctx, q, k, v, g_cmp, g_slc, g_swa, args: dict, config: CallConfig):
+        parts = nsa_forward_parts(args, config)
         ctx.save_for_backward(q, k, v, g_cmp, g_slc, g_swa, *parts[1:])
         ctx.rest = {name: args[name] for name in ("block_size", "block_count", "window", "sm_scale")}
         ctx.config = config
@@ -537,75 +498,54 @@ class _NSAFunction(torch.autograd.Function):
         args = {**dict(zip(GRAD_INPUTS, saved[:6], strict=True)), **ctx.rest}
         parts = NSAForward(None, *saved[6:])
         grads = nsa_gradients(args, ctx.config, parts, dout)
-        return (*(grads[name] for name in GRAD_INPUTS), None, None, None)
+        return (*(grads[name] for name in GRAD_INPUTS), None, None)
 
 
-def nsa_forward(args: dict, config: CallConfig, selected: SelectedBranch = group_centric_selected) -> torch.Tensor:
-    """nsa on validated arguments (registry.ops.nsa's dict) with one config per role: out, the selected
-    branch run by `selected`. Without gradients o_slc and the lse tensors are never stored; with them
-    the call runs under `_NSAFunction`, whose backward launches the bwd_* roles."""
+def nsa_forward(args: dict, config: CallConfig) -> torch.Tensor:
+    """nsa on validated arguments (registry.ops.nsa's dict) with one config per role: out. Without
+    gradients o_slc and the lse tensors are never stored; with them the call runs under
+    `_NSAFunction`, whose backward launches the bwd_* roles."""
     tensors = [args[name] for name in GRAD_INPUTS]
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        return _NSAFunction.apply(*tensors, args, config, selected)
-    return _run(args, config, False, selected).out
+        return _NSAFunction.apply(*tensors, args, config)
+    return _run(args, config, parts=False).out
 
 
 # ----------------------------------------------------------------------------- offline compiles
-def typed_spec(role: str, fn, constexprs: dict, key: dict, dtype: str, values: dict,
-               pointers: dict[str, str] | None = None) -> CompileSpec:
-    """A forward kernel's CompileSpec: arguments typed by name (upper-case pointers in the key's dtype
-    unless `pointers` (default `FORWARD_POINTERS`) says otherwise, `FORWARD_FLOATS` fp32, the rest
-    i32), `values` kept for the integer arguments the kernel takes."""
+def nsa_compile_specs(key: dict, config: CallConfig, dtype: str = "fp16") -> list[CompileSpec]:
+    """The four kernels a call with this key and call config launches, typed as the JIT types them,
+    with the parts stored (the heavier specialization; a backward's forward runs it) and the selection
+    on unless the key says block_indices are given."""
     elem = f"*{key.get('dtype', dtype)}"
-    pointers = FORWARD_POINTERS if pointers is None else pointers
-    signature = {n: pointers.get(n, elem) if n[0].isupper() else "fp32" if n in FORWARD_FLOATS else "i32"
-                 for n in fn.arg_names if n not in constexprs}
-    return CompileSpec(role, fn, signature, constexprs, values={n: v for n, v in values.items() if n in signature})
-
-
-FORWARD_POINTERS = {"LSE": "*fp32", "IDX": "*i32"}
-FORWARD_FLOATS = ("qk_scale", "inv_block_size")
-
-
-def shared_compile_specs(key: dict, config: CallConfig, dtype: str = "fp16") -> list[CompileSpec]:
-    """The kernels every nsa variant launches besides its selected branch: compress, cmp (the selection
-    on unless the key says block_indices are given, lse stored as a backward's forward does), the
-    window's attention forward, and the backward's."""
     d, group = int(key["d"]), int(key["h_q"]) // int(key["h_kv"])
     block_size, block_count = int(key["block_size"]), int(key["block_count"])
-    shapes = {"HEAD_DIM": d, "BLOCK_D": dot_block(d)}
-    cmp = config["cmp"].blocks
+    pointers = {n: elem for n in ("Q", "K", "V", "KC", "VC", "OCMP", "OSWA", "OUT", "OSLC", "GCMP", "GSLC", "GSWA")}
+    pointers.update({"LSE": "*fp32", "IDX": "*i32"})
+    floats = ("qk_scale", "inv_block_size")
     sizes = {"group": group, "block_size": block_size, "block_count": block_count}
-    specs = [
-        typed_spec("compress", _nsa_compress_kernel, {**shapes, "BLOCK_N": config["compress"].blocks["BLOCK_N"]},
-                   key, dtype, sizes),
-        typed_spec("cmp", _nsa_cmp_kernel, {**shapes, "SELECT": not key["block_indices"], "STORE_LSE": True,
-                                            "BLOCK_G": next_pow2(group), "BLOCK_T": cmp_tokens(cmp["BLOCK_M"], group),
-                                            "BLOCK_N": cmp["BLOCK_N"], "BLOCK_S": next_pow2(block_count)},
-                   key, dtype, sizes),
-    ]
+    shapes = {"HEAD_DIM": d, "BLOCK_D": dot_block(d)}
+    cmp, slc = config["cmp"].blocks, config["slc"].blocks
+    block_b = min(slc["BLOCK_N"], next_pow2(block_size))
+    roles = {
+        "compress": (_nsa_compress_kernel, {**shapes, "BLOCK_N": config["compress"].blocks["BLOCK_N"]}),
+        "cmp": (_nsa_cmp_kernel, {**shapes, "SELECT": not key["block_indices"], "STORE_LSE": True,
+                                  "BLOCK_G": next_pow2(group), "BLOCK_T": cmp_tokens(cmp["BLOCK_M"], group),
+                                  "BLOCK_N": cmp["BLOCK_N"], "BLOCK_S": next_pow2(block_count)}),
+        "slc": (_nsa_slc_kernel, {**shapes, "STORE_PARTS": True, "ROWS_I32": True, "BLOCK_H": slc_heads(group),
+                                  "BLOCK_N": slc["BLOCK_N"], "BLOCK_B": block_b, "BLOCK_S": next_pow2(block_count)}),
+    }
+    specs = []
+    for role, (fn, constexprs) in roles.items():
+        signature = {n: pointers.get(n, "fp32" if n in floats else "i32") for n in fn.arg_names if n not in constexprs}
+        values = {**sizes, "n_sub": cdiv(block_size, block_b)}
+        specs.append(CompileSpec(role, fn, signature, constexprs,
+                                 values={n: value for n, value in values.items() if n in signature}))
     window_key = {"dtype": key.get("dtype", dtype), "h_q": key["h_q"], "h_kv": key["h_kv"], "d": d,
                   "causal": True, "window": key["window"]}
     for spec in attention_compile_specs(window_key, CallConfig({"fwd": config["swa"]}), ("fwd",), dtype):
         if not spec.constexprs["IS_VARLEN"]:
             specs.append(replace(spec, role="swa"))
     return specs + nsa_backward_compile_specs(key, config, key.get("dtype", dtype))
-
-
-def nsa_compile_specs(key: dict, config: CallConfig, dtype: str = "fp16") -> list[CompileSpec]:
-    """The kernels a call of `nsa_group_centric` with this key and call config launches, typed as the
-    JIT types them, with the parts stored (the heavier specialization; a backward's forward runs it)."""
-    d, group = int(key["d"]), int(key["h_q"]) // int(key["h_kv"])
-    block_size, block_count = int(key["block_size"]), int(key["block_count"])
-    slc = config["slc"].blocks
-    block_b = min(slc["BLOCK_N"], next_pow2(block_size))
-    constexprs = {"HEAD_DIM": d, "BLOCK_D": dot_block(d), "STORE_PARTS": True, "ROWS_I32": True,
-                  "BLOCK_H": slc_heads(group), "BLOCK_N": slc["BLOCK_N"], "BLOCK_B": block_b,
-                  "BLOCK_S": next_pow2(block_count)}
-    values = {"group": group, "block_size": block_size, "block_count": block_count,
-              "n_sub": cdiv(block_size, block_b)}
-    slc_spec = typed_spec("slc", _nsa_slc_kernel, constexprs, key, dtype, values)
-    return [*shared_compile_specs(key, config, dtype), slc_spec]
 
 
 # ----------------------------------------------------------------------------- the variant
@@ -634,10 +574,6 @@ class NSAGroupCentricBase:
 
     op = "nsa"
     name = "nsa_group_centric"
-    # The selected branch's launcher (a `SelectedBranch`); staticmethod keeps it a plain function.
-    selected_branch = staticmethod(group_centric_selected)
-    # Roles whose BLOCK_N steps through the keys of one block.
-    STEP_ROLES = ("slc", "compress")
     kernels = {"compress": _nsa_compress_kernel, "cmp": _nsa_cmp_kernel, "swa": _attention_fwd_kernel,
                "slc": _nsa_slc_kernel, **BACKWARD_KERNELS}
     HEAD_DIM_DEFAULTS: dict = {}
@@ -663,8 +599,7 @@ class NSAGroupCentricBase:
         expected = set(self.spaces[role].blocks)
         if set(blocks) != expected:
             return f"blocks must be {sorted(expected)}, got {sorted(blocks)}"
-        # WAVES (persistent programs per SM) is a count, not a tile.
-        if role != "compress" and min(v for n, v in tile_blocks(blocks).items() if n != "WAVES") < 16:
+        if role != "compress" and min(tile_blocks(blocks).values()) < 16:
             return f"tl.dot needs tiles of at least 16, got {blocks}"
         reason = packing_reason(blocks, key)
         if reason is not None:
@@ -672,7 +607,13 @@ class NSAGroupCentricBase:
         smallest = {n: min(v) for n, v in self.spaces[role].block_values(device).items()}
         # A tile longer than what it covers only computes masked rows or keys, unless no smaller
         # tile exists to take its place.
-        for block, span in self.tile_spans(role, key).items():
+        spans = {"slc": {"BLOCK_N": next_pow2(key["block_size"]) * next_pow2(key["block_count"])},
+                 "compress": {"BLOCK_N": next_pow2(key["block_size"])},
+                 "swa": {"BLOCK_M": key["t"], "BLOCK_N": key["t"]},
+                 "cmp": {"BLOCK_N": max(1, key["t"] // key["block_size"])},
+                 "bwd_slc_dq": {"BLOCK_N": next_pow2(key["block_size"])},
+                 "bwd_slc_dkv": {"BLOCK_N": next_pow2(key["block_size"])}}.get(role, {})
+        for block, span in spans.items():
             if blocks[block] > span and blocks[block] > smallest[block]:
                 return f"{block}={blocks[block]} is longer than the {span} it covers"
         if role == "cmp" and cmp_tokens(blocks["BLOCK_M"], key["h_q"] // key["h_kv"]) > key["t"] \
@@ -684,16 +625,6 @@ class NSAGroupCentricBase:
         if need > device.shared_mem_bytes:
             return f"needs ~{need} B of shared memory/LDS (> {device.shared_mem_bytes} B)"
         return None
-
-    def tile_spans(self, role: str, key: dict) -> dict[str, int]:
-        """Per block of a role's tiles, the length it covers at this key (a longer tile only computes
-        masked rows or keys)."""
-        return {"slc": {"BLOCK_N": next_pow2(key["block_size"]) * next_pow2(key["block_count"])},
-                "compress": {"BLOCK_N": next_pow2(key["block_size"])},
-                "swa": {"BLOCK_M": key["t"], "BLOCK_N": key["t"]},
-                "cmp": {"BLOCK_N": max(1, key["t"] // key["block_size"])},
-                "bwd_slc_dq": {"BLOCK_N": next_pow2(key["block_size"])},
-                "bwd_slc_dkv": {"BLOCK_N": next_pow2(key["block_size"])}}.get(role, {})
 
     def role_default(self, role: str, key: dict, device) -> LaunchConfig:
         space = self.spaces[role]
@@ -710,7 +641,7 @@ class NSAGroupCentricBase:
         smallest = {n: min(v) for n, v in space.block_values(device).items()}
         # No tile longer than what it covers (down to the space's smallest); a selected-branch step
         # spans at most one block by default (several are the sweep's to try).
-        if role in self.STEP_ROLES:
+        if role in ("slc", "compress"):
             fields["BLOCK_N"] = max(min(fields["BLOCK_N"], next_pow2(key["block_size"])), smallest["BLOCK_N"])
         if role == "swa":
             for block in ("BLOCK_M", "BLOCK_N"):
@@ -731,16 +662,15 @@ class NSAGroupCentricBase:
         return config
 
     def launch(self, args: dict, config: CallConfig) -> torch.Tensor:
-        return nsa_forward(args, config, self.selected_branch)
+        return nsa_forward(args, config)
 
     def bind(self, config: CallConfig):
-        selected = self.selected_branch
-        return lambda args: nsa_forward(args, config, selected)
+        return lambda args: nsa_forward(args, config)
 
     def backward(self, args: dict, config: CallConfig, outputs: tuple, grad: torch.Tensor) -> dict:
         """The backward kernels for the custom op's autograd: its saved output is `out` alone, so the
         forward runs again to keep the parts (one more forward, about a third of the backward)."""
-        return nsa_gradients(args, config, nsa_forward_parts(args, config, self.selected_branch), grad)
+        return nsa_gradients(args, config, nsa_forward_parts(args, config), grad)
 
     def compile_specs(self, key: dict, config: CallConfig, dtype: str = "fp16") -> list[CompileSpec]:
         return nsa_compile_specs(key, config, dtype)

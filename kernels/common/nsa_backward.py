@@ -424,13 +424,12 @@ def _nsa_bwd_slc_dkv_kernel(
 
 
 # ----------------------------------------------------------------------------- launcher
-def block_entries(block_indices: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per (batch, kv head, block), the valid slots of block_indices [b, t, h_kv, count] that hold the
-    block: (offsets [b * h_kv * n_blocks + 1] int, positions int64 [b * t * h_kv * count]), list
-    l = (b * h_kv + kv head) * n_blocks + block in positions[offsets[l]:offsets[l + 1]] as flat indices
-    into block_indices, ascending (token order, then slot order; a duplicate is listed once per slot);
-    the invalid slots' positions after offsets[-1]. An id is valid in [0, token // block_size]. One
-    stable sort and a search on the device: no host sync."""
+def block_lists(block_indices: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per (batch, kv head, block), the tokens whose valid slots hold the block, for `bwd_slc_dkv`:
+    (offsets [b * h_kv * n_blocks + 1] int, tokens int32), list l = (b * h_kv + kv head) * n_blocks +
+    block in tokens[offsets[l]:offsets[l + 1]], tokens ascending, once per slot (duplicates twice).
+    An id is valid in [0, token // block_size]. One stable sort and a search on the device: no host
+    sync."""
     b, t, h_kv, count = block_indices.shape
     n_lists = b * h_kv * cdiv(t, block_size)
     device = block_indices.device
@@ -441,16 +440,9 @@ def block_entries(block_indices: torch.Tensor, block_size: int) -> tuple[torch.T
     # Invalid slots sort after every list (key n_lists).
     keys = torch.where(valid, block_indices.to(kind) + heads, n_lists).flatten()
     sorted_keys, order = torch.sort(keys, stable=True)
+    tokens = (order // (h_kv * count) % t).to(torch.int32)
     offsets = torch.searchsorted(sorted_keys, torch.arange(n_lists + 1, device=device, dtype=kind))
-    return offsets, order
-
-
-def block_lists(block_indices: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per (batch, kv head, block), the tokens whose valid slots hold the block, for `bwd_slc_dkv`:
-    (offsets, tokens int32) as `block_entries` lists them (tokens ascending, once per slot)."""
-    _, t, h_kv, count = block_indices.shape
-    offsets, order = block_entries(block_indices, block_size)
-    return offsets, (order // (h_kv * count) % t).to(torch.int32)
+    return offsets, tokens
 
 
 def compressed_kv(k: torch.Tensor, v: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:

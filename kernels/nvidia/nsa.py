@@ -1,7 +1,5 @@
 """nsa on NVIDIA Hopper (H100/H200): the shared NSA kernels (kernels/common/nsa.py) with NVIDIA's config
-spaces; the window role takes flash_attention's NVIDIA forward space and head-dim rules unchanged. Two
-variants: `nsa_group_centric`, and `nsa_block_centric` (its selected branch key-block-centric,
-kernels/common/nsa_selected.py; every other role and space shared).
+spaces; the window role takes flash_attention's NVIDIA forward space and head-dim rules unchanged.
 
 The compressed branch is a FlashAttention forward whose rows are tokens x the GQA group's heads, a
 warpgroup (4 warps) per 64 rows (wgmma's M; `a_warpgroup_per_64_rows`). Its
@@ -16,7 +14,6 @@ from dataclasses import replace
 from kernels.base import Variant
 from kernels.common.nsa import INTERPRETER_TILES, NSAGroupCentricBase, cmp_tokens, slc_heads
 from kernels.common.nsa_backward import INTERPRETER, SWA_ROLES
-from kernels.common.nsa_selected import BLOCK_CENTRIC_TILES, NSABlockCentricBase, shared_spaces
 from kernels.common.tiles import dot_block, next_pow2
 from kernels.nvidia.flash_attention import AttentionNvidia
 from registry.catalog import register
@@ -106,44 +103,3 @@ class NSAGroupCentricNvidia(NSAGroupCentricBase, Variant):
             return 2 * block_d * (slc_heads(group) + 2 * max(stages - 1, 1) * blocks["BLOCK_N"])
         rows = cmp_tokens(blocks["BLOCK_M"], group) * next_pow2(group)
         return 2 * block_d * (rows + 2 * stages * blocks["BLOCK_N"])
-
-
-@register
-class NSABlockCentricNvidia(NSABlockCentricBase, NSAGroupCentricNvidia):
-    """The group-centric variant's roles and spaces but slc; slc_block packs the group's 16 heads of
-    TOKENS listed tokens as rows (128 = a warpgroup per 64 rows, wgmma's M, as cmp does) against one
-    block's 64 keys, one step; slc_combine streams the partials of each token's slots (no products)."""
-
-    # Untimed until the first H100/H200 run; the defaults compile without spills for sm_90 at the full
-    # preset's key (d 128, group 16). slc_block: 128 rows at 8 warps take 160-212 registers, so one CTA
-    # per SM; its persistent loop at 3 stages keeps the next chunk's Q, K and V loading under this one's
-    # products (224 KiB of shared memory; at 2 stages Triton waits for them at the top of the step).
-    spaces = {
-        **shared_spaces(NSAGroupCentricNvidia.spaces),
-        "slc_block": ConfigSpace(
-            blocks={"BLOCK_M": (64, 128), "BLOCK_N": (32, 64), "WAVES": (1, 2)},
-            knobs={"num_warps": (4, 8), "num_stages": (1, 2, 3)}, keep=a_warpgroup_per_64_rows,
-            defaults={"*": {"BLOCK_M": 128, "BLOCK_N": 64, "WAVES": 1, "num_warps": 8, "num_stages": 3}},
-            interpreter=BLOCK_CENTRIC_TILES["slc_block"],
-        ),
-        "slc_combine": ConfigSpace(
-            blocks={"BLOCK_M": (16, 32, 64)}, knobs={"num_warps": (2, 4, 8), "num_stages": (1,)},
-            defaults={"*": {"BLOCK_M": 32, "num_warps": 4, "num_stages": 1}},
-            interpreter=BLOCK_CENTRIC_TILES["slc_combine"],
-        ),
-    }
-    HEAD_DIM_DEFAULTS = {
-        **NSAGroupCentricNvidia.HEAD_DIM_DEFAULTS,
-        "slc_block": ((128, {}), (256, {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4})),
-    }
-
-    def shared_bytes(self, role: str, config: LaunchConfig, key: dict) -> int:
-        """slc_block: num_stages buffers of the gathered Q rows and the K/V step, plus the partial's
-        store staging when pipelined (sm_90 compiles at d 128); slc_combine: none (no products)."""
-        if role == "slc_combine":
-            return 0
-        if role == "slc_block":
-            blocks, block_d, stages = config.blocks, dot_block(key["d"]), config.num_stages
-            rows = cmp_tokens(blocks["BLOCK_M"], key["h_q"] // key["h_kv"]) * next_pow2(key["h_q"] // key["h_kv"])
-            return 2 * block_d * (stages * (rows + 2 * blocks["BLOCK_N"]) + (rows if stages > 1 else 0))
-        return super().shared_bytes(role, config, key)
