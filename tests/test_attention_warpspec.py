@@ -130,6 +130,24 @@ def test_descriptor_types_are_what_the_jit_sees():
             assert mangle_type(_descriptor(t, rows)) == _descriptor_type(elem, rows, d)
 
 
+def test_which_inputs_tma_can_address():
+    """16-byte aligned bases and strides (size-1 dims aside); the rest runs the tiled forward."""
+    from kernels.nvidia.attention_warpspec import tma_addressable
+
+    def strided(shape, d_alloc=64, order=(0, 1, 2, 3)):
+        full = torch.empty([shape[i] for i in order[:3]] + [d_alloc], dtype=torch.bfloat16)
+        return full.permute(*[order.index(i) for i in range(4)])[..., :64]
+
+    assert tma_addressable(strided((2, 300, 4, 64)))
+    assert tma_addressable(strided((2, 300, 4, 64), order=(0, 2, 1, 3)))  # [b, h, s, d] memory
+    assert tma_addressable(strided((2, 300, 4, 64), d_alloc=72))           # rows padded to 144 bytes
+    assert not tma_addressable(strided((2, 300, 4, 64), d_alloc=68))       # 136-byte rows
+    assert not tma_addressable(torch.empty(2, 300, 1, 64, dtype=torch.bfloat16).expand(2, 300, 4, 64))
+    assert not tma_addressable(torch.empty(2 * 300 * 4 * 64 + 1, dtype=torch.bfloat16)[1:].view(2, 300, 4, 64))
+    # A size-1 batch's stride is never stepped over, whatever torch says it is.
+    assert tma_addressable(torch.empty(300, 4, 64, dtype=torch.bfloat16).as_strided((1, 300, 4, 64), (3, 256, 64, 1)))
+
+
 # (key changes, forward blocks): the space's corners, compiled offline for sm_90 beside the defaults
 # that test_shipped_and_default_configs compiles: the largest shared memory (d 128, three 128-key
 # stages), 128-row warpgroups (d 64), GQA with sinks in fp16 without causal masks.

@@ -334,18 +334,28 @@ def _block_layout(rows: int, head_dim: int, elem: str) -> gl.NVMMASharedLayout:
     return gl.NVMMASharedLayout.get_default_for([1, rows, 1, head_dim], gl.bfloat16 if elem == "bf16" else gl.float16)
 
 
+def _strides(t: torch.Tensor) -> list[int]:
+    """`t`'s strides, those of size-1 dims (never stepped over, and free to be anything in torch) set to
+    what a packed layout would give them, so that they do not decide whether TMA can address `t`."""
+    strides = list(t.stride())
+    for i in range(t.dim() - 2, -1, -1):
+        if t.shape[i] == 1:
+            strides[i] = strides[i + 1] * t.shape[i + 1]
+    return strides
+
+
 def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
     """A TMA descriptor over a [b, s, h, d] tensor whose blocks are `rows` rows of one head."""
     d = t.shape[-1]
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, rows, 1, d],
-                            _block_layout(rows, d, _ELEMENT_NAMES[t.dtype]))
+    layout = _block_layout(rows, d, _ELEMENT_NAMES[t.dtype])
+    return TensorDescriptor(t, list(t.shape), _strides(t), [1, rows, 1, d], layout)
 
 
 def tma_addressable(t: torch.Tensor) -> bool:
     """Whether TMA can address `t`: a 16-byte aligned base and every stride but the last (which the
-    contract makes 1) a multiple of 16 bytes."""
+    contract makes 1) a positive multiple of 16 bytes (an expanded, stride-0 dim is not one)."""
     elem = t.element_size()
-    return t.data_ptr() % 16 == 0 and all(stride * elem % 16 == 0 for stride in t.stride()[:-1])
+    return t.data_ptr() % 16 == 0 and all(stride > 0 and stride * elem % 16 == 0 for stride in _strides(t)[:-1])
 
 
 def warpspec_forward(args: Mapping, config: LaunchConfig, keep_lse: bool, launch: Callable[..., Any] = triton_launch
