@@ -14,15 +14,23 @@ Peers, measured in this process on the same inputs:
   `deterministic=True` backward beside the default one.
 Ours and every peer whose output we can compare are checked against the reference before timing (the
 gradients on the op's reduced shape, where the fp32 reference's autograd fits).
+
+`python -m benchmarks.attention` (main below) times the forward of named variants side by side with
+SDPA at the issue's forward shapes, each forced by name (so the tiled variant runs its tuned entries and
+the warp-specialized one its default), and explores forward configs with `--configs`.
 """
 
 from __future__ import annotations
+
+import argparse
+import json
+import sys
 
 import torch
 import torch.nn.functional as F
 
 import registry
-from benchmarks.common import PROVIDER, Measurement, checked, checked_backward, measure
+from benchmarks.common import PROVIDER, Measurement, checked, checked_backward, explore, measure
 from registry.ops import OPS
 from registry.testing import backward_call, cotangent, grad_leaves, max_relative_error
 from tuning.bench import rotating
@@ -151,3 +159,96 @@ def run(dtype: torch.dtype = torch.bfloat16) -> list[Measurement]:
             out += _bench_shape(op, shape, dtype)
             torch.cuda.empty_cache()
     return out
+
+
+# ----------------------------------------------------------------------------- forward by variant
+def _dense(b: int, s: int, h_q: int, h_kv: int, d: int, causal: bool) -> dict:
+    return {"b": b, "s_q": s, "s_k": s, "h_q": h_q, "h_kv": h_kv, "d": d, "causal": causal, "window": None}
+
+
+# The issue's forward targets (op, shape): the dense shapes against SDPA, gpt-oss with sinks against SDPA
+# without them.
+FORWARD_SHAPES = [
+    (FLASH, _dense(2, 8192, 16, 16, 128, True)),
+    (FLASH, _dense(2, 8192, 16, 16, 128, False)),
+    (FLASH, _dense(1, 16384, 32, 32, 128, True)),
+    (FLASH, _dense(4, 8192, 32, 32, 64, True)),
+    (SINK, {**_dense(1, 8192, 64, 8, 64, True), "sinks": True}),
+]
+# Variant kinds by op: the tiled Triton kernel and the Hopper warp-specialized Gluon one.
+KINDS = {"tiled": {"flash_attention": "flash_attention_tiled", "sink_attention": "sink_attention_flash"},
+         "warpspec": {"flash_attention": "flash_attention_warpspec", "sink_attention": "sink_attention_warpspec"}}
+
+
+def forward_rows(shapes: list[tuple], kinds: list[str], dtype: torch.dtype = torch.bfloat16) -> list[Measurement]:
+    """Per shape: the forward of each variant kind (forced by name, checked against the reference first;
+    a kind that fails the check or raises is reported on stderr and not timed) and SDPA's (no sinks),
+    in this process."""
+    out = []
+    for op, shape in shapes:
+        name = _shape_name(shape)
+        sets = [op.validate(**op.make_inputs(shape, device=DEVICE, dtype=dtype, seed=i)) for i in range(2)]
+        flops = op.flops(sets[0])
+        for kind in kinds:
+            handle = registry.get(op.name, variant=KINDS[kind][op.name])
+            call = lambda a, h=handle: h(**a)  # noqa: E731
+            try:
+                err = checked(op, sets[0], call)
+            except Exception as failure:  # noqa: BLE001 - a wrong or failing kind is reported, the others run
+                print(f"{op.name} {name} kreg-{kind}: not timed: {type(failure).__name__}: {failure}",
+                      file=sys.stderr, flush=True)
+                continue
+            out.append(measure(f"{op.name} fwd", name, f"kreg-{kind}", rotating(call, sets), flops, "TFLOP/s", err))
+        sdpa = _sdpa(shape)
+        qkv_sets = [_bhsd(a) for a in sets]
+        out.append(measure(f"{op.name} fwd", name, "torch-sdpa", rotating(lambda t, f=sdpa: f(*t), qkv_sets),
+                           flops, "TFLOP/s", None))
+        del sets, qkv_sets
+        torch.cuda.empty_cache()
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m benchmarks.attention [--variants tiled,warpspec] [--shape 0,1,2,3,4]`: forward rows per
+    variant kind beside SDPA, with each row's ratio to SDPA; `--configs '{"fwd": [{...}]}' [--explore
+    warpspec]`: explore forward configs of one kind at the same shapes (benchmarks.common.explore)."""
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.attention")
+    parser.add_argument("--variants", default="tiled,warpspec", help=f"comma-separated kinds among {list(KINDS)}")
+    parser.add_argument("--shape", default=",".join(str(i) for i in range(len(FORWARD_SHAPES))),
+                        help="comma-separated indices of: " +
+                        "; ".join(f"{i} {_shape_name(s)}" for i, (_, s) in enumerate(FORWARD_SHAPES)))
+    parser.add_argument("--configs", default=None, help="JSON: role -> list of LaunchConfig dicts to explore")
+    parser.add_argument("--explore", default="warpspec", help="the kind whose configs --configs explores")
+    parser.add_argument("--csv", default=None, help="where to write the long-format rows")
+    opts = parser.parse_args(argv)
+    kinds = opts.variants.split(",")
+    unknown = [k for k in kinds + [opts.explore] if k not in KINDS]
+    if unknown:
+        parser.error(f"--variants/--explore: expected kinds among {list(KINDS)}, got {unknown}")
+    shapes = [FORWARD_SHAPES[int(i)] for i in opts.shape.split(",")]
+    if not torch.cuda.is_available():
+        print("benchmarks need a CUDA or ROCm GPU; none is present", file=sys.stderr)
+        return 2
+    if opts.configs is not None:
+        for op, shape in shapes:
+            for m in explore(op, shape, json.loads(opts.configs), name=_shape_name(shape), unit="TFLOP/s",
+                             variant_name=KINDS[opts.explore][op.name]):
+                print(f"{m.shape:32} {m.provider:110} {m.median_ms:8.3f} ms {m.rate():6.1f} {m.unit}  "
+                      f"rel err {m.rel_err:.1e}", flush=True)
+        return 0
+    rows = forward_rows(shapes, kinds)
+    for m in rows:
+        sdpa = next(p for p in rows if p.provider == "torch-sdpa" and (p.op, p.shape) == (m.op, m.shape))
+        err = "-" if m.rel_err is None else f"{m.rel_err:.1e}"
+        print(f"{m.op:22} {m.shape:32} {m.provider:15} {m.median_ms:8.3f} ms {m.rate():6.1f} TFLOP/s "
+              f"{sdpa.median_ms / m.median_ms:5.2f}x SDPA  rel err {err}", flush=True)
+    if opts.csv:
+        from benchmarks.common import long_rows, write_csv
+        from registry.device import detect
+
+        write_csv(long_rows(rows, detect().name), opts.csv)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

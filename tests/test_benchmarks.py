@@ -105,3 +105,20 @@ def test_gsa_causal_topk_indices_are_distinct_causal_keys():
             keys = [j for j in row if j != -1]
             assert row == keys + [-1] * (k - len(keys))
             assert len(keys) == min(k, i + 1) == len(set(keys)) and all(0 <= j <= i for j in keys)
+
+
+def test_attention_forward_tool_without_a_gpu_and_its_arguments(capsys):
+    """`python -m benchmarks.attention`: its variant kinds name registered variants of each op, a wrong
+    kind is an argument error, and without a GPU it says so."""
+    from benchmarks import attention
+    from registry.catalog import load_all
+
+    for names in attention.KINDS.values():
+        for op, name in names.items():
+            assert any(v.name == name and v.vendor == "nvidia" for v in load_all()[op])
+    assert {op.name for op, _ in attention.FORWARD_SHAPES} == {"flash_attention", "sink_attention"}
+    with pytest.raises(SystemExit):
+        attention.main(["--variants", "tiled,fastest"])
+    assert "expected kinds" in capsys.readouterr().err
+    assert attention.main(["--shape", "0"]) == 2
+    assert "need a CUDA or ROCm GPU" in capsys.readouterr().err

@@ -309,6 +309,9 @@ def main(argv: list[str] | None = None) -> int:
     all_fit = True
     for key in keys:
         for target in targets:
+            if not variant.supports(key, target):  # dispatch never runs it there (a window, a head dim)
+                print(f"{target.key}: {variant.name} does not support {canonical_json(key)}: skipped", file=sys.stderr)
+                continue
             default = variant.default_config(key, target)
             if opts.tables:
                 configs = [variant.complete(c, key, target) for c in shipped[canonical_json(key)]]

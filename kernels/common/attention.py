@@ -790,13 +790,14 @@ def attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks:
 
 
 class _AttentionFunction(torch.autograd.Function):
-    """Autograd for the family: the forward kernel keeps lse for the backward's three kernels. The
-    returned lse is not differentiable (as in FlashAttention); gradients flow from `out` to q, k, v
-    and sinks. No atomics anywhere, so gradients are bitwise reproducible."""
+    """Autograd for the family: the forward kernel (`forward`: `attention_forward` or another variant's
+    forward launcher with its signature) keeps lse for the backward's three kernels. The returned lse
+    is not differentiable (as in FlashAttention); gradients flow from `out` to q, k, v and sinks. No
+    atomics anywhere, so gradients are bitwise reproducible."""
 
     @staticmethod
-    def forward(ctx, q, k, v, sinks, args: Mapping, config: CallConfig):
-        out, lse = attention_forward(args, config["fwd"], keep_lse=True)
+    def forward(ctx, forward, q, k, v, sinks, args: Mapping, config: CallConfig):
+        out, lse = forward(args, config["fwd"], keep_lse=True)
         ctx.save_for_backward(q, k, v, sinks, out, lse)
         ctx.rest = {name: value for name, value in args.items() if name not in ("q", "k", "v", "sinks")}
         ctx.config = config
@@ -807,23 +808,26 @@ class _AttentionFunction(torch.autograd.Function):
     def backward(ctx, dout, *_lse_grad):
         q, k, v, sinks, out, lse = ctx.saved_tensors
         dq, dk, dv, dsinks = attention_backward(q, k, v, sinks, out, lse, dout, ctx.rest, ctx.config)
-        return dq, dk, dv, dsinks, None, None
+        return None, dq, dk, dv, dsinks, None, None
 
 
-def attention_call(args: Mapping, config: CallConfig, launch: Callable[..., Any] = triton_launch):
+def attention_call(args: Mapping, config: CallConfig, launch: Callable[..., Any] = triton_launch,
+                   forward: Callable[..., tuple] = attention_forward):
     """flash_attention or sink_attention on the op contract's validated args (sink_attention's carry
     `sinks`): `out`, or `(out, lse)` with `return_lse`.
 
     The forward runs with the "fwd" role's config; when grad is enabled and an input requires grad it
     runs under `_AttentionFunction`, whose backward launches the "bwd_pre", "bwd_dkv" and "bwd_dq"
     roles' configs. `deterministic` needs nothing: no kernel here uses atomics. `launch` runs the
-    forward kernel of a call without autograd (a dispatch plan's `LaunchCache`, or Triton's launch).
+    forward kernel of a call without autograd (a dispatch plan's `LaunchCache`, or Triton's launch);
+    `forward` is the forward launcher (`attention_forward`'s signature): this module's kernel, or
+    another variant's that shares this backward.
     """
     q, k, v = args["q"], args["k"], args["v"]
     sinks = args.get("sinks")
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, sinks)):
-        return _AttentionFunction.apply(q, k, v, sinks, args, config)
-    out, lse = attention_forward(args, config["fwd"], keep_lse=False, launch=launch)
+        return _AttentionFunction.apply(forward, q, k, v, sinks, args, config)
+    out, lse = forward(args, config["fwd"], keep_lse=False, launch=launch)
     return (out, lse) if args["return_lse"] else out
 
 
@@ -898,6 +902,9 @@ class AttentionTiledBase:
     """
 
     kernels = dict(_ROLE_KERNELS)
+    # The forward launcher (args, fwd config, keep_lse, launch) -> (out, lse or None); a variant with
+    # another forward kernel and this backward replaces it.
+    run_forward = staticmethod(attention_forward)
     HEAD_DIM_DEFAULTS: Mapping[str, tuple[tuple[int, dict], ...]] = {}
 
     def shared_bytes(self, role: str, config: LaunchConfig, block_d: int, elem: int) -> int:
@@ -965,21 +972,22 @@ class AttentionTiledBase:
         return config
 
     def launch(self, args: dict, config: CallConfig):
-        return attention_call(args, config)
+        return attention_call(args, config, forward=self.run_forward)
 
     def bind(self, config: CallConfig):
-        return lambda args: attention_call(args, config)
+        forward = self.run_forward
+        return lambda args: attention_call(args, config, forward=forward)
 
     def bind_cached(self, config: CallConfig):
-        launches = LaunchCache()
-        return lambda args: attention_call(args, config, launches)
+        launches, forward = LaunchCache(), self.run_forward
+        return lambda args: attention_call(args, config, launches, forward)
 
     def backward(self, args: dict, config: CallConfig, outputs: tuple, grad: torch.Tensor) -> dict:
         """The backward kernels on the forward's saved out and lse (registry/library.py's custom op);
         a call that returned no lse runs the forward again to keep it."""
         out, lse = outputs[0], outputs[1]
         if not lse.numel():
-            out, lse = attention_forward(args, config["fwd"], keep_lse=True)
+            out, lse = self.run_forward(args, config["fwd"], keep_lse=True)
         sinks = args.get("sinks")
         dq, dk, dv, dsinks = attention_backward(args["q"], args["k"], args["v"], sinks, out, lse, grad, args, config)
         return {"q": dq, "k": dk, "v": dv, "sinks": dsinks}

@@ -11,6 +11,7 @@ nothing to split, which is what `two_warpgroups_need_128_rows` keeps out.
 
 from kernels.base import Variant
 from kernels.common.attention import INTERPRETER_TILES, AttentionTiledBase
+from kernels.nvidia.attention_warpspec import AttentionWarpSpecHopper
 from registry.catalog import register
 from tuning.space import ConfigSpace
 from tuning_db.records import LaunchConfig
@@ -93,3 +94,9 @@ class AttentionNvidia:
 class FlashAttentionTiledNvidia(AttentionNvidia, AttentionTiledBase, Variant):
     op = "flash_attention"
     name = "flash_attention_tiled"
+
+
+@register
+class FlashAttentionWarpSpecHopper(AttentionWarpSpecHopper, FlashAttentionTiledNvidia):
+    name = "flash_attention_warpspec"
+    tiled = FlashAttentionTiledNvidia

@@ -4,6 +4,7 @@ the O(rows * keys) of the products, so the best tiles are the same)."""
 
 from kernels.base import Variant
 from kernels.common.attention import AttentionTiledBase
+from kernels.nvidia.attention_warpspec import AttentionWarpSpecHopper
 from kernels.nvidia.flash_attention import AttentionNvidia
 from registry.catalog import register
 
@@ -12,3 +13,9 @@ from registry.catalog import register
 class SinkAttentionFlashNvidia(AttentionNvidia, AttentionTiledBase, Variant):
     op = "sink_attention"
     name = "sink_attention_flash"
+
+
+@register
+class SinkAttentionWarpSpecHopper(AttentionWarpSpecHopper, SinkAttentionFlashNvidia):
+    name = "sink_attention_warpspec"
+    tiled = SinkAttentionFlashNvidia

@@ -1,0 +1,505 @@
+"""The attention family's forward as a warp-specialized Gluon kernel for Hopper (sm_90), FlashAttention-3's
+schedule; flash_attention and sink_attention register it (kernels/nvidia/flash_attention.py,
+kernels/nvidia/sink_attention.py), their backward roles are the tiled variants' kernels.
+
+Why a vendor file: the plain-Triton forward (kernels/common/attention.py) stays near 0.8x torch SDPA at
+d 128 on an H200 (benchmarks/NOTES.md): each of its warps loads, multiplies and exponentiates in turn,
+and Triton 3.6's own warp specialization of that loop was wrong under masks. Gluon lets the kernel say
+who does what, as sparse_mla's warp-specialized forward does:
+
+- a producer warp issues TMA loads (4-D tensor descriptors over [b, s, h, d], so rows past a sequence
+  come back as zeros): each consumer's query rows once, then K and V tiles into a ring of NUM_STAGES
+  stages, K and V with their own `ready` and `free` mbarriers (K of the next tile streams in while V
+  of the current one is still read);
+- two consumer warpgroups own BLOCK_M query rows each (a CTA covers 2 * BLOCK_M rows) and walk the same
+  key tiles. Per tile a warpgroup issues S = Q K^T (wgmma, async) together with the previous tile's
+  O += P V, waits for S only, and runs the online softmax (fp32, exp2) while P V still runs on the
+  tensor cores (FA3's intra-warpgroup overlap); P stays in registers as the A operand;
+- the two warpgroups take turns issuing their products (an mbarrier each: a warpgroup waits for its
+  turn, issues, and hands the turn over), so one's softmax runs under the other's products (FA3's
+  ping-pong).
+
+Causal calls visit only key tiles at or below the CTA's last diagonal; per warpgroup the tiles every
+row fully sees run without mask arithmetic, the rest (diagonal, key tail) with it. Sinks scale the
+output once at the end (out * sigmoid(lse - sink)), as the tiled kernel does; lse excludes the sink.
+
+Not served here (the variants' `supports` declines them, so dispatch picks the tiled kernel): windows,
+head dims other than 64 and 128, fp32, devices other than sm_90. Varlen calls and inputs a TMA
+descriptor cannot address (a base not 16-byte aligned, a row or head stride not a multiple of 8
+elements) share a tuning key with padded ones, so this forward hands them to the tiled kernel itself
+(with the tiled variant's default forward config for the key). Gluon kernels do not run in the Triton
+interpreter: CI compiles this one for sm_90 (tests/test_attention_warpspec.py) and the GPU tests
+compare it with the reference in bf16. Semantics: `registry.ops.flash_attention.reference`,
+`registry.ops.sink_attention.reference`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from kernels.base import CompileSpec
+from kernels.common.attention import attention_compile_specs, attention_forward
+from kernels.common.launch import triton_launch
+from tuning.space import ConfigSpace
+from tuning_db.records import CallConfig, LaunchConfig
+
+LOG2E = gl.constexpr(1.4426950408889634)
+LN2 = gl.constexpr(0.6931471805599453)
+# The producer only issues TMA copies and waits on barriers: the fewest registers setmaxnreg allows.
+PRODUCER_REGS = gl.constexpr(24)
+HEAD_DIMS = (64, 128)
+
+
+# ----------------------------------------------------------------------------- Gluon kernel
+@gluon.jit
+def _query_tile(IS_CAUSAL: gl.constexpr):
+    """This program's query tile: causal grids start with the last tiles (they see the most keys), so
+    the short ones fill the tail."""
+    tile = gl.program_id(0)
+    if IS_CAUSAL:
+        tile = gl.num_programs(0) - 1 - tile
+    return tile
+
+
+@gluon.jit
+def _key_tiles(m0, rows, seqlen_q, seqlen_k, IS_CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Key tiles [0, n) that query rows [m0, m0 + rows) may see (query i sits at s_k - s_q + i)."""
+    hi = seqlen_k
+    if IS_CAUSAL:
+        p_last = seqlen_k - seqlen_q + gl.minimum(m0 + rows, seqlen_q) - 1
+        hi = gl.minimum(hi, gl.maximum(p_last + 1, 0))
+    return gl.cdiv(hi, BLOCK_N)
+
+
+@gluon.jit
+def _load_stage(desc, ring, ready, free, i, off_b, off_hk, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
+    """Key tile i of one (sequence, kv head) from `desc` into its stage of `ring`, once the stage's
+    previous tile is released; `ready` completes when the bytes have landed."""
+    stage = i % NUM_STAGES
+    # Barriers start in phase 0: the first pass over the ring finds every stage free.
+    mbarrier.wait(free.index(stage), ((i // NUM_STAGES) & 1) ^ 1)
+    mbarrier.expect(ready.index(stage), desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(desc, [off_b, i * BLOCK_N, off_hk, 0], ready.index(stage), ring.index(stage))
+
+
+@gluon.jit
+def _load_tiles(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_free, v_free,
+                seqlen_q, seqlen_k,
+                GROUP: gl.constexpr, IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                NUM_STAGES: gl.constexpr):
+    """Producer: each warpgroup's BLOCK_M query rows, then K and V tiles in the order the consumers
+    read them (K of tile i before V of tile i - 1)."""
+    m0 = _query_tile(IS_CAUSAL) * (2 * BLOCK_M)
+    off_h = gl.program_id(1)
+    off_b = gl.program_id(2)
+    off_hk = off_h // GROUP
+    for side in gl.static_range(2):
+        mbarrier.expect(q_ready.index(side), q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [off_b, m0 + side * BLOCK_M, off_h, 0], q_ready.index(side),
+                                        q_smem.index(side))
+    n_tiles = _key_tiles(m0, 2 * BLOCK_M, seqlen_q, seqlen_k, IS_CAUSAL, BLOCK_N)
+    for i in range(n_tiles + 1):
+        if i < n_tiles:
+            _load_stage(k_desc, k_smem, k_ready, k_free, i, off_b, off_hk, BLOCK_N, NUM_STAGES)
+        if i > 0:
+            _load_stage(v_desc, v_smem, v_ready, v_free, i - 1, off_b, off_hk, BLOCK_N, NUM_STAGES)
+
+
+@gluon.jit
+def _release(bar):
+    """One arrival for this warpgroup, after all of its warps are past what came before."""
+    gl.thread_barrier()
+    mbarrier.arrive(bar, count=1)
+
+
+@gluon.jit
+def _softmax_step(s, m_i, l_i, cols, pos, seqlen_k, qk_scale, MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr):
+    """Online softmax over one tile of raw scores `s` in log2 units: (P, the factor for the old
+    accumulator, row sums, row maxima). MASKED applies the key-length and causal masks; rows that saw
+    no allowed key yet keep m = -inf and shift by 0, so exp2 gives 0, not NaN."""
+    s = s * qk_scale
+    if MASKED:
+        allowed = cols[None, :] < seqlen_k
+        if IS_CAUSAL:
+            allowed = allowed & (cols[None, :] <= pos[:, None])
+        s = gl.where(allowed, s, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, 1))
+    m_shift = m_new
+    if MASKED:
+        m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)
+    p = gl.exp2(s - m_shift[:, None])
+    alpha = gl.exp2(m_i - m_shift)
+    return p, alpha, l_i * alpha + gl.sum(p, 1), m_new
+
+
+@gluon.jit
+def _attend_tile(i, acc, p, alpha, m_i, l_i, q, k_smem, v_smem, k_ready, v_ready, k_free, v_free, my_turn,
+                 peer_turn, pos, seqlen_k, qk_scale,
+                 MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                 HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr):
+    """Key tile i >= 1: issue S_i = Q K_i^T and O += P_{i-1} V_{i-1} in this warpgroup's turn, take the
+    softmax step of S_i while the P V product runs, then release both stages."""
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_DIM, 16])
+    p_operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    k_stage = i % NUM_STAGES
+    v_stage = (i - 1) % NUM_STAGES
+    mbarrier.wait(my_turn, i & 1)
+    mbarrier.wait(k_ready.index(k_stage), (i // NUM_STAGES) & 1)
+    k = k_smem.index(k_stage).reshape([BLOCK_N, HEAD_DIM])
+    s = warpgroup_mma(q, k.permute((1, 0)), gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout), use_acc=False,
+                      is_async=True)
+    # The accumulator is idle here (the last P V was waited for): rescale it under the S product.
+    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+    mbarrier.wait(v_ready.index(v_stage), ((i - 1) // NUM_STAGES) & 1)
+    acc = warpgroup_mma(p, v_smem.index(v_stage).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
+    mbarrier.arrive(peer_turn, count=1)
+    s = warpgroup_mma_wait(1, deps=(s,))
+    _release(k_free.index(k_stage))
+    cols = i * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    p_new, alpha, l_i, m_i = _softmax_step(s, m_i, l_i, cols, pos, seqlen_k, qk_scale, MASKED, IS_CAUSAL)
+    acc, p = warpgroup_mma_wait(0, deps=(acc, p))
+    _release(v_free.index(v_stage))
+    p = gl.convert_layout(p_new.to(q.dtype), p_operand)
+    return acc, p, alpha, m_i, l_i
+
+
+@gluon.jit
+def _attend(common, SIDE: gl.constexpr, GROUP: gl.constexpr, IS_CAUSAL: gl.constexpr, HAS_SINKS: gl.constexpr,
+            RETURN_LSE: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+            NUM_STAGES: gl.constexpr):
+    """Consumer warpgroup SIDE: query rows [m0 + SIDE * BLOCK_M, + BLOCK_M) of one (sequence, query
+    head) over every key tile the CTA visits; writes their out (through its Q buffer and a TMA store,
+    which drops rows past the sequence) and, with RETURN_LSE, their natural-log lse. A row with no
+    allowed key gets out 0 and lse +inf."""
+    (o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_free, v_free, turn0, turn1, Sinks, Lse,
+     qk_scale, seqlen_q, seqlen_k, stride_lb, stride_lh) = common
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_DIM, 16])
+    p_operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
+    o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
+    m_cta = _query_tile(IS_CAUSAL) * (2 * BLOCK_M)
+    m0 = m_cta + SIDE * BLOCK_M
+    off_h = gl.program_id(1)
+    off_b = gl.program_id(2)
+    if SIDE == 0:
+        my_turn = turn0
+        peer_turn = turn1
+    else:
+        my_turn = turn1
+        peer_turn = turn0
+    diag = seqlen_k - seqlen_q
+    n_tiles = _key_tiles(m_cta, 2 * BLOCK_M, seqlen_q, seqlen_k, IS_CAUSAL, BLOCK_N)
+    # Tiles [0, n_full) hold only keys every row of this warpgroup sees: no mask arithmetic there.
+    full_end = seqlen_k
+    if IS_CAUSAL:
+        full_end = gl.minimum(full_end, gl.maximum(diag + m0 + 1, 0))
+    n_full = gl.minimum(full_end // BLOCK_N, n_tiles)
+    pos = diag + m0 + gl.arange(0, BLOCK_M, layout=s_rows)
+
+    q_buf = q_smem.index(SIDE)
+    q = q_buf.reshape([BLOCK_M, HEAD_DIM])
+    mbarrier.wait(q_ready.index(SIDE), 0)
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=s_rows)
+    l_i = gl.zeros([BLOCK_M], gl.float32, layout=s_rows)
+    acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
+    alpha = gl.zeros([BLOCK_M], gl.float32, layout=s_rows)
+    p = gl.zeros([BLOCK_M, BLOCK_N], q.dtype, layout=p_operand)
+    if n_tiles > 0:
+        # Tile 0: its scores alone (the masked step: it may hold the diagonal).
+        mbarrier.wait(my_turn, 0)
+        mbarrier.wait(k_ready.index(0), 0)
+        k = k_smem.index(0).reshape([BLOCK_N, HEAD_DIM])
+        s = warpgroup_mma(q, k.permute((1, 0)), gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout),
+                          use_acc=False, is_async=True)
+        mbarrier.arrive(peer_turn, count=1)
+        s = warpgroup_mma_wait(0, deps=(s,))
+        _release(k_free.index(0))
+        cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        p_new, alpha, l_i, m_i = _softmax_step(s, m_i, l_i, cols, pos, seqlen_k, qk_scale, True, IS_CAUSAL)
+        p = gl.convert_layout(p_new.to(q.dtype), p_operand)
+    for i in range(1, n_full):
+        acc, p, alpha, m_i, l_i = _attend_tile(i, acc, p, alpha, m_i, l_i, q, k_smem, v_smem, k_ready, v_ready,
+                                               k_free, v_free, my_turn, peer_turn, pos, seqlen_k, qk_scale,
+                                               False, IS_CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES)
+    for i in range(gl.maximum(n_full, 1), n_tiles):
+        acc, p, alpha, m_i, l_i = _attend_tile(i, acc, p, alpha, m_i, l_i, q, k_smem, v_smem, k_ready, v_ready,
+                                               k_free, v_free, my_turn, peer_turn, pos, seqlen_k, qk_scale,
+                                               True, IS_CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES)
+    if n_tiles > 0:
+        # The last tile's P V, in this warpgroup's turn like every product.
+        last = n_tiles - 1
+        mbarrier.wait(my_turn, n_tiles & 1)
+        acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
+        mbarrier.wait(v_ready.index(last % NUM_STAGES), (last // NUM_STAGES) & 1)
+        acc = warpgroup_mma(p, v_smem.index(last % NUM_STAGES).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
+        mbarrier.arrive(peer_turn, count=1)
+        acc, p = warpgroup_mma_wait(0, deps=(acc, p))
+        _release(v_free.index(last % NUM_STAGES))
+
+    l_o = gl.convert_layout(l_i, o_rows)
+    empty = l_o == 0.0
+    lse2 = gl.convert_layout(m_i, o_rows) + gl.log2(gl.where(empty, 1.0, l_o))  # log2 units
+    scale = 1.0 / gl.where(empty, 1.0, l_o)
+    if HAS_SINKS:
+        sink = gl.load(Sinks + off_h) * LOG2E
+        # sigmoid(lse - sink): the sink's share of the softmax taken out, in log2 units.
+        scale = scale / (1.0 + gl.exp2(sink - gl.where(empty, 0.0, lse2)))
+    out = acc * gl.where(empty, 0.0, scale)[:, None]
+    # Q is dead (its last product was waited for): its buffer stages the tile for one TMA store.
+    q.store(out.to(q.dtype))
+    fence_async_shared()
+    gl.thread_barrier()
+    tma.async_copy_shared_to_global(o_desc, [off_b, m0, off_h, 0], q_buf)
+    if RETURN_LSE:
+        rows = m0 + gl.arange(0, BLOCK_M, layout=o_rows)
+        lse_row = Lse + off_b.to(gl.int64) * stride_lb + off_h.to(gl.int64) * stride_lh
+        gl.store(lse_row + rows, gl.where(empty, float("inf"), lse2 * LN2), mask=rows < seqlen_q)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _attention_fwd_ws_kernel(
+        q_desc, k_desc, v_desc, o_desc, Sinks, Lse,
+        qk_scale, seqlen_q, seqlen_k, stride_lb, stride_lh,
+        GROUP: gl.constexpr, IS_CAUSAL: gl.constexpr, HAS_SINKS: gl.constexpr, RETURN_LSE: gl.constexpr,
+        HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+        CONSUMER_REGS: gl.constexpr):
+    """One program: 2 * BLOCK_M query rows of one query head of one sequence (grid: query tiles, h_q,
+    batch), two consumer warpgroups of BLOCK_M rows and a producer warp. Query head h reads kv head
+    h // GROUP. The descriptors cover q, k, v and out as [b, s, h, d] with blocks [1, rows, 1, d].
+    Shared memory: both warpgroups' Q tiles (reused for out), NUM_STAGES stages of K and of V, the
+    barriers. CONSUMER_REGS: registers per thread of the second warpgroup (the first, the default
+    partition, gets what it and the producer leave)."""
+    dtype: gl.constexpr = q_desc.dtype
+    q_smem = gl.allocate_shared_memory(dtype, [2, 1, BLOCK_M, 1, HEAD_DIM], q_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, 1, BLOCK_N, 1, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, 1, BLOCK_N, 1, HEAD_DIM], v_desc.layout)
+    q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    # Each warpgroup's turn to issue products, a barrier of its own (a warpgroup waits on its own and
+    # arrives on the other's; in one allocation the compiler would order the two with a CTA barrier).
+    turn0 = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    turn1 = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(turn0, count=1)
+    mbarrier.init(turn1, count=1)
+    k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    k_free = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    v_free = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    for side in gl.static_range(2):
+        mbarrier.init(q_ready.index(side), count=1)
+    for stage in gl.static_range(NUM_STAGES):
+        mbarrier.init(k_ready.index(stage), count=1)
+        mbarrier.init(v_ready.index(stage), count=1)
+        mbarrier.init(k_free.index(stage), count=2)
+        mbarrier.init(v_free.index(stage), count=2)
+    # Warpgroup 0 takes the first turn.
+    mbarrier.arrive(turn0, count=1)
+    common = (o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_free, v_free, turn0, turn1, Sinks, Lse,
+              qk_scale, seqlen_q, seqlen_k, stride_lb, stride_lh)
+    gl.warp_specialize([
+        (_attend, (common, 0, GROUP, IS_CAUSAL, HAS_SINKS, RETURN_LSE, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES)),
+        (_attend, (common, 1, GROUP, IS_CAUSAL, HAS_SINKS, RETURN_LSE, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES)),
+        (_load_tiles, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_free, v_free,
+                       seqlen_q, seqlen_k, GROUP, IS_CAUSAL, BLOCK_M, BLOCK_N, NUM_STAGES)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+# ----------------------------------------------------------------------------- launcher
+_GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
+_ELEMENT_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+def _block_layout(rows: int, head_dim: int, elem: str) -> gl.NVMMASharedLayout:
+    """The shared layout of one [1, rows, 1, head_dim] TMA block (128-byte swizzle at d 64 and 128)."""
+    return gl.NVMMASharedLayout.get_default_for([1, rows, 1, head_dim], gl.bfloat16 if elem == "bf16" else gl.float16)
+
+
+def _strides(t: torch.Tensor) -> list[int]:
+    """`t`'s strides, those of size-1 dims (never stepped over, and free to be anything in torch) set to
+    what a packed layout would give them, so that they do not decide whether TMA can address `t`."""
+    strides = list(t.stride())
+    for i in range(t.dim() - 2, -1, -1):
+        if t.shape[i] == 1:
+            strides[i] = strides[i + 1] * t.shape[i + 1]
+    return strides
+
+
+def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
+    """A TMA descriptor over a [b, s, h, d] tensor whose blocks are `rows` rows of one head."""
+    d = t.shape[-1]
+    layout = _block_layout(rows, d, _ELEMENT_NAMES[t.dtype])
+    return TensorDescriptor(t, list(t.shape), _strides(t), [1, rows, 1, d], layout)
+
+
+def tma_addressable(t: torch.Tensor) -> bool:
+    """Whether TMA can address `t`: a 16-byte aligned base and every stride but the last (which the
+    contract makes 1) a positive multiple of 16 bytes (an expanded, stride-0 dim is not one)."""
+    elem = t.element_size()
+    return t.data_ptr() % 16 == 0 and all(stride > 0 and stride * elem % 16 == 0 for stride in _strides(t)[:-1])
+
+
+def warpspec_forward(args: Mapping, config: LaunchConfig, keep_lse: bool, launch: Callable[..., Any] = triton_launch
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Allocate out (and lse, when returned or kept for a backward) and run the warp-specialized forward
+    on padded [b, s, h, d] inputs that `tma_addressable` accepts. No tensor value is read on the host."""
+    q, k, v = args["q"], args["k"], args["v"]
+    sinks = args.get("sinks")
+    batch, s_q, h_q, d = q.shape
+    s_k, h_kv = k.shape[1], k.shape[2]
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = None
+    if keep_lse or args["return_lse"]:
+        lse = torch.empty((batch, h_q, s_q), dtype=torch.float32, device=q.device)
+    rows, keys = config.blocks["BLOCK_M"], config.blocks["BLOCK_N"]
+    launch(
+        _attention_fwd_ws_kernel, (triton.cdiv(s_q, 2 * rows), h_q, batch),
+        _descriptor(q, rows), _descriptor(k, keys), _descriptor(v, keys), _descriptor(out, rows),
+        sinks, lse if lse is not None else out,
+        float(args["sm_scale"]) * LOG2E.value, s_q, s_k, *(lse.stride()[:2] if lse is not None else (0, 0)),
+        GROUP=h_q // h_kv, IS_CAUSAL=bool(args["causal"]), HAS_SINKS=sinks is not None, RETURN_LSE=lse is not None,
+        HEAD_DIM=d, **config.blocks, num_warps=4)
+    return out, lse
+
+
+# ----------------------------------------------------------------------------- the variants
+def shared_bytes(config: LaunchConfig, head_dim: int, elem: int = 2) -> int:
+    """Shared memory of one program: both warpgroups' Q tiles, NUM_STAGES stages of K and of V, the
+    barriers (matches sm_90 compiles up to the alignment of the barriers)."""
+    blocks = config.blocks
+    tiles = 2 * blocks["BLOCK_M"] + 2 * blocks["NUM_STAGES"] * blocks["BLOCK_N"]
+    return elem * head_dim * tiles + 8 * (4 + 4 * blocks["NUM_STAGES"])
+
+
+def fits_consumers(config: LaunchConfig, key: Mapping) -> bool:
+    """Keep: 128 rows per warpgroup only with 64-key tiles at d 64 (the scores, P and the output
+    accumulator of 128 rows spill a consumer's registers otherwise: 144-272 B at d 128 on sm_90), and
+    at most 384 keys in the ring (deeper rings hold more than the loads need to stay ahead)."""
+    blocks = config.blocks
+    if blocks["BLOCK_M"] == 128 and (blocks["BLOCK_N"] != 64 or key["d"] > 64):
+        return False
+    return blocks["NUM_STAGES"] * blocks["BLOCK_N"] <= 384
+
+
+# BLOCK_M: query rows per consumer warpgroup (a CTA has two); NUM_STAGES: K/V ring depth; CONSUMER_REGS:
+# registers of the second consumer (setmaxnreg; the first gets what it and the producer's 24 leave of
+# 512). 10 configs at d 128, 16 at d 64.
+FORWARD_SPACE = ConfigSpace(
+    blocks={"BLOCK_M": (64, 128), "BLOCK_N": (64, 128), "NUM_STAGES": (2, 3, 4), "CONSUMER_REGS": (232, 240)},
+    knobs={"num_warps": (4,)},
+    keep=fits_consumers,
+    defaults={"*": {"BLOCK_M": 64, "BLOCK_N": 128, "NUM_STAGES": 2, "CONSUMER_REGS": 240, "num_warps": 4}},
+)
+# Per head dim, the fields that change the space's default (the first row whose head dim fits): d 128
+# has room for two 128-key stages beside Q (164 KB), d 64 for three (115 KB).
+FORWARD_HEAD_DIM_DEFAULTS = ((64, {"NUM_STAGES": 3}), (128, {}))
+
+
+class AttentionWarpSpecHopper:
+    """The warp-specialized forward's variant logic, mixed in before a tiled NVIDIA variant; each op
+    file registers one, setting `name` and `tiled` (that tiled variant's class). Its roles, kernels and
+    spaces are the tiled variant's but for the forward's (this kernel, FORWARD_SPACE); the calls this
+    kernel hands over run the tiled forward with the tiled variant's default config.
+
+    Hopper only (wgmma, TMA, setmaxnreg); head dims 64 and 128, fp16/bf16, no window. Higher priority
+    than the tiled variant: the default where it runs and no tuned entry names another."""
+
+    priority = 10
+    runs_in_interpreter = False
+    tiled: type
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.kernels = {**cls.tiled.kernels, "fwd": _attention_fwd_ws_kernel}
+        cls.spaces = {**cls.tiled.spaces, "fwd": FORWARD_SPACE}
+
+    def supports(self, key: dict, device) -> bool:
+        return (device.arch == "sm_90" and key["dtype"] in ("fp16", "bf16") and key["d"] in HEAD_DIMS
+                and key["window"] is None)
+
+    def role_default(self, role: str, key: dict, device) -> LaunchConfig:
+        if role != "fwd":
+            return super().role_default(role, key, device)
+        base = self.spaces["fwd"].default(device)
+        fields = {**base.blocks, **base.knobs()}
+        fields.update(next((row for d_max, row in FORWARD_HEAD_DIM_DEFAULTS if key["d"] <= d_max), {}))
+        config = self.spaces["fwd"].make(fields)
+        # A device with less shared memory than an H100/H200: fewer stages.
+        while self.prune_reason("fwd", config, key, device) is not None and config.blocks["NUM_STAGES"] > 2:
+            config = config.model_copy(update={"blocks": {**config.blocks,
+                                                          "NUM_STAGES": config.blocks["NUM_STAGES"] - 1}})
+        return config
+
+    def prune_reason(self, role: str, config: LaunchConfig, key: dict, device) -> str | None:
+        if role != "fwd":
+            return super().prune_reason(role, config, key, device)
+        expected = set(self.spaces["fwd"].blocks)
+        if set(config.blocks) != expected:
+            return f"blocks must be {sorted(expected)}, got {sorted(config.blocks)}"
+        need = shared_bytes(config, key["d"])
+        if need > device.shared_mem_bytes:
+            return f"needs ~{need} B of shared memory (> {device.shared_mem_bytes} B)"
+        return None
+
+    def run_forward(self, args: Mapping, config: LaunchConfig, keep_lse: bool,
+                    launch: Callable[..., Any] = triton_launch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """This kernel, or for varlen calls and inputs TMA cannot address, the tiled forward with the
+        tiled variant's default forward config for the call's key."""
+        if args["cu_seqlens_q"] is None and all(tma_addressable(args[name]) for name in ("q", "k", "v")):
+            return warpspec_forward(args, config, keep_lse, launch)
+        return attention_forward(args, self.fallback_config(args), keep_lse, launch)
+
+    def fallback_config(self, args: Mapping) -> LaunchConfig:
+        """The tiled variant's default forward config for the call's tuning key and device."""
+        from registry.device import detect
+        from registry.ops._dense_attention import dense_tuning_key
+
+        key = dict(dense_tuning_key(args))
+        device = detect(args["q"].device)
+        cache = self.__dict__.setdefault("_fallbacks", {})
+        found = cache.get((tuple(key.items()), device.key))
+        if found is None:
+            found = cache[(tuple(key.items()), device.key)] = self.tiled().role_default("fwd", key, device)
+        return found
+
+    def compile_specs(self, key: dict, config: CallConfig, dtype: str = "bf16") -> list[CompileSpec]:
+        """This forward (with sinks when the key has them, and lse) and the tiled backward kernels."""
+        specs = [forward_compile_spec(key, config["fwd"], key.get("dtype", dtype))] if "fwd" in config else []
+        return specs + attention_compile_specs(key, config, tuple(r for r in self.roles[1:] if r in config), dtype)
+
+
+def _descriptor_type(elem: str, rows: int, head_dim: int) -> str:
+    """The JIT's signature type of a `_descriptor` argument (what `triton.runtime.jit.mangle_type` gives)."""
+    return f"tensordesc<{elem}[1, {rows}, 1, {head_dim}],{_block_layout(rows, head_dim, elem)!r}>"
+
+
+def forward_compile_spec(key: Mapping, config: LaunchConfig, elem: str) -> CompileSpec:
+    """The warp-specialized forward as a call with this key launches it (RETURN_LSE on, the heavier)."""
+    fn = _attention_fwd_ws_kernel
+    d, rows, keys = int(key["d"]), config.blocks["BLOCK_M"], config.blocks["BLOCK_N"]
+    constexprs = {"GROUP": int(key["h_q"]) // int(key["h_kv"]), "IS_CAUSAL": bool(key["causal"]),
+                  "HAS_SINKS": bool(key.get("sinks", False)), "RETURN_LSE": True, "HEAD_DIM": d, **config.blocks}
+    signature = {"q_desc": _descriptor_type(elem, rows, d), "o_desc": _descriptor_type(elem, rows, d),
+                 "k_desc": _descriptor_type(elem, keys, d), "v_desc": _descriptor_type(elem, keys, d),
+                 "Sinks": "*fp32", "Lse": "*fp32", "qk_scale": "fp32",
+                 "seqlen_q": "i32", "seqlen_k": "i32", "stride_lb": "i32", "stride_lh": "i32"}
+    return CompileSpec("fwd", fn, signature, constexprs, {"num_warps": 4})

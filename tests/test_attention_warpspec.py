@@ -1,0 +1,344 @@
+"""The Hopper Gluon forward of the attention family (kernels/nvidia/attention_warpspec.py:
+flash_attention_warpspec, sink_attention_warpspec): where it runs, its config space, its backward (the
+tiled variants'), its offline sm_90 compiles, and the calls it hands to the tiled forward (varlen,
+inputs TMA cannot address), which run here in the interpreter. On an sm_90 GPU: the kernel against
+the reference in bf16 (odd lengths, s_q != s_k, GQA 1/4/8, sinks of +-30, causal and not, d 64 and
+128, lse), every config of its space, gradients through it, dispatch by name and the fallbacks.
+Its default configs at the ops' preset keys are compiled in test_shipped_and_default_configs.py."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from registry.catalog import load_all
+from registry.device import CPU, detect, preset
+from registry.dispatch import candidates
+from registry.ops import OPS
+from registry.ops._contract import random_normal
+from registry.testing import GRAD_TOLERANCE, TOLERANCE, assert_close, gradients, max_relative_error, reference_gradients
+from tuning.space import INTERPRETER_DTYPE
+from tuning_db.records import CallConfig, LaunchConfig
+
+from .conftest import HAS_GPU
+
+F, S = "flash_attention", "sink_attention"
+# (this variant, the tiled one) per op.
+NAMES = {F: ("flash_attention_warpspec", "flash_attention_tiled"),
+         S: ("sink_attention_warpspec", "sink_attention_flash")}
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _named(op: str, name: str):
+    return next(v for v in load_all()[op] if v.name == name and v.vendor == "nvidia")
+
+
+WARPSPEC = {op: _named(op, names[0]) for op, names in NAMES.items()}
+TILED = {op: _named(op, names[1]) for op, names in NAMES.items()}
+KEY = {"causal": True, "d": 128, "dtype": "bf16", "h_kv": 16, "h_q": 16, "s_k": 8192, "s_q": 8192, "window": None}
+ON_HOPPER = HAS_GPU and torch.cuda.get_device_capability() == (9, 0)
+hopper = pytest.mark.skipif(not ON_HOPPER, reason="needs an sm_90 GPU (H100/H200)")
+
+
+# ----------------------------------------------------------------------------- variant data, no kernel runs
+@pytest.mark.parametrize("changes,expected", [
+    ({}, True),
+    ({"d": 64}, True),
+    ({"dtype": "fp16"}, True),
+    ({"causal": False, "h_kv": 2}, True),
+    ({"s_q": 1, "s_k": 32768}, True),
+    ({"window": 128}, False),          # windows: the tiled kernel visits only the keys a window reaches
+    ({"d": 256}, False),
+    ({"d": 96}, False),                # a TMA box per head dim 64 or 128 only
+    ({"d": 32}, False),
+    ({"dtype": "fp32"}, False),
+])
+@pytest.mark.parametrize("op", [F, S])
+def test_supports_hopper_keys_only(op, changes, expected):
+    key = {**KEY, **({"sinks": True} if op == S else {}), **changes}
+    for target in ("h100", "h200"):
+        assert WARPSPEC[op].supports(key, preset(target)) is expected
+    for other in ("mi300x", "mi355x", "cpu"):
+        assert not WARPSPEC[op].supports(key, preset(other))
+
+
+@pytest.mark.parametrize("op", [F, S])
+def test_registry_prefers_it_on_hopper_and_never_on_cpu(op):
+    warpspec, tiled = NAMES[op]
+    for target in ("h100", "h200"):
+        assert [v.name for v in candidates(op, "nvidia", None, KEY, preset(target))] == [warpspec, tiled]
+        assert [v.name for v in candidates(op, "nvidia", None, {**KEY, "window": 64}, preset(target))] == [tiled]
+    assert [v.name for v in candidates(op, "nvidia", None, KEY, CPU)] == [tiled]
+    assert not WARPSPEC[op].runs_in_interpreter and WARPSPEC[op].priority > TILED[op].priority
+
+
+def test_space_and_pruning():
+    """Rows per warpgroup, key tiles, ring depth and the second consumer's registers: 10 configs at
+    d 128 (128-row warpgroups spill there), 16 at d 64; every one fits an H100/H200's shared memory, and
+    the estimate is what sm_90 compiles allocate, give or take the barriers' alignment."""
+    from kernels.nvidia.attention_warpspec import shared_bytes
+
+    target = preset("h200")
+    warpspec = WARPSPEC[F]
+    for d, size in ((128, 10), (64, 16)):
+        key = {**KEY, "d": d}
+        space = warpspec.space(key, target)["fwd"]
+        assert len(space) == len(set(space)) == size
+        assert {c.num_warps for c in space} == {4}
+        assert {c.blocks["CONSUMER_REGS"] for c in space} == {232, 240}
+        assert all(c.blocks["NUM_STAGES"] * c.blocks["BLOCK_N"] <= 384 for c in space)
+        assert all(warpspec.prune_reason("fwd", c, key, target) is None for c in space)
+        assert warpspec.default_config(key, target)["fwd"] in space
+        assert ({c.blocks["BLOCK_M"] for c in space} == {64}) is (d == 128)
+    # Measured with tuning.compile_check (bf16, sm_90): the d 128 default and the largest config.
+    default = warpspec.default_config(KEY, target)["fwd"]
+    assert 0 <= 164_208 - shared_bytes(default, 128) < 512
+    widest = LaunchConfig(blocks={**default.blocks, "NUM_STAGES": 3}, num_warps=4)
+    assert 0 <= 229_808 - shared_bytes(widest, 128) < 512 and shared_bytes(widest, 128) < target.shared_mem_bytes
+    assert warpspec.prune_reason("fwd", LaunchConfig(blocks={"BLOCK_M": 64}), KEY, target).startswith("blocks")
+
+
+@pytest.mark.parametrize("op", [F, S])
+def test_backward_is_the_tiled_variants(op):
+    warpspec, tiled = WARPSPEC[op], TILED[op]
+    assert warpspec.roles == tiled.roles == ("fwd", "bwd_pre", "bwd_dkv", "bwd_dq")
+    assert warpspec.kernels["fwd"] is not tiled.kernels["fwd"]
+    for role in warpspec.roles[1:]:
+        assert warpspec.kernels[role] is tiled.kernels[role]
+        assert warpspec.spaces[role] is tiled.spaces[role]
+        assert warpspec.default_config(KEY, preset("h200"))[role] == tiled.default_config(KEY, preset("h200"))[role]
+    assert warpspec.source_hash != tiled.source_hash
+
+
+def test_descriptor_types_are_what_the_jit_sees():
+    """The offline compiles type the descriptors as the JIT types the launcher's (a different string
+    would compile another kernel than the one that runs)."""
+    from triton.runtime.jit import mangle_type
+
+    from kernels.nvidia.attention_warpspec import _descriptor, _descriptor_type
+
+    for dtype, elem in ((torch.bfloat16, "bf16"), (torch.float16, "fp16")):
+        for rows, d in ((64, 128), (128, 64)):
+            t = torch.empty(2, 300, 4, d, dtype=dtype)
+            assert mangle_type(_descriptor(t, rows)) == _descriptor_type(elem, rows, d)
+
+
+def test_which_inputs_tma_can_address():
+    """16-byte aligned bases and strides (size-1 dims aside); the rest runs the tiled forward."""
+    from kernels.nvidia.attention_warpspec import tma_addressable
+
+    def strided(shape, d_alloc=64, order=(0, 1, 2, 3)):
+        full = torch.empty([shape[i] for i in order[:3]] + [d_alloc], dtype=torch.bfloat16)
+        return full.permute(*[order.index(i) for i in range(4)])[..., :64]
+
+    assert tma_addressable(strided((2, 300, 4, 64)))
+    assert tma_addressable(strided((2, 300, 4, 64), order=(0, 2, 1, 3)))  # [b, h, s, d] memory
+    assert tma_addressable(strided((2, 300, 4, 64), d_alloc=72))           # rows padded to 144 bytes
+    assert not tma_addressable(strided((2, 300, 4, 64), d_alloc=68))       # 136-byte rows
+    assert not tma_addressable(torch.empty(2, 300, 1, 64, dtype=torch.bfloat16).expand(2, 300, 4, 64))
+    assert not tma_addressable(torch.empty(2 * 300 * 4 * 64 + 1, dtype=torch.bfloat16)[1:].view(2, 300, 4, 64))
+    # A size-1 batch's stride is never stepped over, whatever torch says it is.
+    assert tma_addressable(torch.empty(300, 4, 64, dtype=torch.bfloat16).as_strided((1, 300, 4, 64), (3, 256, 64, 1)))
+
+
+# (key changes, forward blocks): the space's corners, compiled offline for sm_90 beside the defaults
+# that test_shipped_and_default_configs compiles: the largest shared memory (d 128, three 128-key
+# stages), 128-row warpgroups (d 64), GQA with sinks in fp16 without causal masks.
+CORNERS = [
+    ({}, {"BLOCK_M": 64, "BLOCK_N": 128, "NUM_STAGES": 3, "CONSUMER_REGS": 232}),
+    ({"d": 64}, {"BLOCK_M": 128, "BLOCK_N": 64, "NUM_STAGES": 4, "CONSUMER_REGS": 240}),
+    ({"d": 64, "h_q": 64, "h_kv": 8, "causal": False, "dtype": "fp16", "sinks": True},
+     {"BLOCK_M": 64, "BLOCK_N": 64, "NUM_STAGES": 4, "CONSUMER_REGS": 232}),
+]
+
+
+def test_space_corners_compile_for_sm_90_without_spills():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    for changes, blocks in CORNERS:
+        op = S if "sinks" in changes else F
+        config = {"fwd": {"blocks": blocks, "num_warps": 4}}
+        argv = ["--variant", NAMES[op][0], "--vendor", "nvidia", "--target", "h200", "--roles", "fwd", "--json",
+                "--key-json", json.dumps({**KEY, **changes}), "--config-json", json.dumps(config)]
+        proc = subprocess.run([sys.executable, "-m", "tuning.compile_check", *argv], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=600)
+        (row,) = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+        assert proc.returncode == 0 and row["fits"] and row["spills"] == 0, (row, proc.stderr[-2000:])
+        assert row["kernel"] == "_attention_fwd_ws_kernel" and row["config"]["fwd"]["blocks"] == blocks
+        assert row["shared_bytes"] <= preset("h200").shared_mem_bytes
+
+
+# ----------------------------------------------------------------------------- inputs
+DEVICE = torch.device("cuda" if HAS_GPU else "cpu")
+DTYPE = torch.bfloat16 if HAS_GPU else INTERPRETER_DTYPE
+
+
+def _make(op: str, b, s_q, s_k, h_q, h_kv, d, *, sinks=None, seed=0, dtype=None, **kw) -> dict:
+    """Validated arguments: random q, k, v; sinks None, "random" (around ln s_k) or one value per head
+    (repeated over the heads)."""
+    gen = torch.Generator().manual_seed(seed)
+    dtype = dtype or DTYPE
+    q = random_normal((b, s_q, h_q, d), device=DEVICE, dtype=dtype, generator=gen)
+    k = random_normal((b, s_k, h_kv, d), device=DEVICE, dtype=dtype, generator=gen)
+    v = random_normal((b, s_k, h_kv, d), device=DEVICE, dtype=dtype, generator=gen)
+    if op == S:
+        if isinstance(sinks, str):
+            sinks = random_normal((h_q,), device=DEVICE, dtype=torch.float32, generator=gen, scale=2.0) + math.log(s_k)
+        elif sinks is not None:
+            sinks = torch.tensor(sinks, dtype=torch.float32).repeat(h_q // len(sinks)).to(DEVICE)
+        kw["sinks"] = sinks
+    return OPS[op].validate(q, k, v, **{"return_lse": True, **kw})
+
+
+def _packed(op: str, seed: int = 3) -> dict:
+    """A varlen call: three sequences, one of length 1 (GQA 4, causal, sinks for sink_attention)."""
+    gen = torch.Generator().manual_seed(seed)
+    lens_q, lens_k = [19, 1, 40], [33, 5, 40]
+    total_q, total_k = sum(lens_q), sum(lens_k)
+    cu_q = torch.tensor([0, 19, 20, 60], dtype=torch.int32, device=DEVICE)
+    cu_k = torch.tensor([0, 33, 38, 78], dtype=torch.int32, device=DEVICE)
+    q = random_normal((total_q, 8, 64), device=DEVICE, dtype=DTYPE, generator=gen)
+    k = random_normal((total_k, 2, 64), device=DEVICE, dtype=DTYPE, generator=gen)
+    v = random_normal((total_k, 2, 64), device=DEVICE, dtype=DTYPE, generator=gen)
+    extra = {"sinks": random_normal((8,), device=DEVICE, dtype=torch.float32, generator=gen) + 3.0} if op == S else {}
+    return OPS[op].validate(q, k, v, causal=True, return_lse=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                            max_seqlen_q=max(lens_q), max_seqlen_k=max(lens_k), **extra)
+
+
+def _misaligned(op: str, args: dict) -> dict:
+    """The same call with q moved to a base 2 bytes past a 16-byte boundary (its strides unchanged)."""
+    q = args["q"]
+    room = torch.empty(q.numel() + 8, dtype=q.dtype, device=q.device)
+    moved = room[1:1 + q.numel()].view(q.shape).copy_(q)
+    assert moved.data_ptr() % 16
+    return OPS[op].validate(**{**args, "q": moved})
+
+
+@pytest.fixture
+def no_gluon(monkeypatch):
+    """The warp-specialized launcher fails if called: what runs is the tiled forward."""
+    import kernels.nvidia.attention_warpspec as module
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the warp-specialized kernel ran on a call it must hand over")
+
+    monkeypatch.setattr(module, "warpspec_forward", refuse)
+
+
+@pytest.mark.parametrize("op", [F, S])
+def test_calls_it_hands_over_run_the_tiled_forward(op, no_gluon):
+    """Varlen calls and a q that TMA cannot address run the tiled forward with the tiled variant's
+    default forward config for the key; the backward is the tiled kernels' either way (here in the
+    interpreter; on a GPU through its own kernels)."""
+    variant = WARPSPEC[op]
+    device = detect(DEVICE)
+    for args in (_packed(op), _misaligned(op, _make(op, 1, 21, 37, 4, 1, 64, sinks="random", causal=True))):
+        key = dict(OPS[op].tuning_key(args))
+        # Off Hopper the backward roles take the interpreter's tiles (the forward's config is not read).
+        config = (variant if HAS_GPU else TILED[op]).default_config(key, device)
+        assert_close(variant.launch(args, config), OPS[op].reference(**args), TOLERANCE[DTYPE])
+        assert variant.fallback_config(args) == TILED[op].role_default("fwd", key, device)
+        if args["cu_seqlens_q"] is not None:
+            got, dout = gradients(OPS[op], lambda a, c=config: variant.launch(a, c), args)
+            expected = reference_gradients(OPS[op], args, dout)
+            assert max_relative_error([g.float() for g in got], expected) <= GRAD_TOLERANCE[DTYPE]
+
+
+# ----------------------------------------------------------------------------- on an sm_90 GPU
+def _error(variant, args: dict, config: CallConfig | None = None) -> float:
+    key = dict(OPS[variant.op].tuning_key(args))
+    config = config or variant.default_config(key, preset("h200"))
+    out = variant.launch(args, config)
+    if args["return_lse"]:
+        assert out[0].dtype == args["q"].dtype and out[1].dtype == torch.float32
+    return max_relative_error(out, OPS[variant.op].reference(**args))
+
+
+# (op, b, s_q, s_k, h_q, h_kv, d, causal, sinks, return_lse, dtype)
+CASES = {
+    "causal-1000-d128": (F, 2, 1000, 1000, 4, 4, 128, True, None, True, None),
+    "full-127-gqa4-d64": (F, 1, 127, 127, 8, 2, 64, False, None, True, None),
+    "causal-sq<sk-gqa8-d128": (F, 2, 17, 1000, 8, 1, 128, True, None, True, None),
+    "causal-sq>sk-empty-rows-d64": (F, 1, 1000, 17, 4, 4, 64, True, None, True, None),
+    "causal-q1-k8191-d128": (F, 1, 1, 8191, 4, 1, 128, True, None, True, None),
+    "causal-8191-fp16-no-lse": (F, 1, 8191, 8191, 2, 2, 64, True, None, False, torch.float16),
+    "full-1-d64": (F, 3, 1, 1, 2, 1, 64, False, None, True, None),
+    "sinks-causal-1000-gqa8-d64": (S, 1, 1000, 1000, 16, 2, 64, True, "random", True, None),
+    "sinks+-30-causal-gqa4-d128": (S, 2, 127, 300, 8, 2, 128, True, (30.0, -30.0), True, None),
+    "sinks+-30-full-sq>sk-d64": (S, 1, 300, 127, 4, 4, 64, False, (-30.0, 30.0), True, None),
+    "sinks-full-17-fp16-no-lse": (S, 2, 17, 17, 4, 1, 128, False, "random", False, torch.float16),
+}
+
+
+@hopper
+@pytest.mark.parametrize("case", list(CASES))
+def test_matches_reference(case):
+    op, b, s_q, s_k, h_q, h_kv, d, causal, sinks, lse, dtype = CASES[case]
+    args = _make(op, b, s_q, s_k, h_q, h_kv, d, sinks=sinks, causal=causal, return_lse=lse, dtype=dtype,
+                 seed=len(case))
+    err = _error(WARPSPEC[op], args)
+    assert err <= TOLERANCE[args["q"].dtype], f"{case}: relative error {err:.3g}"
+
+
+@hopper
+@pytest.mark.parametrize("d", [64, 128])
+def test_every_config_of_the_space_matches_reference(d):
+    """Causal GQA with lengths no tile divides, and s_q < s_k, at every config of the space."""
+    variant = WARPSPEC[S]
+    args = _make(S, 1, 999, 1001, 8, 2, d, sinks="random", causal=True, seed=d)
+    key = dict(OPS[S].tuning_key(args))
+    default = variant.default_config(key, preset("h200"))
+    expected = OPS[S].reference(**args)
+    for config in variant.space(key, preset("h200"))["fwd"]:
+        out = variant.launch(args, default.replace("fwd", config))
+        assert_close(out, expected, TOLERANCE[torch.bfloat16], what=str(config))
+
+
+@hopper
+@pytest.mark.parametrize("op,d", [(S, 64), (F, 128)])
+def test_gradients_through_its_forward(op, d):
+    """Autograd keeps its lse for the tiled backward kernels."""
+    variant = WARPSPEC[op]
+    args = _make(op, 2, 77, 93, 8, 2, d, sinks="random", causal=True, seed=5)
+    config = variant.default_config(dict(OPS[op].tuning_key(args)), preset("h200"))
+    got, dout = gradients(OPS[op], lambda a: variant.launch(a, config), args)
+    err = max_relative_error([g.float() for g in got], reference_gradients(OPS[op], args, dout))
+    assert err <= GRAD_TOLERANCE[torch.bfloat16]
+
+
+@hopper
+def test_strided_inputs():
+    """q from a packed qkv projection, k and v in [b, h, s, d] memory: 4-D descriptors take any
+    strides TMA can address."""
+    gen = torch.Generator().manual_seed(11)
+    b, s, h, d = 2, 333, 4, 128
+    qkv = random_normal((b, s, 3 * h, d), device=DEVICE, dtype=DTYPE, generator=gen)
+    kv = random_normal((2, b, h, s, d), device=DEVICE, dtype=DTYPE, generator=gen)
+    args = OPS[F].validate(qkv[:, :, :h], kv[0].transpose(1, 2), kv[1].transpose(1, 2), causal=True, return_lse=True)
+    assert args["q"].stride(1) == 3 * h * d and args["k"].stride(1) == d
+    assert _error(WARPSPEC[F], args) <= TOLERANCE[DTYPE]
+
+
+@hopper
+@pytest.mark.parametrize("op", [F, S])
+def test_dispatch_by_name_and_fallbacks(op, no_gluon, monkeypatch):
+    """Forced by name, a padded call runs this kernel; windowed calls go to the tiled variant through
+    dispatch; varlen calls, forced to this variant, run the tiled forward (the Gluon launcher refuses)."""
+    import registry
+
+    forced = registry.get(op, variant=NAMES[op][0])
+    args = _make(op, 1, 257, 257, 8, 2, 64, sinks="random", causal=True)
+    assert forced.choice(**args).variant.name == NAMES[op][0]
+    windowed = _make(op, 1, 257, 257, 8, 2, 64, sinks="random", causal=True, window=32)
+    assert registry.get(op).choice(**windowed).variant.name == NAMES[op][1]
+    packed = _packed(op)
+    assert forced.choice(**packed).variant.name == NAMES[op][0]
+    assert_close(forced(**packed), OPS[op].reference(**packed), TOLERANCE[DTYPE])
+    monkeypatch.undo()  # the Gluon launcher back: the padded call runs it
+    assert_close(forced(**args), OPS[op].reference(**args), TOLERANCE[DTYPE])
