@@ -266,7 +266,8 @@ def test_unknown_device_op_and_filter_are_clear_errors(tmp_path):
     (("--shapes", "huge"), "--shapes: flash_attention has presets tiny, full, got 'huge'"),
     (("--max-minutes", "-5"), "--max-minutes"),
     (("--trial-timeout", "0"), "--trial-timeout"),
-    (("--variant", "nope"), "--variant: flash_attention has nvidia variants flash_attention_tiled, got 'nope'"),
+    (("--variant", "nope"), "--variant: flash_attention has nvidia variants flash_attention_warpspec, "
+                            "flash_attention_tiled, got 'nope'"),
     (("--filter", "BLOCK_Z=3"), "--filter BLOCK_Z=3: selects no config of flash_attention"),
     (("--filter", "speed=3"), "--filter: 'speed' is neither a block"),
     (("--roles", "split"), "--roles: flash_attention's variants have the roles bwd_dkv, bwd_dq, bwd_pre, fwd, "
