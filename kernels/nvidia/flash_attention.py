@@ -7,6 +7,9 @@ resident ones (the forward's and dQ's K and V stream past a resident Q tile; dK/
 past resident K and V), so deep pipelines fit the 227 KiB only with narrow streamed tiles. 8 warps are
 two warpgroups of 64 rows each (wgmma's M): a tile with fewer rows than 128 gives the second one
 nothing to split, which is what `two_warpgroups_need_128_rows` keeps out.
+
+`flash_attention_warpspec` (registered last) is the same variant with the Hopper Gluon forward of
+kernels/nvidia/attention_warpspec.py in place of the tiled forward.
 """
 
 from kernels.base import Variant
