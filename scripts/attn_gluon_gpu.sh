@@ -7,25 +7,10 @@
 # rows with it. Logs and CSV rows under $OUT (else ./.gpu-out).
 #   export OUT; scripts/on_device.sh bash scripts/attn_gluon_gpu.sh
 set -euo pipefail
-cd "$(dirname "$0")/.."
-if [ -z "${KREG_ON_DEVICE:-}" ] && [ -d .whl ]; then
-    KREG_ON_DEVICE=1 exec scripts/on_device.sh bash "$0" "$@"
-fi
-unset TRITON_INTERPRET
-OUT="${OUT:-$PWD/.gpu-out}"
-mkdir -p "$OUT"
+source "$(dirname "$0")/gpu_common.sh"
 START=$SECONDS
 BUDGET_S=${BUDGET_S:-450}  # the whole script
 TESTS_S=${TESTS_S:-210}    # each test process
-python3 -c "from registry.device import detect; d = detect(); print('device:', d.key, d.name, d.num_sms, 'SMs')" \
-    | tee "$OUT/device.txt"
-
-report() {  # name, pid, log: the summary line, and the log's tail when the run failed
-    local status=0
-    wait "$2" || status=$?
-    echo "$1: exit $status: $(tail -n 1 "$3")"
-    if [ "$status" -ne 0 ]; then tail -n 30 "$3"; fi
-}
 
 # (a) GPU tests in bf16 (conftest leaves TRITON_INTERPRET unset when a GPU is present).
 timeout "$TESTS_S" python3 -m pytest -q -p no:cacheprovider tests/test_attention_warpspec.py -k "not every_config" \

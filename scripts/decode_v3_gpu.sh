@@ -6,26 +6,11 @@
 #   scripts/decode_v3_gpu.sh            (writes under $OUT, else ./.gpu-out)
 # Without network: carry .whl/ (scripts/fetch_wheels.sh) and the wheels are installed by on_device.sh.
 set -euo pipefail
-cd "$(dirname "$0")/.."
-if [ -z "${KREG_ON_DEVICE:-}" ] && [ -d .whl ]; then
-    KREG_ON_DEVICE=1 exec scripts/on_device.sh bash "$0" "$@"
-fi
-unset TRITON_INTERPRET
-OUT="${OUT:-$PWD/.gpu-out}"
-mkdir -p "$OUT"
+source "$(dirname "$0")/gpu_common.sh"
 START=$SECONDS
 BUDGET_S=${BUDGET_S:-530}  # the whole script; the benchmark keeps BENCH_S of it
 BENCH_S=${BENCH_S:-130}
 DB="sqlite:///$OUT/decode.db"
-python3 -c "from registry.device import detect; d = detect(); print('device:', d.key, d.name, d.num_sms, 'SMs')" \
-    | tee "$OUT/device.txt"
-
-report() {  # name, pid, log: the summary line, and the log's tail when the run failed
-    local status=0
-    wait "$2" || status=$?
-    echo "$1: exit $status: $(tail -n 1 "$3")"
-    if [ "$status" -ne 0 ]; then tail -n 40 "$3"; fi
-}
 
 # (a) GPU tests (bf16; conftest leaves TRITON_INTERPRET unset when a GPU is present), two processes.
 timeout 200 python3 -m pytest -q -x -p no:cacheprovider tests/test_decode_kernel.py > "$OUT/test_decode_kernel.log" 2>&1 &
