@@ -99,6 +99,20 @@ def _rotate(x1, x2, cos, sin):
 
 
 @triton.jit
+def _load_halves(X, off, ok, HALF: tl.constexpr):
+    """A head tile's two halves (offsets `off` and `off + HALF`) as fp32, zeros where masked."""
+    return (tl.load(X + off, mask=ok, other=0.0).to(tl.float32),
+            tl.load(X + off + HALF, mask=ok, other=0.0).to(tl.float32))
+
+
+@triton.jit
+def _store_halves(X, off, ok, y1, y2, HALF: tl.constexpr):
+    """Store a head tile's two halves in X's dtype."""
+    tl.store(X + off, y1.to(X.dtype.element_ty), mask=ok)
+    tl.store(X + off + HALF, y2.to(X.dtype.element_ty), mask=ok)
+
+
+@triton.jit
 def _sincos(angle):
     """(sin, cos) of fp32 angles to ~1e-7, with no library call: Triton's tl.sin and tl.cos are
     libdevice's on NVIDIA, whose path for arguments past ~1e5 keeps a 32-byte local array (stack memory
@@ -154,26 +168,19 @@ def _gsa_rope_value_gate_kernel(
         k_in, ok = _head_tile(b, t0, h0, t, h_kv, stride_kb, stride_kt, stride_kh, BLOCK_H, BLOCK_T, HALF, HALF_PAD)
         v_in, _ = _head_tile(b, t0, h0, t, h_kv, stride_vb, stride_vt, stride_vh, BLOCK_H, BLOCK_T, HALF, HALF_PAD)
         g_in, _ = _head_tile(b, t0, h0, t, h_kv, stride_gb, stride_gt, stride_gh, BLOCK_H, BLOCK_T, HALF, HALF_PAD)
-        k1 = tl.load(K + k_in, mask=ok, other=0.0).to(tl.float32)
-        k2 = tl.load(K + k_in + HALF, mask=ok, other=0.0).to(tl.float32)
-        v1 = tl.load(V + v_in, mask=ok, other=0.0).to(tl.float32)
-        v2 = tl.load(V + v_in + HALF, mask=ok, other=0.0).to(tl.float32)
-        g1 = tl.load(G + g_in, mask=ok, other=0.0).to(tl.float32)
-        g2 = tl.load(G + g_in + HALF, mask=ok, other=0.0).to(tl.float32)
+        k1, k2 = _load_halves(K, k_in, ok, HALF)
+        v1, v2 = _load_halves(V, v_in, ok, HALF)
+        g1, g2 = _load_halves(G, g_in, ok, HALF)
         out, _ = _head_tile(b, t0, h0, t, h_kv, stride_kob, stride_kot, stride_koh, BLOCK_H, BLOCK_T, HALF, HALF_PAD)
         y1, y2 = _rotate(k1, k2, cos, sin)
-        tl.store(KO + out, y1.to(KO.dtype.element_ty), mask=ok)
-        tl.store(KO + out + HALF, y2.to(KO.dtype.element_ty), mask=ok)
-        tl.store(VO + out, (v1 * tl.sigmoid(g1)).to(VO.dtype.element_ty), mask=ok)
-        tl.store(VO + out + HALF, (v2 * tl.sigmoid(g2)).to(VO.dtype.element_ty), mask=ok)
+        _store_halves(KO, out, ok, y1, y2, HALF)
+        _store_halves(VO, out, ok, v1 * tl.sigmoid(g1), v2 * tl.sigmoid(g2), HALF)
     if h0 < h_q:
         q_in, ok = _head_tile(b, t0, h0, t, h_q, stride_qb, stride_qt, stride_qh, BLOCK_H, BLOCK_T, HALF, HALF_PAD)
-        q1 = tl.load(Q + q_in, mask=ok, other=0.0).to(tl.float32)
-        q2 = tl.load(Q + q_in + HALF, mask=ok, other=0.0).to(tl.float32)
+        q1, q2 = _load_halves(Q, q_in, ok, HALF)
         out, _ = _head_tile(b, t0, h0, t, h_q, stride_qob, stride_qot, stride_qoh, BLOCK_H, BLOCK_T, HALF, HALF_PAD)
         y1, y2 = _rotate(q1, q2, cos, sin)
-        tl.store(QO + out, y1.to(QO.dtype.element_ty), mask=ok)
-        tl.store(QO + out + HALF, y2.to(QO.dtype.element_ty), mask=ok)
+        _store_halves(QO, out, ok, y1, y2, HALF)
 
 
 @triton.jit
@@ -200,31 +207,23 @@ def _gsa_rope_value_gate_bwd_kernel(
                               HALF_PAD)
         v_in, _ = _head_tile(b, t0, h0, t, h_kv, stride_vb, stride_vt, stride_vh, BLOCK_H, BLOCK_T, HALF, HALF_PAD)
         g_in, _ = _head_tile(b, t0, h0, t, h_kv, stride_gb, stride_gt, stride_gh, BLOCK_H, BLOCK_T, HALF, HALF_PAD)
-        dk1 = tl.load(DKO + dk_in, mask=ok, other=0.0).to(tl.float32)
-        dk2 = tl.load(DKO + dk_in + HALF, mask=ok, other=0.0).to(tl.float32)
-        dv1 = tl.load(DVO + dv_in, mask=ok, other=0.0).to(tl.float32)
-        dv2 = tl.load(DVO + dv_in + HALF, mask=ok, other=0.0).to(tl.float32)
-        v1 = tl.load(V + v_in, mask=ok, other=0.0).to(tl.float32)
-        v2 = tl.load(V + v_in + HALF, mask=ok, other=0.0).to(tl.float32)
-        s1 = tl.sigmoid(tl.load(G + g_in, mask=ok, other=0.0).to(tl.float32))
-        s2 = tl.sigmoid(tl.load(G + g_in + HALF, mask=ok, other=0.0).to(tl.float32))
+        dk1, dk2 = _load_halves(DKO, dk_in, ok, HALF)
+        dv1, dv2 = _load_halves(DVO, dv_in, ok, HALF)
+        v1, v2 = _load_halves(V, v_in, ok, HALF)
+        g1, g2 = _load_halves(G, g_in, ok, HALF)
+        s1, s2 = tl.sigmoid(g1), tl.sigmoid(g2)
         out, _ = _head_tile(b, t0, h0, t, h_kv, stride_dkb, stride_dkt, stride_dkh, BLOCK_H, BLOCK_T, HALF, HALF_PAD)
         x1, x2 = _rotate(dk1, dk2, cos, -sin)
-        tl.store(DK + out, x1.to(DK.dtype.element_ty), mask=ok)
-        tl.store(DK + out + HALF, x2.to(DK.dtype.element_ty), mask=ok)
-        tl.store(DV + out, (dv1 * s1).to(DV.dtype.element_ty), mask=ok)
-        tl.store(DV + out + HALF, (dv2 * s2).to(DV.dtype.element_ty), mask=ok)
-        tl.store(DG + out, (dv1 * v1 * s1 * (1.0 - s1)).to(DG.dtype.element_ty), mask=ok)
-        tl.store(DG + out + HALF, (dv2 * v2 * s2 * (1.0 - s2)).to(DG.dtype.element_ty), mask=ok)
+        _store_halves(DK, out, ok, x1, x2, HALF)
+        _store_halves(DV, out, ok, dv1 * s1, dv2 * s2, HALF)
+        _store_halves(DG, out, ok, dv1 * v1 * s1 * (1.0 - s1), dv2 * v2 * s2 * (1.0 - s2), HALF)
     if h0 < h_q:
         dq_in, ok = _head_tile(b, t0, h0, t, h_q, stride_dqob, stride_dqot, stride_dqoh, BLOCK_H, BLOCK_T, HALF,
                                HALF_PAD)
-        dq1 = tl.load(DQO + dq_in, mask=ok, other=0.0).to(tl.float32)
-        dq2 = tl.load(DQO + dq_in + HALF, mask=ok, other=0.0).to(tl.float32)
+        dq1, dq2 = _load_halves(DQO, dq_in, ok, HALF)
         out, _ = _head_tile(b, t0, h0, t, h_q, stride_dqb, stride_dqt, stride_dqh, BLOCK_H, BLOCK_T, HALF, HALF_PAD)
         x1, x2 = _rotate(dq1, dq2, cos, -sin)
-        tl.store(DQ + out, x1.to(DQ.dtype.element_ty), mask=ok)
-        tl.store(DQ + out + HALF, x2.to(DQ.dtype.element_ty), mask=ok)
+        _store_halves(DQ, out, ok, x1, x2, HALF)
 
 
 @triton.jit
