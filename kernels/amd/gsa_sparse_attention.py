@@ -13,17 +13,15 @@ waves_per_eu 2 caps a lane at 256 VGPRs. Its extras pass and backward are the he
 the head-block spaces.
 """
 
-from dataclasses import replace
-
 from kernels.amd.flash_attention import rows_per_wavefront_of
 from kernels.base import Variant
 from kernels.common.gsa_sparse_attention import (
-    BUILD_SPACE,
     INTERPRETER_DENSE,
     INTERPRETER_DKV,
     INTERPRETER_FWD,
     GSASparseAttentionDenseBase,
     GSASparseAttentionHeadBlockBase,
+    dense_spaces,
     heads_fit,
 )
 from registry.catalog import register
@@ -59,27 +57,18 @@ class GSASparseAttentionHeadBlockAmd(GSASparseAttentionHeadBlockBase, Variant):
     TILE_REGS_LIMIT = 256
 
 
-_HEADBLOCK = GSASparseAttentionHeadBlockAmd.spaces
-
-
 @register
 class GSASparseAttentionDenseAmd(GSASparseAttentionDenseBase, Variant):
     vendor = "amd"
     # Untimed (no AMD GPU here); the defaults compile without spills for gfx942 and gfx950 at d 128
     # (benchmarks/NOTES.md, "GSA sparse attention, dense masked tiles").
-    spaces = {
-        "build": BUILD_SPACE,
-        "fwd_extras": replace(_HEADBLOCK["fwd"], interpreter=INTERPRETER_FWD[:1]),
-        "fwd": ConfigSpace(
-            blocks={"BLOCK_M": (32, 64, 128), "BLOCK_N": (16, 32, 64)},
-            knobs={"num_warps": (2, 4, 8), "num_stages": (1,), "waves_per_eu": (0, 1, 2),
-                   "matrix_instr_nonkdim": (16, 32), "kpack": (1,)},
-            arch={"gfx942": {"kpack": (1, 2)}}, keep=rows_per_wavefront_of("BLOCK_M"),
-            defaults={"*": {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1, "waves_per_eu": 2,
-                            "matrix_instr_nonkdim": 16, "kpack": 1}},
-            interpreter=INTERPRETER_DENSE,
-        ),
-        "bwd_dq": replace(_HEADBLOCK["bwd_dq"], interpreter=INTERPRETER_FWD[:1]),
-        "bwd_dkv": replace(_HEADBLOCK["bwd_dkv"], interpreter=INTERPRETER_DKV[:1]),
-    }
+    spaces = dense_spaces(GSASparseAttentionHeadBlockAmd.spaces, ConfigSpace(
+        blocks={"BLOCK_M": (32, 64, 128), "BLOCK_N": (16, 32, 64)},
+        knobs={"num_warps": (2, 4, 8), "num_stages": (1,), "waves_per_eu": (0, 1, 2),
+               "matrix_instr_nonkdim": (16, 32), "kpack": (1,)},
+        arch={"gfx942": {"kpack": (1, 2)}}, keep=rows_per_wavefront_of("BLOCK_M"),
+        defaults={"*": {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1, "waves_per_eu": 2,
+                        "matrix_instr_nonkdim": 16, "kpack": 1}},
+        interpreter=INTERPRETER_DENSE,
+    ))
     TILE_REGS_LIMIT = 256

@@ -795,3 +795,16 @@ BUILD_SPACE = ConfigSpace(
     defaults={"*": {"BLOCK_SLOTS": 256, "num_warps": 4, "num_stages": 1}},
     interpreter=INTERPRETER_BUILD,
 )
+
+
+def dense_spaces(headblock: dict[str, ConfigSpace], fwd: ConfigSpace) -> dict[str, ConfigSpace]:
+    """The dense variant's spaces for a vendor: its own `fwd` space, the shared build space, and the
+    head-block kernels' spaces for the extras pass and the backward (interpreter runs keep only their
+    default tiles: the head-block variant covers the other shapes)."""
+    return {
+        "build": BUILD_SPACE,
+        "fwd_extras": replace(headblock["fwd"], interpreter=INTERPRETER_FWD[:1]),
+        "fwd": fwd,
+        "bwd_dq": replace(headblock["bwd_dq"], interpreter=INTERPRETER_FWD[:1]),
+        "bwd_dkv": replace(headblock["bwd_dkv"], interpreter=INTERPRETER_DKV[:1]),
+    }

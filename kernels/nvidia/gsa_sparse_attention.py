@@ -9,16 +9,14 @@ bitmap tile loaded beside each score tile; 8 warps are two warpgroups of 64 rows
 tiles. Its extras pass and backward are the head-block kernels, with the head-block spaces.
 """
 
-from dataclasses import replace
-
 from kernels.base import Variant
 from kernels.common.gsa_sparse_attention import (
-    BUILD_SPACE,
     INTERPRETER_DENSE,
     INTERPRETER_DKV,
     INTERPRETER_FWD,
     GSASparseAttentionDenseBase,
     GSASparseAttentionHeadBlockBase,
+    dense_spaces,
     heads_fit,
 )
 from kernels.nvidia.flash_attention import two_warpgroups
@@ -52,26 +50,17 @@ class GSASparseAttentionHeadBlockNvidia(GSASparseAttentionHeadBlockBase, Variant
     }
 
 
-_HEADBLOCK = GSASparseAttentionHeadBlockNvidia.spaces
-
-
 @register
 class GSASparseAttentionDenseNvidia(GSASparseAttentionDenseBase, Variant):
     vendor = "nvidia"
-    # Untimed until the first H100/H200 sweep; the defaults compile without spills for sm_90 at d 128
-    # (benchmarks/NOTES.md, "GSA sparse attention, dense masked tiles").
-    spaces = {
-        "build": BUILD_SPACE,
-        "fwd_extras": replace(_HEADBLOCK["fwd"], interpreter=INTERPRETER_FWD[:1]),
-        "fwd": ConfigSpace(
-            blocks={"BLOCK_M": (64, 128), "BLOCK_N": (32, 64, 128)},
-            knobs={"num_warps": (4, 8), "num_stages": (2, 3)}, keep=two_warpgroups("BLOCK_M"),
-            defaults={"*": {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}},
-            interpreter=INTERPRETER_DENSE,
-        ),
-        "bwd_dq": replace(_HEADBLOCK["bwd_dq"], interpreter=INTERPRETER_FWD[:1]),
-        "bwd_dkv": replace(_HEADBLOCK["bwd_dkv"], interpreter=INTERPRETER_DKV[:1]),
-    }
+    # The defaults compile without spills for sm_90 at d 128; the H100 and H200 tables hold swept configs
+    # (benchmarks/NOTES.md, "GSA sparse attention, dense masked tiles" and session 11).
+    spaces = dense_spaces(GSASparseAttentionHeadBlockNvidia.spaces, ConfigSpace(
+        blocks={"BLOCK_M": (64, 128), "BLOCK_N": (32, 64, 128)},
+        knobs={"num_warps": (4, 8), "num_stages": (2, 3)}, keep=two_warpgroups("BLOCK_M"),
+        defaults={"*": {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}},
+        interpreter=INTERPRETER_DENSE,
+    ))
     # Above d 128 every config of the space spills on sm_90; 128 x 16 tiles, unpipelined, take 255
     # registers without spilling at d 256.
     WIDE_HEAD_FWD = {"BLOCK_N": 16, "num_stages": 1}
