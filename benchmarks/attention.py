@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 import registry
-from benchmarks.common import PROVIDER, Measurement, checked, checked_backward, explore, measure
+from benchmarks.common import PROVIDER, Measurement, checked, checked_backward, explore, long_rows, measure, write_csv
 from registry.ops import OPS
 from registry.testing import backward_call, cotangent, grad_leaves, max_relative_error
 from tuning.bench import rotating
@@ -243,7 +243,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{m.op:22} {m.shape:32} {m.provider:15} {m.median_ms:8.3f} ms {m.rate():6.1f} TFLOP/s "
               f"{sdpa.median_ms / m.median_ms:5.2f}x SDPA  rel err {err}", flush=True)
     if opts.csv:
-        from benchmarks.common import long_rows, write_csv
         from registry.device import detect
 
         write_csv(long_rows(rows, detect().name), opts.csv)

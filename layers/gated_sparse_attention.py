@@ -81,7 +81,7 @@ class SigmoidGate(nn.Module):
         self.gate_proj = nn.Linear(d_model, features, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.sigmoid(self.gate_proj(x))
+        return torch.sigmoid(self.logits(x))
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """W x, before the sigmoid (the fused kernels apply it)."""

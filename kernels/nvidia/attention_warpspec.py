@@ -35,6 +35,7 @@ compare it with the reference in bf16. Semantics: `registry.ops.flash_attention.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -329,8 +330,10 @@ _GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
 _ELEMENT_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 
+@functools.cache
 def _block_layout(rows: int, head_dim: int, elem: str) -> gl.NVMMASharedLayout:
-    """The shared layout of one [1, rows, 1, head_dim] TMA block (128-byte swizzle at d 64 and 128)."""
+    """The shared layout of one [1, rows, 1, head_dim] TMA block (128-byte swizzle at d 64 and 128);
+    cached, since every call builds four descriptors."""
     return gl.NVMMASharedLayout.get_default_for([1, rows, 1, head_dim], gl.bfloat16 if elem == "bf16" else gl.float16)
 
 
