@@ -56,8 +56,9 @@ def _variants():
 
 # Tiles other than the interpreter defaults for every role: other block shapes (16 rows against 32
 # keys and the reverse), more blocks per loop, other stage boundaries; the forward packs a GQA group's
-# heads along its rows (two heads: 16 rows of 8 tokens, where the case's group is even).
-OTHER_TILES = CallConfig({"fwd": LaunchConfig(blocks={"BLOCK_M": 16, "BLOCK_N": 16, "HEADS": 2}),
+# heads along its rows (two heads: 16 rows of 8 tokens, where the case's group is even) and walks its
+# key blocks in one masked loop (KEY_LOOPS 1) instead of three.
+OTHER_TILES = CallConfig({"fwd": LaunchConfig(blocks={"BLOCK_M": 16, "BLOCK_N": 16, "HEADS": 2, "KEY_LOOPS": 1}),
                           "bwd_pre": LaunchConfig(blocks={"BLOCK_M": 16}),
                           "bwd_dkv": LaunchConfig(blocks={"BLOCK_M": 32, "BLOCK_N": 16}),
                           "bwd_dq": LaunchConfig(blocks={"BLOCK_M": 16, "BLOCK_N": 32})})
@@ -186,6 +187,17 @@ def test_sinks_of_30_gradients():
     expected = reference_gradients(OPS[S], args, dout)
     assert max_relative_error([g.float() for g in got[:3]], expected[:3]) <= GRAD_RTOL
     assert torch.allclose(got[3], expected[3], rtol=GRAD_RTOL, atol=1e-9)
+
+
+@pytest.mark.parametrize("scale", [-0.3, 0.0])
+def test_negative_and_zero_scales(scale):
+    """The forward fuses the scale with the shift only for a positive scale (POSITIVE_SCALE); a negative
+    scale and zero (the uniform softmax) take the unfused path and match the reference, forward and
+    gradients, with sinks and a window."""
+    for vendor in VENDORS:
+        args = _make(S, 1, 23, 23, 4, 2, 64, sinks="random", causal=True, window=9, sm_scale=scale,
+                     seed=int(10 * abs(scale)) + len(vendor))
+        _check(_variant(S, vendor), args, grads=True, other=False)
 
 
 def test_non_contiguous_inputs_and_gradients():
@@ -411,15 +423,16 @@ def test_spaces_differ_only_by_vendor_data():
 def test_prune_reasons():
     nvidia, amd = _variant(F, "nvidia"), _variant(S, "amd")
     h200, mi300x = PRESETS["h200"], PRESETS["mi300x"]
-    huge = LaunchConfig(blocks={"BLOCK_M": 128, "BLOCK_N": 128, "HEADS": 1}, num_warps=8, num_stages=5)
+    huge = LaunchConfig(blocks={"BLOCK_M": 128, "BLOCK_N": 128, "HEADS": 1, "KEY_LOOPS": 3}, num_warps=8, num_stages=5)
     assert "shared memory" in nvidia.prune_reason("fwd", huge, KEY, h200)
     assert nvidia.prune_reason("fwd", huge.model_copy(update={"num_stages": 2}), KEY, h200) is None
-    wide = LaunchConfig(blocks={"BLOCK_M": 128, "BLOCK_N": 128, "HEADS": 1}, num_warps=8, num_stages=2, kpack=1)
+    wide = LaunchConfig(blocks={"BLOCK_M": 128, "BLOCK_N": 128, "HEADS": 1, "KEY_LOOPS": 3}, num_warps=8, num_stages=2,
+                        kpack=1)
     assert "LDS" in amd.prune_reason("fwd", wide, {**KEY, "d": 256}, mi300x)
     short = {**KEY, "s_q": 16}
     wide_dq = LaunchConfig(blocks={"BLOCK_M": 128, "BLOCK_N": 128}, num_warps=8, num_stages=2)
     assert "s_q bucket" in nvidia.prune_reason("bwd_dq", wide_dq, short, h200)
-    small = LaunchConfig(blocks={"BLOCK_M": 64, "BLOCK_N": 64, "HEADS": 1}, num_warps=4, num_stages=2)
+    small = LaunchConfig(blocks={"BLOCK_M": 64, "BLOCK_N": 64, "HEADS": 1, "KEY_LOOPS": 3}, num_warps=4, num_stages=2)
     assert nvidia.prune_reason("fwd", small, short, h200) is None  # the smallest BLOCK_M always survives
     assert "blocks must be" in nvidia.prune_reason("bwd_pre", small, KEY, h200)
     # Packed query heads must divide the GQA group (and so BLOCK_M): 4 of a group of 8 may run, 16 not.
@@ -430,6 +443,15 @@ def test_prune_reasons():
     too_many = small.model_copy(update={"blocks": {**small.blocks, "HEADS": 16}})
     assert "must divide the GQA group" in nvidia.prune_reason("fwd", too_many, gqa8, h200)
     assert nvidia.prune_reason("bwd_pre", LaunchConfig(blocks={"BLOCK_M": 128}), KEY, h200) is None
+
+
+def test_one_key_loop_only_for_windows():
+    """The forward spaces offer KEY_LOOPS 1 (one masked loop) at windowed keys only."""
+    for variant, device in ((_variant(F, "nvidia"), PRESETS["h200"]), (_variant(S, "amd"), PRESETS["mi355x"])):
+        loops = {c.blocks["KEY_LOOPS"] for c in variant.spaces["fwd"].configs({**KEY, "window": None}, device)}
+        assert loops == {3}
+        loops = {c.blocks["KEY_LOOPS"] for c in variant.spaces["fwd"].configs({**KEY, "window": 128}, device)}
+        assert loops == {1, 3}
 
 
 @pytest.mark.parametrize("d", [64, 80, 128, 256])

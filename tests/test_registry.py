@@ -138,7 +138,7 @@ def test_lookup_order_database_then_tables_then_nearest_then_default(tmp_path, m
 
     # Shipped tables: a table exported from another database, placed in the tables folder.
     other = __import__("tuning_db.store", fromlist=["TuningStore"]).TuningStore(f"sqlite:///{tmp_path / 'o.db'}")
-    shipped = LaunchConfig(blocks={"BLOCK_M": 16, "BLOCK_N": 32, "HEADS": 1}, num_warps=4, num_stages=2)
+    shipped = LaunchConfig(blocks={"BLOCK_M": 16, "BLOCK_N": 32, "HEADS": 1, "KEY_LOOPS": 3}, num_warps=4, num_stages=2)
     other.upsert_tuned(_tuned("flash_attention", key_json, shipped), KERNEL_INFO)
     tables = tmp_path / "tables"
     export_json(other, KERNEL_INFO.key, "flash_attention", tables)
@@ -151,7 +151,7 @@ def test_lookup_order_database_then_tables_then_nearest_then_default(tmp_path, m
     assert (choice.source, choice.config["fwd"]) == ("tables", shipped)
 
     # The user's database wins over shipped tables.
-    mine = LaunchConfig(blocks={"BLOCK_M": 32, "BLOCK_N": 16, "HEADS": 1}, num_warps=4, num_stages=2)
+    mine = LaunchConfig(blocks={"BLOCK_M": 32, "BLOCK_N": 16, "HEADS": 1, "KEY_LOOPS": 3}, num_warps=4, num_stages=2)
     dispatch.user_store().upsert_tuned(_tuned("flash_attention", key_json, mine), KERNEL_INFO)
     registry.clear_caches()
     choice = handle.choice(**kwargs)
@@ -167,7 +167,7 @@ def test_lookup_order_database_then_tables_then_nearest_then_default(tmp_path, m
     # is never launched for this vendor.
     if not HAS_GPU:
         other_vendor = "amd" if VENDORS[0] == "nvidia" else "nvidia"
-        theirs = LaunchConfig(blocks={"BLOCK_M": 16, "BLOCK_N": 16, "HEADS": 1})
+        theirs = LaunchConfig(blocks={"BLOCK_M": 16, "BLOCK_N": 16, "HEADS": 1, "KEY_LOOPS": 3})
         dispatch.user_store().upsert_tuned(_tuned("flash_attention", key_json, theirs, vendor=other_vendor),
                                            KERNEL_INFO)
         registry.clear_caches()

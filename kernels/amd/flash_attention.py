@@ -11,7 +11,7 @@ BLOCK_M 64 with BLOCK_N 32. kpack is forced to 1 on gfx950, so the spaces offer 
 """
 
 from kernels.base import Variant
-from kernels.common.attention import INTERPRETER_TILES, AttentionTiledBase
+from kernels.common.attention import INTERPRETER_TILES, AttentionTiledBase, one_loop_only_for_windows
 from registry.catalog import register
 from tuning.space import ConfigSpace
 from tuning_db.records import LaunchConfig
@@ -36,10 +36,15 @@ def rows_per_wavefront_of(rows: str):
     return rows_per_wavefront
 
 
+def forward_tiles(config: LaunchConfig, key: dict) -> bool:
+    """Keep (the forward): rows per wavefront as rows_per_wavefront says, one key loop for windows only."""
+    return rows_per_wavefront_of(_ROWS["fwd"])(config, key) and one_loop_only_for_windows(config, key)
+
+
 def _space(role: str, blocks: dict, defaults: dict) -> ConfigSpace:
     return ConfigSpace(blocks=blocks, knobs=_KNOBS, arch={"gfx942": {"kpack": (1, 2)}},
-                       keep=rows_per_wavefront_of(_ROWS[role]), defaults={"*": defaults},
-                       interpreter=INTERPRETER_TILES[role])
+                       keep=forward_tiles if role == "fwd" else rows_per_wavefront_of(_ROWS[role]),
+                       defaults={"*": defaults}, interpreter=INTERPRETER_TILES[role])
 
 
 _DEFAULT_KNOBS = {"waves_per_eu": 2, "matrix_instr_nonkdim": 16, "kpack": 1}
@@ -50,8 +55,9 @@ class AttentionAmd:
 
     vendor = "amd"
     spaces = {
-        "fwd": _space("fwd", {"BLOCK_M": (64, 128), "BLOCK_N": (32, 64), "HEADS": (1, 2, 4, 8, 16)},
-                      {"BLOCK_M": 128, "BLOCK_N": 64, "HEADS": 1, "num_warps": 8, "num_stages": 1,
+        "fwd": _space("fwd", {"BLOCK_M": (64, 128), "BLOCK_N": (32, 64), "HEADS": (1, 2, 4, 8, 16),
+                              "KEY_LOOPS": (3, 1)},
+                      {"BLOCK_M": 128, "BLOCK_N": 64, "HEADS": 1, "KEY_LOOPS": 3, "num_warps": 8, "num_stages": 1,
                        **_DEFAULT_KNOBS}),
         "bwd_pre": ConfigSpace(
             blocks={"BLOCK_M": (32, 64, 128)},

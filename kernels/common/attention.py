@@ -134,12 +134,14 @@ def _query_range(n0, seqlen_q, seqlen_k, window,
 def _attention_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, start, end,
                          pos_m, seqlen_k, window, qk_scale,
                          MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                         HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+                         HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                         POSITIVE_SCALE: tl.constexpr):
     """Fold key blocks [start, end) into the online-softmax state (acc, l_i, m_i) of one query block.
 
     `k_base`/`v_base` point at key 0 of this (sequence, kv head). Scores are kept in log2 units
-    (`qk_scale` = sm_scale * log2(e)), so exp2 replaces exp. MASKED applies the key-length, causal and
-    window masks; the unmasked stage is only called on blocks where every key is allowed.
+    (`qk_scale` = sm_scale * log2(e); POSITIVE_SCALE says it is > 0), so exp2 replaces exp. MASKED
+    applies the key-length, causal and window masks; the unmasked stage is only called on blocks where
+    every key is allowed.
     """
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -161,7 +163,12 @@ def _attention_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn,
         else:
             k = tl.load(k_blk + k_offs)
             v = tl.load(v_blk + v_offs)
-        qk = tl.dot(q, tl.trans(k)) * qk_scale
+        # A positive scale is applied to the row maximum and then once per score, fused with the shift
+        # into one FMA (a separate multiply per score is ~1 of ~12 instructions per score); the maximum
+        # of scores scaled by a negative or zero scale is not the scaled maximum, so those scale first.
+        qk = tl.dot(q, tl.trans(k))
+        if not POSITIVE_SCALE:
+            qk = qk * qk_scale
         if MASKED:
             allowed = cols[None, :] < seqlen_k
             if IS_CAUSAL:
@@ -169,14 +176,20 @@ def _attention_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn,
             if HAS_WINDOW:
                 allowed = allowed & (pos_m[:, None] - cols[None, :] < window)
             qk = tl.where(allowed, qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        row_max = tl.max(qk, 1)
+        if POSITIVE_SCALE:
+            row_max = row_max * qk_scale
+        m_new = tl.maximum(m_i, row_max)
         if MASKED:
             # A row with no allowed key so far keeps m = -inf; it shifts by 0 so exp2 gives 0, not NaN
             # (m itself stays -inf, so a later block's scores are never shifted by a made-up maximum).
             m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
         else:
             m_shift = m_new
-        p = tl.math.exp2(qk - m_shift[:, None])
+        if POSITIVE_SCALE:
+            p = tl.math.exp2(qk * qk_scale - m_shift[:, None])
+        else:
+            p = tl.math.exp2(qk - m_shift[:, None])
         alpha = tl.math.exp2(m_i - m_shift)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
@@ -191,14 +204,18 @@ def _attention_fwd_block_body(q_base, k_base, v_base, o_base, lse_base, start_m,
                               stride_lh,
                               IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
                               RETURN_LSE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEADS: tl.constexpr):
+                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEADS: tl.constexpr,
+                              KEY_LOOPS: tl.constexpr, POSITIVE_SCALE: tl.constexpr):
     """Query block `start_m` of one (sequence, HEADS query heads of one kv head): out rows (and lse)
-    from the three key stages. Row r is token start_m * (BLOCK_M // HEADS) + r // HEADS of head
-    r % HEADS (counted from the bases' head), so with HEADS > 1 each K/V tile serves the GQA group's
-    heads at once and the block spans BLOCK_M // HEADS tokens: a window's key range overhangs a
-    block's rows by less. With HEADS = 1 the head terms fold away. `sink_base` points at the first
-    head's sink (read when HAS_SINKS; a varlen caller calls this block out of line, which takes
-    scalars and pointers only, so the sinks are loaded here)."""
+    from its key blocks, in three loops (KEY_LOOPS 3: masked leading edge, unmasked middle, masked
+    diagonal and tail) or in one masked loop (KEY_LOOPS 1: a short window spans a few key blocks, and
+    each loop pays its own pipeline prologue: one loop of five blocks may beat three of one to three).
+    Row r is token start_m * (BLOCK_M // HEADS) + r // HEADS of head r % HEADS (counted from the
+    bases' head), so with HEADS > 1 each K/V tile serves the GQA group's heads at once and the block
+    spans BLOCK_M // HEADS tokens: a window's key range overhangs a block's rows by less. With
+    HEADS = 1 the head terms fold away. `sink_base` points at the first head's sink (read when
+    HAS_SINKS; a varlen caller calls this block out of line, which takes scalars and pointers only, so
+    the sinks are loaded here)."""
     TOKENS: tl.constexpr = BLOCK_M // HEADS
     m0 = start_m * TOKENS
     rows = tl.arange(0, BLOCK_M)
@@ -215,16 +232,21 @@ def _attention_fwd_block_body(q_base, k_base, v_base, o_base, lse_base, start_m,
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    # Stage 1: the window's leading edge; stage 2: fully allowed blocks; stage 3: diagonal and tail.
-    acc, l_i, m_i = _attention_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, lo, mid_lo,
-                                         pos_m, seqlen_k, window, qk_scale, True, IS_CAUSAL, HAS_WINDOW,
-                                         HEAD_DIM, BLOCK_N, BLOCK_D)
-    acc, l_i, m_i = _attention_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, mid_lo, mid_hi,
-                                         pos_m, seqlen_k, window, qk_scale, False, IS_CAUSAL, HAS_WINDOW,
-                                         HEAD_DIM, BLOCK_N, BLOCK_D)
-    acc, l_i, m_i = _attention_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, mid_hi, hi,
-                                         pos_m, seqlen_k, window, qk_scale, True, IS_CAUSAL, HAS_WINDOW,
-                                         HEAD_DIM, BLOCK_N, BLOCK_D)
+    if KEY_LOOPS == 1:
+        acc, l_i, m_i = _attention_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, lo, hi,
+                                             pos_m, seqlen_k, window, qk_scale, True, IS_CAUSAL, HAS_WINDOW,
+                                             HEAD_DIM, BLOCK_N, BLOCK_D, POSITIVE_SCALE)
+    else:
+        # Stage 1: the window's leading edge; stage 2: fully allowed blocks; stage 3: diagonal and tail.
+        acc, l_i, m_i = _attention_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, lo, mid_lo,
+                                             pos_m, seqlen_k, window, qk_scale, True, IS_CAUSAL, HAS_WINDOW,
+                                             HEAD_DIM, BLOCK_N, BLOCK_D, POSITIVE_SCALE)
+        acc, l_i, m_i = _attention_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, mid_lo,
+                                             mid_hi, pos_m, seqlen_k, window, qk_scale, False, IS_CAUSAL,
+                                             HAS_WINDOW, HEAD_DIM, BLOCK_N, BLOCK_D, POSITIVE_SCALE)
+        acc, l_i, m_i = _attention_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, mid_hi, hi,
+                                             pos_m, seqlen_k, window, qk_scale, True, IS_CAUSAL, HAS_WINDOW,
+                                             HEAD_DIM, BLOCK_N, BLOCK_D, POSITIVE_SCALE)
 
     empty = l_i == 0.0
     lse2 = m_i + tl.math.log2(tl.where(empty, 1.0, l_i))  # log2 units
@@ -262,7 +284,8 @@ def _attention_fwd_kernel(
         stride_lb, stride_lh,
         GROUP: tl.constexpr, IS_VARLEN: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
         HAS_SINKS: tl.constexpr, RETURN_LSE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEADS: tl.constexpr):
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEADS: tl.constexpr, KEY_LOOPS: tl.constexpr,
+        POSITIVE_SCALE: tl.constexpr):
     """One program: BLOCK_M rows of one sequence (grid: query blocks, h_q // HEADS, batch): BLOCK_M
     queries of one query head (HEADS = 1), or BLOCK_M // HEADS queries of HEADS consecutive query
     heads of one kv head (HEADS divides GROUP; the rows are token-major, heads minor).
@@ -297,7 +320,8 @@ def _attention_fwd_kernel(
             _attention_fwd_block_called(q_base, k_base, v_base, o_base, lse_base, _block_order(i, n_blocks, IS_CAUSAL),
                                         seqlen_q, seqlen_k, window, qk_scale, sink_base, stride_qm, stride_qh,
                                         stride_kn, stride_vn, stride_om, stride_oh, stride_lh, IS_CAUSAL, HAS_WINDOW,
-                                        HAS_SINKS, RETURN_LSE, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, HEADS)
+                                        HAS_SINKS, RETURN_LSE, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, HEADS,
+                                        KEY_LOOPS, POSITIVE_SCALE)
     else:
         q_base = Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh
         o_base = Out + off_b.to(tl.int64) * stride_ob + off_h.to(tl.int64) * stride_oh
@@ -311,7 +335,7 @@ def _attention_fwd_kernel(
         _attention_fwd_block(q_base, k_base, v_base, o_base, lse_base, start_m, rows_q, rows_k, window,
                              qk_scale, sink_base, stride_qm, stride_qh, stride_kn, stride_vn, stride_om, stride_oh,
                              stride_lh, IS_CAUSAL, HAS_WINDOW, HAS_SINKS, RETURN_LSE, HEAD_DIM, BLOCK_D, BLOCK_M,
-                             BLOCK_N, HEADS)
+                             BLOCK_N, HEADS, KEY_LOOPS, POSITIVE_SCALE)
 
 
 # ----------------------------------------------------------------------------- backward
@@ -684,8 +708,21 @@ def _masks(args: Mapping, rows_k: int) -> dict:
 
 
 def tile_blocks(blocks: Mapping[str, int]) -> dict[str, int]:
-    """A config's tile sizes: its blocks without HEADS (query heads per forward program)."""
-    return {name: size for name, size in blocks.items() if name != "HEADS"}
+    """A config's tile sizes: its blocks without the forward's HEADS (query heads per program) and
+    KEY_LOOPS (how its key blocks are looped over)."""
+    return {name: size for name, size in blocks.items() if name not in ("HEADS", "KEY_LOOPS")}
+
+
+def key_loops(config: LaunchConfig) -> int:
+    """The forward's KEY_LOOPS: 3 (masked edges and an unmasked middle) unless the config says 1 (one
+    masked loop); configs of spaces without the block (older tables, other ops' window roles) take 3."""
+    return config.blocks.get("KEY_LOOPS", 3)
+
+
+def one_loop_only_for_windows(config: LaunchConfig, key: Mapping) -> bool:
+    """Keep: KEY_LOOPS 1 only for windowed keys; without a window the middle blocks of a long causal
+    or full row are unmasked, which the three-loop form exploits."""
+    return key_loops(config) == 3 or key.get("window") is not None
 
 
 def packing_reason(blocks: Mapping[str, int], key: Mapping) -> str | None:
@@ -734,7 +771,8 @@ def attention_forward(args: Mapping, config: LaunchConfig, keep_lse: bool, launc
         *_strides(q, varlen), *_strides(k, varlen), *_strides(v, varlen), *_strides(out, varlen),
         *(_lse_strides(lse, varlen) if lse is not None else (0, 0)),
         GROUP=h_q // h_kv, IS_VARLEN=varlen, HAS_SINKS=sinks is not None, RETURN_LSE=lse is not None, HEAD_DIM=d,
-        BLOCK_D=dot_block(d), BLOCK_M=block_m, BLOCK_N=block_n, HEADS=heads, **masks, **config.knobs())
+        BLOCK_D=dot_block(d), BLOCK_M=block_m, BLOCK_N=block_n, HEADS=heads, KEY_LOOPS=key_loops(config),
+        POSITIVE_SCALE=args["sm_scale"] > 0, **masks, **config.knobs())
     return out, lse
 
 
@@ -862,7 +900,8 @@ def attention_compile_specs(key: dict, config: CallConfig, roles: tuple[str, ...
             constexprs = {"GROUP": group, "IS_VARLEN": varlen, "IS_CAUSAL": bool(key["causal"]),
                           "HAS_WINDOW": key["window"] is not None, "HAS_SINKS": bool(key.get("sinks", False)),
                           "RETURN_LSE": True, "HEAD_DIM": int(key["d"]), "BLOCK_D": dot_block(key["d"]), **blocks,
-                          "HEADS": packed_heads(config[role], group)}
+                          "HEADS": packed_heads(config[role], group), "KEY_LOOPS": key_loops(config[role]),
+                          "POSITIVE_SCALE": True}
             constexprs = {name: value for name, value in constexprs.items() if name in fn.arg_names}
             pointers = {name: f"*{elem}" for name in _ELEMENT_POINTERS}
             pointers.update({name: "*fp32" for name in _FP32_POINTERS})
@@ -878,7 +917,8 @@ def attention_compile_specs(key: dict, config: CallConfig, roles: tuple[str, ...
 # each tiny preset in the conformance test (a backward one, a backward too), so the backward roles
 # have one each; tests/test_attention_kernel.py runs the other tile shapes.
 INTERPRETER_TILES = {
-    "fwd": ({"BLOCK_M": 32, "BLOCK_N": 32, "HEADS": 1}, {"BLOCK_M": 16, "BLOCK_N": 16, "HEADS": 2}),
+    "fwd": ({"BLOCK_M": 32, "BLOCK_N": 32, "HEADS": 1, "KEY_LOOPS": 3},
+            {"BLOCK_M": 16, "BLOCK_N": 16, "HEADS": 2, "KEY_LOOPS": 1}),
     "bwd_pre": ({"BLOCK_M": 32},),
     "bwd_dkv": ({"BLOCK_M": 16, "BLOCK_N": 32},),
     "bwd_dq": ({"BLOCK_M": 32, "BLOCK_N": 16},),

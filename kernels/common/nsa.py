@@ -554,7 +554,7 @@ def nsa_compile_specs(key: dict, config: CallConfig, dtype: str = "fp16") -> lis
 INTERPRETER_TILES = {
     "compress": ({"BLOCK_N": 16},),
     "cmp": ({"BLOCK_M": 32, "BLOCK_N": 16}, {"BLOCK_M": 16, "BLOCK_N": 32}),
-    "swa": ({"BLOCK_M": 32, "BLOCK_N": 32, "HEADS": 1},),  # the attention family's tests try the others
+    "swa": ({"BLOCK_M": 32, "BLOCK_N": 32, "HEADS": 1, "KEY_LOOPS": 3},),  # the attention family's tests try the others
     "slc": ({"BLOCK_N": 16}, {"BLOCK_N": 32}),
 }
 

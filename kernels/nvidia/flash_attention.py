@@ -13,7 +13,7 @@ kernels/nvidia/attention_warpspec.py in place of the tiled forward.
 """
 
 from kernels.base import Variant
-from kernels.common.attention import INTERPRETER_TILES, AttentionTiledBase
+from kernels.common.attention import INTERPRETER_TILES, AttentionTiledBase, one_loop_only_for_windows
 from kernels.nvidia.attention_warpspec import AttentionWarpSpecHopper
 from registry.catalog import register
 from tuning.space import ConfigSpace
@@ -36,6 +36,11 @@ def two_warpgroups(rows: str):
     return two_warpgroups_need_128_rows
 
 
+def forward_tiles(config: LaunchConfig, key: dict) -> bool:
+    """Keep (the forward): two warpgroups need 128 rows, and one key loop is for windows only."""
+    return two_warpgroups(_ROWS["fwd"])(config, key) and one_loop_only_for_windows(config, key)
+
+
 def _space(role: str, blocks: dict, defaults: dict) -> ConfigSpace:
     return ConfigSpace(blocks=blocks, knobs={"num_warps": (4, 8), "num_stages": (2, 3, 4)},
                        keep=two_warpgroups(_ROWS[role]), defaults={"*": defaults},
@@ -49,11 +54,12 @@ class AttentionNvidia:
     spaces = {
         "fwd": ConfigSpace(
             # HEADS: query heads of one kv head per program, packed along the rows (BLOCK_M // HEADS
-            # tokens each); it must divide the GQA group.
-            blocks={"BLOCK_M": (64, 128), "BLOCK_N": (32, 64, 128), "HEADS": (1, 2, 4, 8, 16)},
+            # tokens each); it must divide the GQA group. KEY_LOOPS: 3 loops over the key blocks, or 1.
+            blocks={"BLOCK_M": (64, 128), "BLOCK_N": (32, 64, 128), "HEADS": (1, 2, 4, 8, 16), "KEY_LOOPS": (3, 1)},
             knobs={"num_warps": (4, 8), "num_stages": (2, 3, 4, 5)},
-            keep=two_warpgroups("BLOCK_M"),
-            defaults={"*": {"BLOCK_M": 128, "BLOCK_N": 64, "HEADS": 1, "num_warps": 8, "num_stages": 3}},
+            keep=forward_tiles,
+            defaults={"*": {"BLOCK_M": 128, "BLOCK_N": 64, "HEADS": 1, "KEY_LOOPS": 3, "num_warps": 8,
+                            "num_stages": 3}},
             interpreter=INTERPRETER_TILES["fwd"],
         ),
         # One pass over dO and O: no loop to pipeline, only the row tile and the warps.
