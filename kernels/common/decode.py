@@ -22,6 +22,19 @@ BLOCK_N, fixed at compile time; a window's first tile is then aligned down to a 
 multiple of BLOCK_N), else one per key; a block id outside [0, num_blocks) masks its keys, and table
 entries past a sequence's length are never read. Semantics: `registry.ops.decode.reference`
 (docs/op-contracts.md).
+
+How the split kernel reads K and V is the split config's LOADS block (NVIDIA's space; a space without
+it reads pointers): 1, masked pointer loads, which Triton pipelines as cp.async; 2, TMA copies through
+two tensor descriptors the kernel builds per program (`tl.make_tensor_descriptor`, pipelined with
+mbarriers on sm_90). A TMA box is [KV_HEADS, BLOCK_N, d]: the descriptor puts the head dimension
+outermost with the cache's head stride, so several kv heads land in the [heads, keys, d] order the
+batched products take, with no permute in registers (sm_90 compiles of the issue's shapes: the same
+ldmatrix and mma counts as the pointer loads, +11 registers at KV_HEADS 4). TMA takes whole tiles from
+one place, so LOADS 2 applies to contiguous caches and to pages holding whole tiles; smaller pages, and
+caches TMA cannot address (`descriptors_fit`: a base or a stride off 16 bytes, pages not one run of
+rows), read through pointers. In-kernel descriptors live in global scratch that Triton's launcher
+allocates on each launch from its allocator: `decode_forward` sets it to torch's caching allocator for
+the split launch (`_scratch_allocator`) and puts the caller's back.
 """
 
 from __future__ import annotations
@@ -569,8 +582,8 @@ COMBINE_SPACE = ConfigSpace(
 class DecodeSplitKVBase:
     """The split-KV variant's logic; each vendor file subclasses it with `Variant` and sets `spaces`:
     "split" (blocks BLOCK_N, the key tile, WAVES, the split programs per SM that num_splits aims for,
-    and KV_HEADS, the kv heads per program) and "combine" (COMBINE_SPACE: blocks ROWS, the rows per
-    program, and CHUNK, the splits per load)."""
+    and KV_HEADS, the kv heads per program; NVIDIA's also LOADS, pointer or TMA loads) and "combine"
+    (COMBINE_SPACE: blocks ROWS, the rows per program, and CHUNK, the splits per load)."""
 
     op = "decode"
     name = "decode_splitkv"
