@@ -9,6 +9,7 @@ too few "SMs" for the heuristic to split much) and with the heuristic's own.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
@@ -258,3 +259,269 @@ def test_cuda_graph_capture_and_replay_follow_new_lengths_and_queries():
         graph.replay()
         torch.cuda.synchronize()
         assert_close(out, OP.reference(**{**args, "return_lse": False}), TOL, what=f"replay with lengths {lens}")
+
+
+# ----------------------------------------------------------------------------- TMA loads (NVIDIA LOADS 2)
+# The NVIDIA split space's LOADS block: 2 reads K and V through tensor descriptors the kernel builds
+# (the interpreter runs them; a GPU needs sm_90). A spy on the split kernel's launches records the TMA
+# constexpr each ran with, so a silent fallback to pointer loads fails these tests.
+ON_HOPPER = HAS_GPU and torch.version.hip is None and torch.cuda.get_device_capability()[0] >= 9
+tma_runs = pytest.mark.skipif(HAS_GPU and not ON_HOPPER, reason="TMA needs an NVIDIA GPU of sm_90 or later")
+
+
+@contextlib.contextmanager
+def _split_launches():
+    """The TMA flag of every split-kernel launch made inside, in order."""
+    from kernels.common import decode
+
+    kernel, seen = decode._decode_split_kernel, []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            def run(*args, **kwargs):
+                seen.append(kwargs["TMA"])
+                return kernel[grid](*args, **kwargs)
+
+            return run
+
+    decode._decode_split_kernel = Recorder()
+    try:
+        yield seen
+    finally:
+        decode._decode_split_kernel = kernel
+
+
+def _nvidia():
+    return next(v for v in load_all()["decode"] if v.vendor == "nvidia")
+
+
+def _tma_config(args, block_n: int, kv_heads: int, loads: int = 2, **knobs):
+    """NVIDIA's default call config with this split tile and LOADS."""
+    from tuning_db.records import LaunchConfig
+
+    default = _nvidia().default_config(dict(OP.tuning_key(args)), INFO)
+    return default.replace("split", LaunchConfig(blocks={"BLOCK_N": block_n, "WAVES": 1, "KV_HEADS": kv_heads,
+                                                         "LOADS": loads}, **knobs))
+
+
+def _poisoned(args) -> dict:
+    """`args` with every cache row that is not a key of some sequence set to NaN (K) and inf (V): rows
+    at or past a sequence's length, spare blocks and block 0, which no table here uses, so a kernel
+    that let one of them into a product returns NaN."""
+    k, v = args["k_cache"].clone(), args["v_cache"].clone()
+    lens = [min(max(n, 0), (args["block_table"].shape[1] * k.shape[1]) if args["block_table"] is not None
+                else k.shape[1]) for n in args["cache_seqlens"].tolist()]
+    used = torch.zeros(k.shape[:2], dtype=torch.bool, device=k.device)
+    table = args["block_table"]
+    for i, n in enumerate(lens):
+        if table is None:
+            used[i, :n] = True
+            continue
+        pos = torch.arange(n, device=k.device)
+        blocks = table[i, pos // k.shape[1]].long()
+        valid = (blocks >= 0) & (blocks < k.shape[0])
+        used[blocks[valid], (pos % k.shape[1])[valid]] = True
+    k[~used], v[~used] = math.inf, math.nan
+    return {**args, "k_cache": k, "v_cache": v}
+
+
+def _without_block_zero(args) -> dict:
+    """A paged call's table remapped onto blocks 1.. (block 0 left spare, so the kernel's stand-in
+    for an invalid id reads a block no sequence uses), with an invalid id inside sequence 0's blocks
+    (masked) and huge ids past sequence 1's (never read)."""
+    table = args["block_table"].clone()
+    pool = args["k_cache"].shape[0]
+    gen = torch.Generator().manual_seed(int(table.sum()))
+    table.view(-1).copy_((torch.randperm(pool - 1, generator=gen)[: table.numel()] + 1).to(table))
+    table[0, 1] = pool + 3
+    used = -(-int(args["cache_seqlens"][1]) // args["k_cache"].shape[1])
+    table[1, used:] = 2**31 - 1
+    return {**args, "block_table": table}
+
+
+TMA_CASES = {
+    # (b, s_q, h_q, h_kv, d, lens, capacity, block_size, window, block_n, kv_heads)
+    "contiguous-len37-0-1-gqa8": (3, 1, 8, 1, 64, [37, 0, 1], 40, None, None, 16, 1),
+    "contiguous-2heads-gqa1-d128": (2, 1, 2, 2, 128, [29, 6], 32, None, None, 16, 2),
+    "contiguous-spec4-window5-gqa4-2heads": (2, 4, 8, 2, 64, [45, 3], 48, None, 5, 16, 2),
+    "contiguous-d80-past-capacity": (2, 2, 4, 2, 80, [1000, 9], 24, None, None, 16, 1),
+    "paged16-spec4-gqa8": (2, 4, 8, 1, 64, [45, 20], 64, 16, None, 16, 1),
+    "paged32-tile16-window9-2heads": (2, 1, 4, 2, 64, [61, 20], 64, 32, 9, 16, 2),
+    "paged16-4heads-d128": (2, 2, 8, 4, 128, [33, 17], 48, 16, None, 16, 4),
+}
+
+
+@tma_runs
+@pytest.mark.filterwarnings("ignore:invalid value encountered in matmul:RuntimeWarning")  # inf keys, masked
+@pytest.mark.parametrize("case", list(TMA_CASES), ids=list(TMA_CASES))
+def test_tma_loads_match_reference_and_read_no_unused_row(case, device):
+    """LOADS 2 against the reference computed on a clean cache, run on one whose unused rows hold
+    NaN and inf: contiguous descriptors end at each sequence's length (TMA zero-fills past it); in a
+    paged pool the V rows of masked keys are zeroed, and an invalid block id inside a sequence reads
+    no key."""
+    b, s_q, h_q, h_kv, d, lens, capacity, block_size, window, block_n, kv_heads = TMA_CASES[case]
+    args = _inputs(device, b=b, s_q=s_q, h_q=h_q, h_kv=h_kv, d=d, lens=lens, capacity=capacity,
+                   block_size=block_size, window=window, seed=sum(map(ord, case)),
+                   sinks=torch.linspace(-2.0, 2.0, h_q))
+    if block_size is not None:
+        args = _without_block_zero(args)
+    expected = OP.reference(**args)
+    poisoned = _poisoned(args)
+    config = _tma_config(args, block_n, kv_heads)
+    for num_splits in (None, 3):
+        with _split_launches() as tma:
+            got = _nvidia().launch({**poisoned, "num_splits": num_splits}, config)
+        assert tma == [True]
+        assert_close(got, expected, TOL, what=f"{case} splits={num_splits}")
+
+
+def _shifted(t: torch.Tensor) -> torch.Tensor:
+    """`t`'s values in a view one element past a 16-byte aligned base."""
+    flat = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
+    view = flat[1:].view(t.shape)
+    view.copy_(t)
+    return view
+
+
+def _wide_heads(t: torch.Tensor) -> torch.Tensor:
+    """`t [.., h, d]`'s values in a view whose head stride is d + 4 elements (not a 16-byte multiple)."""
+    wide = torch.empty((*t.shape[:-1], t.shape[-1] + 4), dtype=t.dtype, device=t.device)
+    view = wide[..., : t.shape[-1]]
+    view.copy_(t)
+    return view
+
+
+def _spread_pages(t: torch.Tensor) -> torch.Tensor:
+    """A paged cache's values in a view whose blocks are twice their size apart (not one run of rows)."""
+    wide = torch.empty((t.shape[0], 2 * t.shape[1], *t.shape[2:]), dtype=t.dtype, device=t.device)
+    view = wide[:, : t.shape[1]]
+    view.copy_(t)
+    return view
+
+
+@tma_runs
+def test_tma_loads_fall_back_to_pointers_where_tma_cannot_read(device):
+    """A misaligned cache base, a head stride of 68 elements (136 bytes), pages spread apart and pages
+    smaller than the tile each run the pointer loads (the interpreter asserts TMA's rules, so a
+    descriptor over them would fail) and match the reference."""
+    from kernels.common.decode import descriptors_fit
+
+    contiguous = _inputs(device, b=2, s_q=1, h_q=4, h_kv=2, d=64, lens=[30, 7], capacity=32, seed=21)
+    paged = _inputs(device, b=2, s_q=1, h_q=4, h_kv=2, d=64, lens=[40, 9], capacity=48, block_size=16, seed=22)
+    cases = {
+        "misaligned base": ({**contiguous, "k_cache": _shifted(contiguous["k_cache"])}, 16),
+        "head stride 68": ({**contiguous, "v_cache": _wide_heads(contiguous["v_cache"])}, 16),
+        "pages spread apart": ({**paged, "k_cache": _spread_pages(paged["k_cache"])}, 16),
+        "pages smaller than the tile": (paged, 32),
+    }
+    for name, (args, block_n) in cases.items():
+        with _split_launches() as tma:
+            got = _nvidia().launch({**args, "num_splits": 2}, _tma_config(args, block_n, 2))
+        assert tma == [False], name
+        assert_close(got, OP.reference(**args), TOL, what=name)
+    index = -1 if device.type == "cpu" else device.index or 0
+    assert descriptors_fit(contiguous["k_cache"], contiguous["v_cache"], False, index)
+    assert descriptors_fit(paged["k_cache"], paged["v_cache"], True, index)
+    assert not descriptors_fit(contiguous["k_cache"], _wide_heads(contiguous["v_cache"]), False, index)
+    assert not descriptors_fit(_spread_pages(paged["k_cache"]), paged["v_cache"], True, index)
+
+
+def test_loads_block_is_nvidias_and_optional():
+    """NVIDIA's split space offers LOADS 1 and 2 (the default 1), and 2 only where tiles are whole (a
+    contiguous cache, pages >= BLOCK_N); AMD's space has no LOADS; a tuned config without LOADS (the
+    shipped tables') completes to LOADS 1 and its plan reads through pointers."""
+    from kernels.common.decode import DecodePlan
+    from registry.device import preset
+    from tuning_db.records import CallConfig, LaunchConfig
+
+    h200 = preset("h200")
+    base = {"b": 8, "block_size": None, "d": 64, "dtype": "bf16", "h_kv": 8, "h_q": 64, "n": 32768,
+            "paged": False, "s_q": 1, "sinks": True, "window": None}
+    nvidia, amd = _nvidia(), next(v for v in load_all()["decode"] if v.vendor == "amd")
+    assert nvidia.default_config(base, h200)["split"].blocks["LOADS"] == 1
+    assert "LOADS" not in amd.spaces["split"].blocks
+    for block_size in (None, 16, 64):
+        key = {**base, "paged": block_size is not None, "block_size": block_size}
+        configs = nvidia.space(key, h200)["split"]
+        tma = [c for c in configs if c.blocks["LOADS"] == 2]
+        assert tma and all(block_size is None or c.blocks["BLOCK_N"] <= block_size for c in tma)
+        pointers = {c.model_copy(update={"blocks": {**c.blocks, "LOADS": 1}}) for c in tma}
+        assert pointers <= set(configs)  # every TMA config has its pointer twin
+    stale = CallConfig({"split": LaunchConfig(blocks={"BLOCK_N": 16, "WAVES": 2, "KV_HEADS": 4}, num_warps=4),
+                        "combine": nvidia.default_config(base, h200)["combine"]})
+    completed = nvidia.complete(stale, base, h200)
+    assert completed["split"].blocks["LOADS"] == 1 and not DecodePlan.of(completed).tma
+    assert DecodePlan.of(stale).tma is False
+
+
+def test_tma_configs_compile_for_sm90_without_spills():
+    """The TMA twins of the shipped H200 configs at the issue's shapes, and a paged one, compile for sm_90
+    with TMA copies, no spills and within shared memory (in a subprocess without the interpreter)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    import textwrap
+    from pathlib import Path
+
+    script = textwrap.dedent("""
+        import json, re
+        from registry.catalog import load_all
+        from registry.device import preset
+        from tuning.compile_check import compile_config
+        from tuning_db.records import LaunchConfig
+
+        h200 = preset("h200")
+        variant = next(v for v in load_all()["decode"] if v.vendor == "nvidia")
+        base = {"b": 8, "block_size": None, "d": 64, "dtype": "bf16", "h_kv": 8, "h_q": 64, "n": 32768,
+                "paged": False, "s_q": 1, "sinks": True, "window": None}
+        checks = [(base, 16, 4), ({**base, "b": 32, "h_q": 32, "d": 128, "n": 8192}, 128, 1),
+                  ({**base, "paged": True, "block_size": 16, "s_q": 4}, 16, 4)]
+        for key, block_n, kv_heads in checks:
+            split = LaunchConfig(blocks={"BLOCK_N": block_n, "KV_HEADS": kv_heads, "WAVES": 2, "LOADS": 2},
+                                 num_warps=4, num_stages=3)
+            config = variant.default_config(key, h200).replace("split", split)
+            (spec,) = [s for s in variant.compile_specs(key, config, "bf16") if s.role == "split"]
+            report = compile_config(spec, split, h200)
+            print(json.dumps({"tma": spec.constexprs["TMA"], "fits": report.fits, "spills": report.spills,
+                              "registers": report.registers, "shared": report.shared_bytes}))
+    """)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", script], cwd=Path(__file__).resolve().parents[1], env=env,
+                          capture_output=True, text=True, timeout=600)
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert proc.returncode == 0 and len(rows) == 3, proc.stderr[-3000:]
+    for row in rows:
+        assert row["tma"] and row["fits"] and row["spills"] == 0 and row["registers"] <= 255, row
+
+
+# (b, h_q, h_kv, d, capacity, block_size, BLOCK_N, KV_HEADS, num_warps, num_stages): the issue's heads and
+# head dims at shorter caches, the shipped H200 tiles with their TMA twins.
+HOPPER_TMA = {
+    "d64-4heads-contiguous": (4, 64, 8, 64, 4096, None, 16, 4, 4, 3),
+    "d64-4heads-paged16": (4, 64, 8, 64, 4096, 16, 16, 4, 4, 3),
+    "d64-1head-tile128": (2, 64, 8, 64, 8192, None, 128, 1, 4, 3),
+    "d128-1head-tile128-paged128": (4, 32, 8, 128, 2048, 128, 128, 1, 4, 3),
+}
+
+
+@pytest.mark.skipif(not ON_HOPPER, reason="TMA needs an NVIDIA GPU of sm_90 or later")
+@pytest.mark.parametrize("case", list(HOPPER_TMA), ids=list(HOPPER_TMA))
+def test_hopper_tma_loads_bf16(case, device):
+    """bf16 on sm_90 with the sweep's tiles: ragged lengths (full, odd, 1, 0), sinks, unused rows of
+    NaN and inf; LOADS 2 runs TMA and matches the reference and the pointer loads of the same tile."""
+    b, h_q, h_kv, d, capacity, block_size, block_n, kv_heads, warps, stages = HOPPER_TMA[case]
+    lens = [capacity, capacity - 777, 1, 0][:b]
+    args = _inputs(device, b=b, s_q=1, h_q=h_q, h_kv=h_kv, d=d, lens=lens, capacity=capacity,
+                   block_size=block_size, seed=31, sinks=torch.linspace(-2.0, 2.0, h_q))
+    if block_size is not None:
+        args = _without_block_zero(args)
+    expected = OP.reference(**args)
+    poisoned = _poisoned(args)
+    with _split_launches() as tma:
+        got = _nvidia().launch(poisoned, _tma_config(args, block_n, kv_heads, num_warps=warps, num_stages=stages))
+        pointers = _nvidia().launch(args, _tma_config(args, block_n, kv_heads, 1, num_warps=warps,
+                                                      num_stages=stages))
+    assert tma == [True, False]
+    assert_close(got, expected, TOL, what=case)
+    assert_close(got, pointers, TOL, what=f"{case} against pointer loads")

@@ -412,3 +412,64 @@ def test_cuda_graph_capture_of_cached_launches(name, triton_runs):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(captured, handle(**kw))
+
+
+ON_HOPPER = HAS_GPU and torch.version.hip is None and torch.cuda.get_device_capability()[0] >= 9
+
+
+@pytest.mark.skipif(not ON_HOPPER, reason="TMA needs an NVIDIA GPU of sm_90 or later")
+@pytest.mark.parametrize("block_size", [None, 16])
+def test_tma_decode_through_cached_launches_and_a_cuda_graph(block_size, monkeypatch, triton_runs):
+    """decode with NVIDIA's LOADS 2 split config (tensor descriptors built in the kernel, whose global
+    scratch Triton's launcher asks its allocator for on every launch): the third call of a raw key
+    launches through the LaunchCache and gives Triton's bits; a capture after it replays right on new
+    values; the descriptors' scratch never comes from the caller's own Triton allocator, which is set
+    again after every call."""
+    from triton.runtime import _allocation
+
+    from tuning_db.records import LaunchConfig
+
+    def resolve(op, vendor, variant, key, device, args):
+        (chosen,) = registry.variants("decode", "nvidia")
+        split = LaunchConfig(blocks={"BLOCK_N": 16, "WAVES": 1, "KV_HEADS": 2, "LOADS": 2}, num_warps=2,
+                             num_stages=3)
+        return dispatch._bound(chosen, chosen.default_config(dict(key), device).replace("split", split), "test",
+                               dict(key), device)
+
+    monkeypatch.setattr(dispatch, "resolve", resolve)
+    asked = []
+
+    def mine(size, alignment, stream):
+        asked.append(size)
+        return torch.empty(size, dtype=torch.int8, device=DEVICE)
+
+    token = _allocation._allocator.set(mine)
+    try:
+        handle = registry.get("decode")
+        kw = OPS["decode"].make_inputs({**DECODE, "block_size": block_size}, device=DEVICE, dtype=DTYPE, seed=5)
+        assert handle.choice(**kw).config["split"].blocks["LOADS"] == 2
+        for _ in range(2):
+            handle(**kw)
+        triton_runs.clear()
+        out = handle(**kw)
+        assert not triton_runs, f"launched through Triton: {triton_runs}"
+        assert torch.equal(out, _direct("decode", kw))
+        assert_close(out, _reference("decode", kw), TOLERANCE[DTYPE], what="cached TMA decode")
+        graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            handle(**kw)
+            with torch.cuda.graph(graph, stream=stream):
+                captured = handle(**kw)
+        torch.cuda.current_stream().wait_stream(stream)
+        fresh = OPS["decode"].make_inputs({**DECODE, "block_size": block_size}, device=DEVICE, dtype=DTYPE, seed=6)
+        for name in ("q", "k_cache", "v_cache", "cache_seqlens", "block_table"):
+            if kw.get(name) is not None:
+                kw[name].copy_(fresh[name])
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_close(captured, _reference("decode", kw), TOLERANCE[DTYPE], what="replayed TMA decode")
+        assert not asked and _allocation._allocator.get() is mine
+    finally:
+        _allocation._allocator.reset(token)
