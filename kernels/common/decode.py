@@ -22,19 +22,6 @@ BLOCK_N, fixed at compile time; a window's first tile is then aligned down to a 
 multiple of BLOCK_N), else one per key; a block id outside [0, num_blocks) masks its keys, and table
 entries past a sequence's length are never read. Semantics: `registry.ops.decode.reference`
 (docs/op-contracts.md).
-
-How the split kernel reads K and V is the split config's LOADS block (NVIDIA's space; a space without
-it reads pointers): 1, masked pointer loads, which Triton pipelines as cp.async; 2, TMA copies through
-two tensor descriptors the kernel builds per program (`tl.make_tensor_descriptor`, pipelined with
-mbarriers on sm_90). A TMA box is [KV_HEADS, BLOCK_N, d]: the descriptor puts the head dimension
-outermost with the cache's head stride, so several kv heads land in the [heads, keys, d] order the
-batched products take, with no permute in registers (sm_90 compiles of the issue's shapes: the same
-ldmatrix and mma counts as the pointer loads, +11 registers at KV_HEADS 4). TMA takes whole tiles from
-one place, so LOADS 2 applies to contiguous caches and to pages holding whole tiles; smaller pages, and
-caches TMA cannot address (`descriptors_fit`: a base or a stride off 16 bytes, pages not one run of
-rows), read through pointers. In-kernel descriptors live in global scratch that Triton's launcher
-allocates on each launch from its allocator: `decode_forward` sets it to torch's caching allocator for
-the split launch (`_scratch_allocator`) and puts the caller's back.
 """
 
 from __future__ import annotations
@@ -49,7 +36,6 @@ import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-from triton.runtime import _allocation
 
 from kernels.base import CompileSpec
 from kernels.common.launch import LaunchCache, triton_launch
@@ -60,11 +46,6 @@ from tuning_db.records import CallConfig, LaunchConfig
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
 MAX_SPLITS = 256
-# The split role's LOADS block (NVIDIA's space; a space without it reads pointers): how K and V tiles are
-# read. Block values are positive (LaunchConfig), hence 1 and 2 rather than a 0/1 flag.
-LOADS_POINTERS, LOADS_TMA = 1, 2
-# TMA's rules for a tensor: base address and every stride but the last (which is 1) multiples of 16 bytes.
-DESCRIPTOR_ALIGN = 16
 
 
 # ----------------------------------------------------------------------------- Triton kernels
@@ -101,31 +82,6 @@ def _dot_keys(a, b, TRANS_B: tl.constexpr):
 
 
 @triton.jit
-def _kv_descriptor(base, rows, stride_n, stride_h, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                   BLOCK_N: tl.constexpr, KV_HEADS: tl.constexpr):
-    """A tensor descriptor over `rows` key rows of KV_HEADS heads from `base` (row stride `stride_n`,
-    head stride `stride_h`, d contiguous): [rows, HEAD_DIM] with [BLOCK_N, BLOCK_D] boxes for one head,
-    [KV_HEADS, rows, HEAD_DIM] with [KV_HEADS, BLOCK_N, BLOCK_D] boxes for several, heads outermost, so
-    the box lands in the [heads, keys, d] order the batched products take (TMA takes the strides in any
-    order). TMA zero-fills box rows at or past `rows` and columns at or past HEAD_DIM."""
-    if KV_HEADS == 1:
-        return tl.make_tensor_descriptor(base, [rows, HEAD_DIM], [stride_n, 1], [BLOCK_N, BLOCK_D])
-    else:
-        return tl.make_tensor_descriptor(base, [KV_HEADS, rows, HEAD_DIM], [stride_h, stride_n, 1],
-                                         [KV_HEADS, BLOCK_N, BLOCK_D])
-
-
-@triton.jit
-def _load_rows(desc, row, KV_HEADS: tl.constexpr):
-    """The box of `desc` (`_kv_descriptor`) starting at key row `row`: [BLOCK_N, BLOCK_D] or
-    [KV_HEADS, BLOCK_N, BLOCK_D]."""
-    if KV_HEADS == 1:
-        return desc.load([row, 0])
-    else:
-        return desc.load([0, row, 0])
-
-
-@triton.jit
 def _decode_split_kernel(
     Q, K, V, SEQLENS, TABLE, O_PART, LSE_PART,
     qk_scale, window, capacity, num_blocks, s_q, group, h_kv, split_len,
@@ -137,7 +93,7 @@ def _decode_split_kernel(
     stride_lb, stride_ls, stride_lh,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     KV_HEADS: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    TMA: tl.constexpr, PDL: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One program: split `program_id(1)` of the keys of one sequence for KV_HEADS consecutive kv
     heads (`h_kv % KV_HEADS == 0`), each with all its `s_q * group` query rows (row r of kv head j:
@@ -149,15 +105,7 @@ def _decode_split_kernel(
     = sm_scale * log2(e)); writes the partial output (normalized by its own row sum) and the partial
     lse in natural log, -inf for an empty partial. A paged cache whose pages hold whole key tiles
     (PAGE >= BLOCK_N, tiles starting at multiples of BLOCK_N) reads one table entry per tile; with
-    smaller pages, one per key.
-
-    TMA (NVIDIA sm_90+, a contiguous cache or pages holding whole tiles; the launcher checks the
-    16-byte rules): K and V tiles come through tensor descriptors built here, one pair per program,
-    instead of pointer loads. Contiguous: over this sequence's `length` rows, so TMA zero-fills every
-    key at or past the length. Paged: over the whole pool as `num_blocks * PAGE` rows (pages evenly
-    strided, checked on the host), a tile at row block * PAGE + n0 % PAGE; keys past the length in the
-    last page are real (maybe never written) rows, so the V rows of masked keys are zeroed before P @ V
-    (a masked key's p is 0, but 0 * NaN is NaN), and an invalid block id reads block 0, masked."""
+    smaller pages, one per key."""
     b = tl.program_id(0) // (h_kv // KV_HEADS)
     kv0 = (tl.program_id(0) % (h_kv // KV_HEADS)) * KV_HEADS
     split = tl.program_id(1)
@@ -187,17 +135,6 @@ def _decode_split_kernel(
     l_i = tl.zeros(q_rows.shape, tl.float32)
     acc = tl.zeros(q.shape, tl.float32)
     offs_n = tl.arange(0, BLOCK_N)
-    if TMA:
-        if PAGED:
-            k_desc = _kv_descriptor(K + kv0 * stride_kh, num_blocks * PAGE, stride_kn, stride_kh, HEAD_DIM, BLOCK_D,
-                                    BLOCK_N, KV_HEADS)
-            v_desc = _kv_descriptor(V + kv0 * stride_vh, num_blocks * PAGE, stride_vn, stride_vh, HEAD_DIM, BLOCK_D,
-                                    BLOCK_N, KV_HEADS)
-        else:
-            k_desc = _kv_descriptor(K + b.to(tl.int64) * stride_kb + kv0 * stride_kh, length, stride_kn, stride_kh,
-                                    HEAD_DIM, BLOCK_D, BLOCK_N, KV_HEADS)
-            v_desc = _kv_descriptor(V + b.to(tl.int64) * stride_vb + kv0 * stride_vh, length, stride_vn, stride_vh,
-                                    HEAD_DIM, BLOCK_D, BLOCK_N, KV_HEADS)
     for n0 in range(start, end, BLOCK_N):
         keys = n0 + offs_n
         key_ok = keys < end
@@ -221,21 +158,11 @@ def _decode_split_kernel(
         else:
             k_row = b.to(tl.int64) * stride_kb + keys.to(tl.int64) * stride_kn
             v_row = b.to(tl.int64) * stride_vb + keys.to(tl.int64) * stride_vn
-        if TMA:
-            if PAGED:
-                row = block.to(tl.int32) * PAGE + n0 % PAGE
-                k = _load_rows(k_desc, row, KV_HEADS)
-                v = _load_rows(v_desc, row, KV_HEADS)
-                v = tl.where(key_ok[:, None], v, 0.0)  # broadcasts over a leading head dimension
-            else:
-                k = _load_rows(k_desc, n0, KV_HEADS)
-                v = _load_rows(v_desc, n0, KV_HEADS)
-        else:
-            kv_mask = key_ok[:, None] & d_ok[None, :]
-            k = tl.load(K + kv0 * stride_kh + _per_head_tile(k_row[:, None] + offs_d[None, :], stride_kh, KV_HEADS),
-                        mask=kv_mask, other=0.0)
-            v = tl.load(V + kv0 * stride_vh + _per_head_tile(v_row[:, None] + offs_d[None, :], stride_vh, KV_HEADS),
-                        mask=kv_mask, other=0.0)
+        kv_mask = key_ok[:, None] & d_ok[None, :]
+        k = tl.load(K + kv0 * stride_kh + _per_head_tile(k_row[:, None] + offs_d[None, :], stride_kh, KV_HEADS),
+                    mask=kv_mask, other=0.0)
+        v = tl.load(V + kv0 * stride_vh + _per_head_tile(v_row[:, None] + offs_d[None, :], stride_vh, KV_HEADS),
+                    mask=kv_mask, other=0.0)
         s = _dot_keys(q, k, True) * qk_scale
         allowed = key_ok[None, :] & (keys[None, :] <= pos[:, None])
         if HAS_WINDOW:
@@ -372,40 +299,6 @@ def programmatic_launch(device_index: int) -> bool:
     return device_index >= 0 and torch.version.hip is None and torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
-def whole_page_tiles(paged: bool, page: int, block_n: int) -> bool:
-    """Whether the split kernel reads a tile from one place: a contiguous cache, or pages holding whole
-    tiles (one table entry per tile). Only such tiles can be one TMA box; smaller pages gather keys one
-    table entry each, through pointers."""
-    return not paged or page >= block_n
-
-
-def descriptors_fit(k_cache: torch.Tensor, v_cache: torch.Tensor, paged: bool, device_index: int) -> bool:
-    """Whether the split kernel may read these caches through tensor descriptors: an NVIDIA GPU of sm_90
-    or later (the GPUs `programmatic_launch` names) or the interpreter (-1), 16-byte aligned bases,
-    strides of 16-byte multiples but the last, which is 1; paged, pages evenly strided (a block's stride
-    is block_size rows, so the pool is one run of num_blocks * block_size rows) and that many rows in
-    int32. Shapes, strides and addresses only: no tensor value is read (CUDA-graph capture works)."""
-    if device_index >= 0 and not programmatic_launch(device_index):
-        return False
-    for t in (k_cache, v_cache):
-        step = DESCRIPTOR_ALIGN // t.element_size()
-        strides = t.stride()
-        if strides[3] != 1 or t.data_ptr() % DESCRIPTOR_ALIGN or any(stride % step for stride in strides[:3]):
-            return False
-        if paged and (strides[0] != t.shape[1] * strides[1] or t.shape[0] * t.shape[1] >= 2**31):
-            return False
-    return True
-
-
-@functools.cache
-def _scratch_allocator(device_index: int) -> Callable[[int, int, int | None], torch.Tensor]:
-    """Triton's allocator for the global scratch of descriptors built in a kernel: bytes from torch's
-    caching allocator on GPU `device_index`, on the current stream (the launch's), so a CUDA graph
-    capture takes them from its own pool. Cached: a launch then makes no closure."""
-    device = torch.device("cuda", device_index)
-    return lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device=device)
-
-
 @dataclass(frozen=True)
 class DecodePlan:
     """What a call config fixes for every launch: both roles' tiles and launch knobs, read out of the
@@ -414,7 +307,6 @@ class DecodePlan:
     block_n: int
     waves: int
     kv_heads: int
-    tma: bool
     rows: int
     chunk: int
     split_knobs: dict
@@ -423,8 +315,7 @@ class DecodePlan:
     @classmethod
     def of(cls, config: CallConfig) -> DecodePlan:
         split, combine = config["split"], config["combine"]
-        return cls(split.blocks["BLOCK_N"], split.blocks["WAVES"], split.blocks["KV_HEADS"],
-                   split.blocks.get("LOADS", LOADS_POINTERS) == LOADS_TMA, combine.blocks["ROWS"],
+        return cls(split.blocks["BLOCK_N"], split.blocks["WAVES"], split.blocks["KV_HEADS"], combine.blocks["ROWS"],
                    combine.blocks["CHUNK"], split.knobs(), combine.knobs())
 
 
@@ -433,13 +324,7 @@ def decode_forward(args: dict, plan: DecodePlan, launch: Callable[..., Any] = tr
     `(out, lse)` with `return_lse`. Outputs and the workspace are allocated here (a CUDA graph
     captures them with the launches). A 3-D q (one token) is passed with a token stride of 0 and its
     outputs are allocated 3-D: no view is made, each would cost a microsecond of host time. `launch`
-    runs each kernel: Triton's own launch, or a dispatch plan's `LaunchCache`.
-
-    A plan with TMA loads reads through pointers instead where the layout gathers keys one by one
-    (`whole_page_tiles`) or TMA cannot address the caches (`descriptors_fit`). On a GPU, its split
-    launch gets the descriptors' global scratch from torch's caching allocator (`_scratch_allocator`),
-    set as Triton's allocator for that launch only and the caller's own put back after: Triton's
-    launcher asks for it on every launch, a `LaunchCache` launch included (it runs the same launcher)."""
+    runs each kernel: Triton's own launch, or a dispatch plan's `LaunchCache`."""
     q, k_cache, v_cache, table = args["q"], args["k_cache"], args["v_cache"], args["block_table"]
     one_token = q.dim() == 3
     if one_token:
@@ -465,22 +350,15 @@ def decode_forward(args: dict, plan: DecodePlan, launch: Callable[..., Any] = tr
     lse_part = torch.empty((b, s_q, h_q, splits), device=q.device, dtype=torch.float32)
     block_d = dot_block(d)
     pdl = programmatic_launch(device_index)
-    tma = plan.tma and whole_page_tiles(paged, page, block_n) and descriptors_fit(k_cache, v_cache, paged,
-                                                                                 device_index)
-    token = _allocation._allocator.set(_scratch_allocator(device_index)) if tma and device_index >= 0 else None
-    try:
-        launch(
-            _decode_split_kernel, (programs, splits),
-            q, k_cache, v_cache, args["cache_seqlens"], table if paged else args["cache_seqlens"], o_part, lse_part,
-            float(args["sm_scale"]) * LOG2E.value, window or 0, capacity, k_cache.shape[0], s_q, group, h_kv,
-            split_len, *q_strides, *k_cache.stride()[:3], *v_cache.stride()[:3], table.stride(0) if paged else 0,
-            *o_part.stride()[:4], *lse_part.stride()[:3],
-            HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=rows_block(s_q, group), BLOCK_N=block_n, KV_HEADS=kv_heads,
-            PAGED=paged, PAGE=page, HAS_WINDOW=window is not None, TMA=tma, PDL=pdl, **plan.split_knobs,
-        )
-    finally:
-        if token is not None:
-            _allocation._allocator.reset(token)
+    launch(
+        _decode_split_kernel, (programs, splits),
+        q, k_cache, v_cache, args["cache_seqlens"], table if paged else args["cache_seqlens"], o_part, lse_part,
+        float(args["sm_scale"]) * LOG2E.value, window or 0, capacity, k_cache.shape[0], s_q, group, h_kv, split_len,
+        *q_strides, *k_cache.stride()[:3], *v_cache.stride()[:3], table.stride(0) if paged else 0,
+        *o_part.stride()[:4], *lse_part.stride()[:3],
+        HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=rows_block(s_q, group), BLOCK_N=block_n, KV_HEADS=kv_heads,
+        PAGED=paged, PAGE=page, HAS_WINDOW=window is not None, PDL=pdl, **plan.split_knobs,
+    )
     out = torch.empty(q.shape, device=q.device, dtype=q.dtype)
     lse = None
     if args["return_lse"]:
@@ -505,8 +383,7 @@ def decode_forward(args: dict, plan: DecodePlan, launch: Callable[..., Any] = tr
 # ----------------------------------------------------------------------------- offline compiles
 def decode_compile_specs(key: dict, config: CallConfig, dtype: str = "fp16", pdl: bool = False) -> list[CompileSpec]:
     """Both kernels as a call with this key launches them (with sinks and lse, the heavier combine;
-    `pdl`: with the programmatic-dependent-launch instructions NVIDIA's Hopper build carries; a split
-    config with TMA loads compiles them where the layout takes them, as for caches TMA can address)."""
+    `pdl`: with the programmatic-dependent-launch instructions NVIDIA's Hopper build carries)."""
     elem = f"*{key.get('dtype', dtype)}"
     group = key["h_q"] // key["h_kv"]
     split = config["split"].blocks
@@ -517,9 +394,7 @@ def decode_compile_specs(key: dict, config: CallConfig, dtype: str = "fp16", pdl
     constexprs = {"HEAD_DIM": key["d"], "BLOCK_D": dot_block(key["d"]), "BLOCK_M": rows_block(key["s_q"], group),
                   "BLOCK_N": split["BLOCK_N"], "KV_HEADS": heads_per_program(key["h_kv"], split["KV_HEADS"]),
                   "PAGED": bool(key["paged"]), "PAGE": key["block_size"] or 1,
-                  "HAS_WINDOW": key["window"] is not None, "PDL": pdl,
-                  "TMA": split.get("LOADS", LOADS_POINTERS) == LOADS_TMA
-                  and whole_page_tiles(bool(key["paged"]), key["block_size"] or 1, split["BLOCK_N"])}
+                  "HAS_WINDOW": key["window"] is not None, "PDL": pdl}
     signature = {n: pointers.get(n, "fp32" if n in floats else "i32") for n in names if n not in constexprs}
     split_spec = CompileSpec("split", _decode_split_kernel, signature, constexprs,
                              values={"s_q": key["s_q"], "group": group, "h_kv": key["h_kv"]})
@@ -557,19 +432,6 @@ def key_rows_between(low: int, high: int) -> Keep:
     return key_rows
 
 
-def tma_on_whole_tiles(keep: Keep) -> Keep:
-    """`keep`, and TMA loads (LOADS_TMA) only where the layout reads whole tiles (`whole_page_tiles`):
-    with pages smaller than BLOCK_N the kernel reads through pointers whatever LOADS says, so such a
-    config would time a pointer config a second time."""
-
-    def kept(config: LaunchConfig, key: Mapping) -> bool:
-        return keep(config, key) and (config.blocks.get("LOADS", LOADS_POINTERS) != LOADS_TMA or whole_page_tiles(
-            bool(key["paged"]), key["block_size"] or 1, config.blocks["BLOCK_N"]))
-
-    kept.__name__ = f"{keep.__name__}_tma_on_whole_tiles"
-    return kept
-
-
 # The combine kernel is a few hundred bytes per row on either vendor: one space for both.
 COMBINE_SPACE = ConfigSpace(
     blocks={"ROWS": (1, 2, 4), "CHUNK": (4, 8, 16)},
@@ -582,8 +444,8 @@ COMBINE_SPACE = ConfigSpace(
 class DecodeSplitKVBase:
     """The split-KV variant's logic; each vendor file subclasses it with `Variant` and sets `spaces`:
     "split" (blocks BLOCK_N, the key tile, WAVES, the split programs per SM that num_splits aims for,
-    and KV_HEADS, the kv heads per program; NVIDIA's also LOADS, pointer or TMA loads) and "combine"
-    (COMBINE_SPACE: blocks ROWS, the rows per program, and CHUNK, the splits per load)."""
+    and KV_HEADS, the kv heads per program) and "combine" (COMBINE_SPACE: blocks ROWS, the rows per
+    program, and CHUNK, the splits per load)."""
 
     op = "decode"
     name = "decode_splitkv"

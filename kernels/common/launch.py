@@ -22,10 +22,7 @@ series (whose launch protocol this follows), a kernel with pre-run hooks, or any
 set. A launch through the cache is the one Triton would make: the same compiled kernel and launcher, on
 the current stream (so CUDA-graph capture works). Not seen by it: a change of Triton's runtime knobs
 (`debug`, instrumentation) or of a global a kernel reads after it was recorded; `registry.clear_caches()`
-drops every cache. A kernel whose compiled metadata asks for global scratch (tensor descriptors built
-in the kernel) gets it as on Triton's path: `compiled.run` is Triton's launcher, which calls the
-allocator of `triton.runtime._allocation` on every launch; the caller sets that allocator around the
-launch (kernels/common/decode.py does).
+drops every cache.
 """
 
 from __future__ import annotations
