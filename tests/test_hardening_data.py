@@ -112,7 +112,7 @@ def _tuned(key_json: str, block_m: int = 32, block_n: int = 16, source_hash: str
     return TunedConfig(op=OP, device_key=CPU.key, tuning_key=key_json, variant=VARIANT, vendor="nvidia",
                        source_hash=source_hash or current,
                        config=CallConfig({"fwd": LaunchConfig(blocks={"BLOCK_M": block_m, "BLOCK_N": block_n,
-                                                                      "HEADS": 1})}),
+                                                                      "HEADS": 1, "KEY_LOOPS": 3})}),
                        time_ms=0.5, triton_version="3.6.0", torch_version="2.13.0")
 
 
