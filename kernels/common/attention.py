@@ -129,6 +129,25 @@ def _query_range(n0, seqlen_q, seqlen_k, window,
     return lo, mid_lo, mid_hi, hi
 
 
+@triton.jit
+def _allowed_keys(pos, cols, seqlen_k, window, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    """[rows, keys] mask of the keys `cols` that rows at positions `pos` may see (masked key blocks of
+    the forward and dQ loops, rows along dim 0). Causal: a valid row sits before seqlen_k, so its causal
+    test also keeps out keys past the sequence (rows past seqlen_q are never stored, and keys past it
+    are loaded as 0), and a window is one unsigned compare of the distance (0 <= pos - key < window):
+    the masks were ~6 ALU instructions per score, and the window forward is issue-bound."""
+    if IS_CAUSAL:
+        if HAS_WINDOW:
+            allowed = (pos[:, None] - cols[None, :]).to(tl.uint32, bitcast=True) < window.to(tl.uint32)
+        else:
+            allowed = cols[None, :] <= pos[:, None]
+    else:
+        allowed = cols[None, :] < seqlen_k
+        if HAS_WINDOW:
+            allowed = allowed & (pos[:, None] - cols[None, :] < window)
+    return allowed
+
+
 # ----------------------------------------------------------------------------- forward
 @triton.jit
 def _attention_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, start, end,
@@ -170,12 +189,7 @@ def _attention_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn,
         if not POSITIVE_SCALE:
             qk = qk * qk_scale
         if MASKED:
-            allowed = cols[None, :] < seqlen_k
-            if IS_CAUSAL:
-                allowed = allowed & (cols[None, :] <= pos_m[:, None])
-            if HAS_WINDOW:
-                allowed = allowed & (pos_m[:, None] - cols[None, :] < window)
-            qk = tl.where(allowed, qk, float("-inf"))
+            qk = tl.where(_allowed_keys(pos_m, cols, seqlen_k, window, IS_CAUSAL, HAS_WINDOW), qk, float("-inf"))
         row_max = tl.max(qk, 1)
         if POSITIVE_SCALE:
             row_max = row_max * qk_scale
@@ -575,12 +589,7 @@ def _attention_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, s
             v = tl.load(v_blk + v_offs)
         p = tl.math.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse2[:, None])
         if MASKED:
-            allowed = cols[None, :] < seqlen_k
-            if IS_CAUSAL:
-                allowed = allowed & (cols[None, :] <= pos_m[:, None])
-            if HAS_WINDOW:
-                allowed = allowed & (pos_m[:, None] - cols[None, :] < window)
-            p = tl.where(allowed, p, 0.0)
+            p = tl.where(_allowed_keys(pos_m, cols, seqlen_k, window, IS_CAUSAL, HAS_WINDOW), p, 0.0)
         ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
         dq += tl.dot(ds.to(k.dtype), k)
         k_blk += BLOCK_N * stride_kn
