@@ -200,6 +200,25 @@ def test_negative_and_zero_scales(scale):
         _check(_variant(S, vendor), args, grads=True, other=False)
 
 
+@pytest.mark.parametrize("step", [0.5, 3.0])
+def test_scores_growing_along_the_keys(step):
+    """Scores that climb along the keys (by `step` nats per key: a row's maximum grows past the last
+    tile's within every tile, by a little or by far more than exp can hold) must keep the online
+    softmax's rescaling exact mid-row: causal with a window, and full attention, with sinks."""
+    for i, vendor in enumerate(VENDORS):
+        causal, window = (True, 29) if i == 0 else (False, None)
+        args = _make(S, 1, 37, 37, 4, 2, 64, sinks="random", causal=causal, window=window, seed=7 + i)
+        ramp = torch.arange(37, device=DEVICE, dtype=torch.float32) * step
+        # q . k gains ramp[j] for key j: q's first component 1, key j's ramp[j] / sm_scale.
+        q = args["q"].float()
+        q[..., 0] = 1.0
+        k = args["k"].float()
+        k[..., 0] = (ramp / args["sm_scale"])[None, :, None].to(torch.float32)
+        args = OPS[S].validate(q.to(DTYPE), k.to(DTYPE), args["v"], sinks=args["sinks"], causal=causal,
+                               window=window, return_lse=True)
+        _check(_variant(S, vendor), args, grads=False, other=True)
+
+
 def test_non_contiguous_inputs_and_gradients():
     """q from a packed qkv tensor, k and v as transposed views: only the last dim is contiguous."""
     gen = torch.Generator().manual_seed(3)
