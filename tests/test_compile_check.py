@@ -169,3 +169,36 @@ def test_gqa_costs_the_dq_kernel_no_registers():
     assert {row["kernel"] for row in rows} == {"_attention_bwd_dq_kernel"}
     registers = [row["registers"] for row in rows]
     assert registers[:2] == registers[2:], rows
+
+
+def test_attention_window_of_one_compiles(tmp_path):
+    """The JIT turns an integer argument equal to 1 into a constant, so a call with window=1 compiles
+    the forward and dQ kernels with `window` as a Python int: the mask code must accept one (the
+    interpreter never specializes, so only a compile shows it). sm_90 and gfx942, padded and varlen."""
+    script = tmp_path / "window_one.py"
+    script.write_text(textwrap.dedent("""
+        import json, sys
+        from kernels.base import CompileSpec
+        from kernels.common.attention import attention_compile_specs
+        from registry.device import preset
+        from tuning.compile_check import compile_config
+        from tuning_db.records import CallConfig, LaunchConfig
+
+        key = {"causal": True, "d": 64, "dtype": "bf16", "h_kv": 2, "h_q": 8, "s_k": 1024, "s_q": 1024,
+               "window": 1, "sinks": True}
+        configs = {"fwd": LaunchConfig(blocks={"BLOCK_M": 64, "BLOCK_N": 32, "HEADS": 2, "KEY_LOOPS": 1},
+                                       num_warps=4, num_stages=2),
+                   "bwd_dq": LaunchConfig(blocks={"BLOCK_M": 64, "BLOCK_N": 32}, num_warps=4, num_stages=2)}
+        for spec in attention_compile_specs(key, CallConfig(configs), ("fwd", "bwd_dq"), "bf16"):
+            signature = {name: kind for name, kind in spec.signature.items() if name != "window"}
+            one = CompileSpec(spec.role, spec.fn, signature, {**spec.constexprs, "window": 1}, spec.options)
+            report = compile_config(one, configs[spec.role], preset(sys.argv[1]))
+            print(json.dumps({"role": spec.role, "fits": report.fits, "reason": report.reason}))
+    """))
+    path = os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))
+    for target in ("h200", "mi300x"):
+        proc = subprocess.run([sys.executable, str(script), target], cwd=ROOT, env={**_env(), "PYTHONPATH": path},
+                              capture_output=True, text=True, timeout=300)
+        rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+        assert len(rows) == 4, proc.stderr[-3000:]
+        assert all(row["fits"] for row in rows), (target, rows)

@@ -138,7 +138,7 @@ def _allowed_keys(pos, cols, seqlen_k, window, IS_CAUSAL: tl.constexpr, HAS_WIND
     the masks were ~6 ALU instructions per score, and the window forward is issue-bound."""
     if IS_CAUSAL:
         if HAS_WINDOW:
-            allowed = (pos[:, None] - cols[None, :]).to(tl.uint32, bitcast=True) < window.to(tl.uint32)
+            allowed = (pos[:, None] - cols[None, :]).to(tl.uint32, bitcast=True) < tl.cast(window, tl.uint32)
         else:
             allowed = cols[None, :] <= pos[:, None]
     else:
