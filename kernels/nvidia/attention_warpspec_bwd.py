@@ -1,30 +1,30 @@
-"""The attention family's backward as two warp-specialized Gluon kernels for Hopper (sm_90), beside the
-warp-specialized forward (kernels/nvidia/attention_warpspec.py), whose variants launch them.
+"""The attention family's dK/dV backward as a warp-specialized Gluon kernel for Hopper (sm_90), beside
+the warp-specialized forward (kernels/nvidia/attention_warpspec.py), whose variants launch it between
+the tiled pre and dQ kernels (kernels/common/attention.py).
 
-Why: the tiled backward (kernels/common/attention.py) reaches ~220 TFLOP/s of matmul work at d 128 on
-an H200: its dK/dV kernel holds 242-255 registers at 8 warps, one CTA per SM, and each warp loads,
-multiplies and exponentiates in turn. FlashAttention-3's backward splits the work between a producer
-warp (TMA loads into an mbarrier ring) and two consumer warpgroups (wgmma, P in registers); its dQ
-goes out through fp32 atomics, which this family avoids (gradients stay bitwise reproducible), so dQ
-has a kernel of its own here, as in the tiled backward:
+Why: the tiled backward reaches ~220 TFLOP/s of matmul work at d 128 on an H200: its dK/dV kernel
+holds 242-255 registers at 8 warps, one CTA per SM, and each warp loads, multiplies and exponentiates
+in turn. FlashAttention-3's backward splits the work between a producer warp (TMA loads into an
+mbarrier ring) and two consumer warpgroups (wgmma, P in registers); its dQ goes out through fp32
+atomics, which this family avoids (gradients stay bitwise reproducible), so dQ keeps a kernel of its
+own (still the tiled one; a Gluon dQ kernel is the next step):
 
 - `_attention_bwd_dkv_ws_kernel`: a CTA owns 2 * BLOCK_N keys of one kv head, BLOCK_N per consumer
   warpgroup (its K and V tiles loaded once); the producer streams Q and dO tiles of BLOCK_M query rows
-  of every query head of the GQA group through a NUM_STAGES ring. A warpgroup works transposed (keys as
-  rows): S^T = K Q^T and dP^T = V dO^T (async, the exponentials of S^T under the dP^T product),
-  P^T = exp2(S^T * qk_scale - Lse2), dS^T = P^T (dP^T - Delta), dV += P^T dO and dK += dS^T Q with
-  P^T and dS^T in registers as the A operands.
-- `_attention_bwd_dq_ws_kernel`: the forward's layout (2 * BLOCK_M query rows of one query head per
-  CTA, Q and dO loaded once), the producer streams K and V tiles; S = Q K^T, dP = dO V^T,
-  dS = P (dP - Delta), dQ += dS K.
+  of every query head of the GQA group through a NUM_STAGES ring, with their rows' Lse2 and Delta. A
+  warpgroup works transposed (keys as rows): S^T = K Q^T and dP^T = V dO^T - Delta (async; the
+  exponentials of S^T run under the dP^T product), P^T = exp2(S^T * qk_scale - Lse2),
+  dS^T = P^T (dP^T - Delta), dV += P^T dO and dK += dS^T Q with P^T and dS^T in registers as the A
+  operands; the producer stores dK and dV by TMA at the end.
 
-Both read Lse2 (the lse with the sink, in log2 units, +inf for a row with no key) and Delta from the
+It reads Lse2 (the lse with the sink, in log2 units, +inf for a row with no key) and Delta from the
 tiled pre kernel (`_attention_bwd_pre_kernel`, which also sums d sinks), so sinks cost nothing here.
 Rows TMA reads past a sequence come back as zeros and its stores drop them: padding queries have
-Lse2 = +inf (P = 0), padding keys only touch their own dK/dV rows, which are never written, and dQ
-masks them (a zero key row would otherwise meet an overflowing P). Served: sm_90, fp16/bf16, d 64 and
-128, no window, padded (not varlen) inputs TMA can address; the variants send every other call to
-the tiled backward (`run_backward` in kernels/nvidia/attention_warpspec.py).
+Lse2 = +inf (P^T = 0), and padding keys only touch their own dK/dV rows, which are never written.
+Served: sm_90, fp16/bf16, d 64 and 128, no window, padded (not varlen) inputs TMA can address; the
+variants send every other call to the tiled backward (`run_backward` in attention_warpspec.py).
+Gluon kernels do not run in the Triton interpreter: CI compiles this one for sm_90 and the GPU tests
+compare gradients with the reference's autograd in bf16 (tests/test_attention_warpspec.py).
 """
 
 from __future__ import annotations
@@ -44,8 +44,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from kernels.base import CompileSpec
+from kernels.common.attention import attention_backward_dq, backward_pre
 from tuning.space import ConfigSpace
-from tuning_db.records import LaunchConfig
+from tuning_db.records import CallConfig, LaunchConfig
 
 # The producer only issues TMA copies and waits on barriers: the fewest registers setmaxnreg allows.
 PRODUCER_REGS = gl.constexpr(24)
@@ -247,7 +248,7 @@ def _attention_bwd_dkv_ws_kernel(
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
-# ----------------------------------------------------------------------------- launcher
+# ----------------------------------------------------------------------------- launchers
 def warpspec_dkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, lse2: torch.Tensor,
                  delta: torch.Tensor, sm_scale: float, causal: bool, config: LaunchConfig
                  ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -257,8 +258,8 @@ def warpspec_dkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.
 
     batch, s_q, h_q, _ = q.shape
     s_k, h_kv = k.shape[1], k.shape[2]
-    dk, dv = torch.empty_like(k, memory_format=torch.contiguous_format), torch.empty_like(
-        v, memory_format=torch.contiguous_format)
+    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     rows, keys = config.blocks["BLOCK_M"], config.blocks["BLOCK_N"]
     _attention_bwd_dkv_ws_kernel[(triton.cdiv(s_k, 2 * keys), h_kv, batch)](
         _descriptor(q, rows), _descriptor(k, keys), _descriptor(v, keys), _descriptor(dout, rows),
@@ -266,6 +267,22 @@ def warpspec_dkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.
         sm_scale * LOG2E, sm_scale, s_q, s_k - s_q, lse2.stride(0), lse2.stride(1),
         GROUP=h_q // h_kv, IS_CAUSAL=causal, HEAD_DIM=q.shape[-1], **config.blocks, num_warps=4)
     return dk, dv
+
+
+def warpspec_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None,
+                      out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor, args: Mapping, config: CallConfig
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The backward of a padded call whose q, k and v TMA can address: the tiled pre kernel (Delta,
+    Lse2, d sinks), this file's dK/dV kernel, the tiled dQ kernel. Returns (dq, dk, dv, dsinks)."""
+    from kernels.nvidia.attention_warpspec import tma_addressable
+
+    dout, lse, delta, lse2, dsinks = backward_pre(q, sinks, out, lse, dout, args, config["bwd_pre"])
+    if not tma_addressable(dout):  # an expanded or oddly strided incoming gradient
+        dout = dout.contiguous()
+    dk, dv = warpspec_dkv(q, k, v, dout, lse2, delta, float(args["sm_scale"]), bool(args["causal"]),
+                          config["bwd_dkv"])
+    dq = attention_backward_dq(q, k, v, dout, lse, lse2, delta, args, config["bwd_dq"])
+    return dq, dk, dv, dsinks
 
 
 # ----------------------------------------------------------------------------- config space
