@@ -1,6 +1,7 @@
 """The attention family's forward as a warp-specialized Gluon kernel for Hopper (sm_90), FlashAttention-3's
 schedule; flash_attention and sink_attention register it (kernels/nvidia/flash_attention.py,
-kernels/nvidia/sink_attention.py), their backward roles are the tiled variants' kernels.
+kernels/nvidia/sink_attention.py). Their backward runs the tiled pre and dQ kernels around the
+warp-specialized dK/dV kernel of kernels/nvidia/attention_warpspec_bwd.py (`run_backward`).
 
 Why a vendor file: the plain-Triton forward (kernels/common/attention.py) stays near 0.8x torch SDPA at
 d 128 on an H200 (benchmarks/NOTES.md): each of its warps loads, multiplies and exponentiates in turn,
