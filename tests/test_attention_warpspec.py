@@ -1,10 +1,12 @@
-"""The Hopper Gluon forward of the attention family (kernels/nvidia/attention_warpspec.py:
-flash_attention_warpspec, sink_attention_warpspec): where it runs, its config space, its backward (the
-tiled variants'), its offline sm_90 compiles, and the calls it hands to the tiled forward (varlen,
-inputs TMA cannot address), which run here in the interpreter. On an sm_90 GPU: the kernel against
-the reference in bf16 (odd lengths, s_q != s_k, GQA 1/4/8, sinks of +-30, causal and not, d 64 and
-128, lse), every config of its space, gradients through it, dispatch by name and the fallbacks.
-Its default configs at the ops' preset keys are compiled in test_shipped_and_default_configs.py."""
+"""The Hopper Gluon kernels of the attention family (kernels/nvidia/attention_warpspec.py and
+attention_warpspec_bwd.py: flash_attention_warpspec, sink_attention_warpspec): where they run, their
+config spaces, the backward's roles (Gluon dK/dV between the tiled pre and dQ kernels), their offline
+sm_90 compiles, and the calls they hand to the tiled kernels (varlen, inputs TMA cannot address),
+which run here in the interpreter. On an sm_90 GPU: the forward against the reference in bf16 (odd
+lengths, s_q != s_k, GQA 1/4/8, sinks of +-30, causal and not, d 64 and 128, lse), every config of
+its space, gradients of q, k, v and sinks against the reference's autograd over the same cases and
+every dK/dV config, dispatch by name and the fallbacks. Default configs at the ops' preset keys are
+compiled in test_shipped_and_default_configs.py."""
 
 from __future__ import annotations
 
@@ -106,15 +108,43 @@ def test_space_and_pruning():
 
 
 @pytest.mark.parametrize("op", [F, S])
-def test_backward_is_the_tiled_variants(op):
+def test_backward_roles(op):
+    """The pre and dQ roles are the tiled variant's (kernels, spaces, defaults); dK/dV is the Gluon
+    kernel with its own space."""
+    from kernels.nvidia.attention_warpspec_bwd import DKV_SPACE, _attention_bwd_dkv_ws_kernel
+
     warpspec, tiled = WARPSPEC[op], TILED[op]
     assert warpspec.roles == tiled.roles == ("fwd", "bwd_pre", "bwd_dkv", "bwd_dq")
     assert warpspec.kernels["fwd"] is not tiled.kernels["fwd"]
-    for role in warpspec.roles[1:]:
+    assert warpspec.kernels["bwd_dkv"] is _attention_bwd_dkv_ws_kernel and warpspec.spaces["bwd_dkv"] is DKV_SPACE
+    for role in ("bwd_pre", "bwd_dq"):
         assert warpspec.kernels[role] is tiled.kernels[role]
         assert warpspec.spaces[role] is tiled.spaces[role]
         assert warpspec.default_config(KEY, preset("h200"))[role] == tiled.default_config(KEY, preset("h200"))[role]
     assert warpspec.source_hash != tiled.source_hash
+
+
+def test_dkv_space_and_pruning():
+    """32- and 64-row query tiles (64 at d 64 only), 64 keys per warpgroup, at most 128 query rows in
+    the ring: 6 configs at d 128, 8 at d 64, each fitting an H100/H200; the estimate is what sm_90
+    compiles allocate, give or take alignment and the layout conversions' scratch."""
+    from kernels.nvidia.attention_warpspec_bwd import dkv_shared_bytes
+
+    target = preset("h200")
+    warpspec = WARPSPEC[F]
+    for d, size, default in ((128, 6, {"BLOCK_M": 32, "NUM_STAGES": 4}), (64, 8, {"BLOCK_M": 64, "NUM_STAGES": 2})):
+        key = {**KEY, "d": d}
+        space = warpspec.space(key, target)["bwd_dkv"]
+        assert len(space) == len(set(space)) == size
+        assert {c.num_warps for c in space} == {4} and {c.blocks["BLOCK_N"] for c in space} == {64}
+        assert all(c.blocks["NUM_STAGES"] * c.blocks["BLOCK_M"] <= 128 for c in space)
+        assert all(warpspec.prune_reason("bwd_dkv", c, key, target) is None for c in space)
+        chosen = warpspec.default_config(key, target)["bwd_dkv"]
+        assert chosen in space and {name: chosen.blocks[name] for name in default} == default
+    # Measured with tuning.compile_check (bf16, sm_90): the d 128 default allocates 132_504 B.
+    chosen = warpspec.default_config(KEY, target)["bwd_dkv"]
+    assert 0 <= 132_504 - dkv_shared_bytes(chosen, 128) < 512
+    assert warpspec.prune_reason("bwd_dkv", LaunchConfig(blocks={"BLOCK_M": 64}), KEY, target).startswith("blocks")
 
 
 def test_descriptor_types_are_what_the_jit_sees():
@@ -159,18 +189,29 @@ CORNERS = [
 ]
 
 
-def test_space_corners_compile_for_sm_90_without_spills():
+# The dK/dV space's corners: the deepest ring at d 128 with GQA 8 (causal), 64-row tiles at d 64 with
+# GQA 8 in fp16, without causal masks.
+DKV_CORNERS = [
+    ({"h_kv": 2}, {"BLOCK_M": 32, "BLOCK_N": 64, "NUM_STAGES": 4, "CONSUMER_REGS": 232}),
+    ({"d": 64, "h_kv": 2, "causal": False, "dtype": "fp16"},
+     {"BLOCK_M": 64, "BLOCK_N": 64, "NUM_STAGES": 2, "CONSUMER_REGS": 240}),
+]
+
+
+@pytest.mark.parametrize("role,corners,kernel", [("fwd", CORNERS, "_attention_fwd_ws_kernel"),
+                                                 ("bwd_dkv", DKV_CORNERS, "_attention_bwd_dkv_ws_kernel")])
+def test_space_corners_compile_for_sm_90_without_spills(role, corners, kernel):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    for changes, blocks in CORNERS:
+    for changes, blocks in corners:
         op = S if "sinks" in changes else F
-        config = {"fwd": {"blocks": blocks, "num_warps": 4}}
-        argv = ["--variant", NAMES[op][0], "--vendor", "nvidia", "--target", "h200", "--roles", "fwd", "--json",
+        config = {role: {"blocks": blocks, "num_warps": 4}}
+        argv = ["--variant", NAMES[op][0], "--vendor", "nvidia", "--target", "h200", "--roles", role, "--json",
                 "--key-json", json.dumps({**KEY, **changes}), "--config-json", json.dumps(config)]
         proc = subprocess.run([sys.executable, "-m", "tuning.compile_check", *argv], cwd=ROOT, env=env,
                               capture_output=True, text=True, timeout=600)
         (row,) = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
         assert proc.returncode == 0 and row["fits"] and row["spills"] == 0, (row, proc.stderr[-2000:])
-        assert row["kernel"] == "_attention_fwd_ws_kernel" and row["config"]["fwd"]["blocks"] == blocks
+        assert row["kernel"] == kernel and row["config"][role]["blocks"] == blocks
         assert row["shared_bytes"] <= preset("h200").shared_mem_bytes
 
 
@@ -229,13 +270,14 @@ def no_gluon(monkeypatch):
         raise AssertionError("the warp-specialized kernel ran on a call it must hand over")
 
     monkeypatch.setattr(module, "warpspec_forward", refuse)
+    monkeypatch.setattr(module, "warpspec_backward", refuse)
 
 
 @pytest.mark.parametrize("op", [F, S])
-def test_calls_it_hands_over_run_the_tiled_forward(op, no_gluon):
-    """Varlen calls and a q that TMA cannot address run the tiled forward with the tiled variant's
-    default forward config for the key; the backward is the tiled kernels' either way (here in the
-    interpreter; on a GPU through its own kernels)."""
+def test_calls_it_hands_over_run_the_tiled_kernels(op, no_gluon):
+    """Varlen calls and a q that TMA cannot address run the tiled forward and backward with the tiled
+    variant's default forward and dK/dV configs for the key (here in the interpreter; on a GPU through
+    its own kernels)."""
     variant = WARPSPEC[op]
     device = detect(DEVICE)
     for args in (_packed(op), _misaligned(op, _make(op, 1, 21, 37, 4, 1, 64, sinks="random", causal=True))):
@@ -243,11 +285,14 @@ def test_calls_it_hands_over_run_the_tiled_forward(op, no_gluon):
         # Off Hopper the backward roles take the interpreter's tiles (the forward's config is not read).
         config = (variant if HAS_GPU else TILED[op]).default_config(key, device)
         assert_close(variant.launch(args, config), OPS[op].reference(**args), TOLERANCE[DTYPE])
-        assert variant.fallback_config(args) == TILED[op].role_default("fwd", key, device)
-        if args["cu_seqlens_q"] is not None:
-            got, dout = gradients(OPS[op], lambda a, c=config: variant.launch(a, c), args)
-            expected = reference_gradients(OPS[op], args, dout)
-            assert max_relative_error([g.float() for g in got], expected) <= GRAD_TOLERANCE[DTYPE]
+        for role in ("fwd", "bwd_dkv"):
+            assert variant.fallback_config(args, role) == TILED[op].role_default(role, key, device)
+        # The backward launcher on these very tensors (autograd's leaves would be fresh, aligned copies).
+        out, lse = variant.launch(args, config)
+        dout = random_normal(out.shape, device=DEVICE, dtype=DTYPE, generator=torch.Generator().manual_seed(1))
+        got = variant.run_backward(args["q"], args["k"], args["v"], args.get("sinks"), out, lse, dout, args, config)
+        got = [g.float() for g in got if g is not None]
+        assert max_relative_error(got, reference_gradients(OPS[op], args, dout)) <= GRAD_TOLERANCE[DTYPE]
 
 
 # ----------------------------------------------------------------------------- on an sm_90 GPU
@@ -300,16 +345,58 @@ def test_every_config_of_the_space_matches_reference(d):
         assert_close(out, expected, TOLERANCE[torch.bfloat16], what=str(config))
 
 
+# (op, b, s_q, s_k, h_q, h_kv, d, causal, sinks): the backward's cases, lengths no tile divides.
+GRAD_CASES = {
+    "causal-77x93-gqa4-d64-sinks": (S, 2, 77, 93, 8, 2, 64, True, "random"),
+    "causal-77x93-gqa4-d128": (F, 2, 77, 93, 8, 2, 128, True, None),
+    "causal-300-gqa1-d128": (F, 1, 300, 300, 4, 4, 128, True, None),
+    "causal-sq>sk-empty-rows-gqa8-d64": (F, 1, 333, 65, 8, 1, 64, True, None),
+    "causal-sq<sk-gqa8-d128-sinks+-30": (S, 1, 65, 333, 8, 1, 128, True, (30.0, -30.0)),
+    "full-201x130-gqa1-d64-sinks+-30": (S, 2, 201, 130, 4, 4, 64, False, (-30.0, 30.0)),
+    "full-130x201-gqa4-d128": (F, 1, 130, 201, 8, 2, 128, False, None),
+    "full-1-gqa8-d64": (F, 2, 1, 1, 8, 1, 64, False, None),
+}
+
+
+def _gradient_error(variant, args: dict, config: CallConfig | None = None) -> float:
+    config = config or variant.default_config(dict(OPS[variant.op].tuning_key(args)), preset("h200"))
+    got, dout = gradients(OPS[variant.op], lambda a: variant.launch(a, config), args)
+    return max_relative_error([g.float() for g in got], reference_gradients(OPS[variant.op], args, dout))
+
+
 @hopper
-@pytest.mark.parametrize("op,d", [(S, 64), (F, 128)])
-def test_gradients_through_its_forward(op, d):
-    """Autograd keeps its lse for the tiled backward kernels."""
-    variant = WARPSPEC[op]
-    args = _make(op, 2, 77, 93, 8, 2, d, sinks="random", causal=True, seed=5)
-    config = variant.default_config(dict(OPS[op].tuning_key(args)), preset("h200"))
-    got, dout = gradients(OPS[op], lambda a: variant.launch(a, config), args)
-    err = max_relative_error([g.float() for g in got], reference_gradients(OPS[op], args, dout))
-    assert err <= GRAD_TOLERANCE[torch.bfloat16]
+@pytest.mark.parametrize("case", list(GRAD_CASES))
+def test_gradients_match_reference(case):
+    """Gradients of q, k, v (and sinks) through the Gluon forward and dK/dV kernels against the
+    reference's fp32 autograd."""
+    op, b, s_q, s_k, h_q, h_kv, d, causal, sinks = GRAD_CASES[case]
+    args = _make(op, b, s_q, s_k, h_q, h_kv, d, sinks=sinks, causal=causal, seed=len(case))
+    err = _gradient_error(WARPSPEC[op], args)
+    assert err <= GRAD_TOLERANCE[torch.bfloat16], f"{case}: relative error {err:.3g}"
+
+
+@hopper
+@pytest.mark.parametrize("d", [64, 128])
+def test_every_dkv_config_matches_reference(d):
+    """Causal GQA 4 with sinks, lengths no tile divides and s_q < s_k, at every dK/dV config."""
+    variant = WARPSPEC[S]
+    args = _make(S, 1, 199, 301, 8, 2, d, sinks="random", causal=True, seed=d)
+    key = dict(OPS[S].tuning_key(args))
+    default = variant.default_config(key, preset("h200"))
+    for config in variant.space(key, preset("h200"))["bwd_dkv"]:
+        err = _gradient_error(variant, args, default.replace("bwd_dkv", config))
+        assert err <= GRAD_TOLERANCE[torch.bfloat16], f"{config}: relative error {err:.3g}"
+
+
+@hopper
+def test_backward_is_reproducible():
+    """No atomics: two backward passes give the same bits."""
+    variant = WARPSPEC[S]
+    args = _make(S, 1, 257, 257, 8, 1, 128, sinks="random", causal=True, seed=9)
+    config = variant.default_config(dict(OPS[S].tuning_key(args)), preset("h200"))
+    first, dout = gradients(OPS[S], lambda a: variant.launch(a, config), args)
+    second, _ = gradients(OPS[S], lambda a: variant.launch(a, config), args, dout)
+    assert all(torch.equal(x, y) for x, y in zip(first, second, strict=True))
 
 
 @hopper
@@ -328,8 +415,9 @@ def test_strided_inputs():
 @hopper
 @pytest.mark.parametrize("op", [F, S])
 def test_dispatch_by_name_and_fallbacks(op, no_gluon, monkeypatch):
-    """Forced by name, a padded call runs this kernel; windowed calls go to the tiled variant through
-    dispatch; varlen calls, forced to this variant, run the tiled forward (the Gluon launcher refuses)."""
+    """Forced by name, a padded call runs these kernels (forward and backward); windowed calls go to the
+    tiled variant through dispatch; varlen calls, forced to this variant, run the tiled forward and
+    backward (the Gluon launchers refuse)."""
     import registry
 
     forced = registry.get(op, variant=NAMES[op][0])
@@ -340,5 +428,12 @@ def test_dispatch_by_name_and_fallbacks(op, no_gluon, monkeypatch):
     packed = _packed(op)
     assert forced.choice(**packed).variant.name == NAMES[op][0]
     assert_close(forced(**packed), OPS[op].reference(**packed), TOLERANCE[DTYPE])
-    monkeypatch.undo()  # the Gluon launcher back: the padded call runs it
+
+    def gradient_error(call_args: dict) -> float:
+        got, dout = gradients(OPS[op], lambda a: forced(**a), call_args)
+        return max_relative_error([g.float() for g in got], reference_gradients(OPS[op], call_args, dout))
+
+    assert gradient_error(packed) <= GRAD_TOLERANCE[DTYPE]  # the tiled backward
+    monkeypatch.undo()  # the Gluon launchers back: the padded call runs them
     assert_close(forced(**args), OPS[op].reference(**args), TOLERANCE[DTYPE])
+    assert gradient_error(args) <= GRAD_TOLERANCE[DTYPE]

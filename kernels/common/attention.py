@@ -785,81 +785,114 @@ def attention_forward(args: Mapping, config: LaunchConfig, keep_lse: bool, launc
     return out, lse
 
 
-def attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None, out: torch.Tensor,
-              lse: torch.Tensor, dout: torch.Tensor, args: Mapping, config: CallConfig):
-    """Run the pre, dK/dV and dQ kernels; returns (dq, dk, dv, dsinks or None). `args` holds the
-    call's non-tensor arguments and cu_seqlens."""
-    varlen, batch, rows_q, rows_k, span_q, span_k = _geometry({**args, "q": q, "k": k})
-    h_q, h_kv, d = q.shape[-2], k.shape[-2], q.shape[-1]
+def backward_pre(q: torch.Tensor, sinks: torch.Tensor | None, out: torch.Tensor, lse: torch.Tensor,
+                 dout: torch.Tensor, args: Mapping, config: LaunchConfig
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Run the pre kernel with `config` (the "bwd_pre" role's): (dout in q's dtype with a unit last
+    stride, lse made dense, delta, lse2, d sinks or None). delta and lse2 share lse's (dense) layout:
+    [b, h_q, s_q], or [h_q, total rows] for varlen calls."""
+    varlen, batch, rows_q, _, _, _ = _geometry({**args, "q": q, "k": q})
+    h_q, d = q.shape[-2], q.shape[-1]
     # The kernels read dO through q's element type with a unit last stride.
     dout = dout.to(q.dtype)
     dout = dout if dout.stride(-1) == 1 else dout.contiguous()
     # delta and lse2 are indexed with lse's strides: a dense lse makes them match.
     lse = lse.contiguous()
     delta, lse2 = torch.empty_like(lse), torch.empty_like(lse)
-    lse_strides = _lse_strides(lse, varlen)
-    block_d = dot_block(d)
-
-    pre = config["bwd_pre"]
     pre_batch = 1 if varlen else batch  # packed rows need no sequence bounds here
-    pre_grid = (cdiv(rows_q, pre.blocks["BLOCK_M"]), h_q, pre_batch)
+    pre_grid = (cdiv(rows_q, config.blocks["BLOCK_M"]), h_q, pre_batch)
     dsink_parts = None
     if sinks is not None:
         dsink_parts = torch.empty((h_q, pre_batch * pre_grid[0]), dtype=torch.float32, device=q.device)
     _attention_bwd_pre_kernel[pre_grid](
         out, dout, lse, sinks, delta, lse2, dsink_parts, rows_q,
-        *_strides(out, varlen), *_strides(dout, varlen), *lse_strides,
-        HAS_SINKS=sinks is not None, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=pre.blocks["BLOCK_M"], **pre.knobs())
+        *_strides(out, varlen), *_strides(dout, varlen), *_lse_strides(lse, varlen),
+        HAS_SINKS=sinks is not None, HEAD_DIM=d, BLOCK_D=dot_block(d), BLOCK_M=config.blocks["BLOCK_M"],
+        **config.knobs())
+    # One slot per pre program, summed in a fixed order: no atomics, the same bits every run.
+    dsinks = dsink_parts.sum(dim=1) if dsink_parts is not None else None
+    return dout, lse, delta, lse2, dsinks
+
+
+def attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None, out: torch.Tensor,
+                       lse: torch.Tensor, dout: torch.Tensor, args: Mapping, config: CallConfig):
+    """Run the pre, dK/dV and dQ kernels; returns (dq, dk, dv, dsinks or None). `args` holds the
+    call's non-tensor arguments and cu_seqlens."""
+    varlen, batch, _, _, _, span_k = _geometry({**args, "q": q, "k": k})
+    h_kv = k.shape[-2]
+    dout, lse, delta, lse2, dsinks = backward_pre(q, sinks, out, lse, dout, args, config["bwd_pre"])
 
     # Varlen rows outside every sequence get no program: their gradients are the zeros allocated here.
     alloc = torch.zeros if varlen else torch.empty
-    dq, dk, dv = (alloc(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+    dk, dv = (alloc(t.shape, dtype=t.dtype, device=t.device) for t in (k, v))
+    common, constexprs = _backward_arguments(q, k, v, dout, args)
     cu_q, cu_k = (args["cu_seqlens_q"], args["cu_seqlens_k"]) if varlen else (q, q)
+    dkv = config["bwd_dkv"]
+    _attention_bwd_dkv_kernel[(cdiv(span_k, dkv.blocks["BLOCK_N"]), h_kv, batch)](
+        q, k, v, dout, lse2, delta, dk, dv, cu_q, cu_k, *common,
+        *_strides(dk, varlen), *_strides(dv, varlen), *_lse_strides(lse, varlen),
+        **constexprs, **dkv.blocks, **dkv.knobs())
+    dq = attention_backward_dq(q, k, v, dout, lse, lse2, delta, args, config["bwd_dq"])
+    return dq, dk, dv, dsinks
+
+
+def _backward_arguments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, args: Mapping
+                        ) -> tuple[tuple, dict]:
+    """The dK/dV and dQ kernels' shared run-time arguments (scales, lengths, window, the strides of q,
+    k, v and dO) and constexprs."""
+    varlen, _, rows_q, rows_k, _, _ = _geometry({**args, "q": q, "k": k})
     masks = _masks(args, rows_k)
     window = masks.pop("window")
     sm_scale = float(args["sm_scale"])
     common = (sm_scale * LOG2E.value, sm_scale, rows_q, rows_k, window,
               *_strides(q, varlen), *_strides(k, varlen), *_strides(v, varlen), *_strides(dout, varlen))
-    constexprs = {"GROUP": h_q // h_kv, "IS_VARLEN": varlen, "HEAD_DIM": d, "BLOCK_D": block_d, **masks}
+    d = q.shape[-1]
+    return common, {"GROUP": q.shape[-2] // k.shape[-2], "IS_VARLEN": varlen, "HEAD_DIM": d,
+                    "BLOCK_D": dot_block(d), **masks}
 
-    dkv = config["bwd_dkv"]
-    _attention_bwd_dkv_kernel[(cdiv(span_k, dkv.blocks["BLOCK_N"]), h_kv, batch)](
-        q, k, v, dout, lse2, delta, dk, dv, cu_q, cu_k, *common,
-        *_strides(dk, varlen), *_strides(dv, varlen), *lse_strides,
-        **constexprs, **dkv.blocks, **dkv.knobs())
-    dq_config = config["bwd_dq"]
-    _attention_bwd_dq_kernel[(cdiv(span_q, dq_config.blocks["BLOCK_M"]), h_q, batch)](
-        q, k, v, dout, lse2, delta, dq, cu_q, cu_k, *common, *_strides(dq, varlen), *lse_strides,
-        **constexprs, **dq_config.blocks, **dq_config.knobs())
-    # One slot per pre program, summed in a fixed order: no atomics, the same bits every run.
-    dsinks = dsink_parts.sum(dim=1) if dsink_parts is not None else None
-    return dq, dk, dv, dsinks
+
+def attention_backward_dq(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor,
+                          lse2: torch.Tensor, delta: torch.Tensor, args: Mapping, config: LaunchConfig
+                          ) -> torch.Tensor:
+    """dQ by the tiled dQ kernel with `config` (the "bwd_dq" role's), from what `backward_pre` returned
+    (dout, the dense lse, delta and lse2)."""
+    varlen, batch, _, _, span_q, _ = _geometry({**args, "q": q, "k": k})
+    dq = (torch.zeros if varlen else torch.empty)(q.shape, dtype=q.dtype, device=q.device)
+    common, constexprs = _backward_arguments(q, k, v, dout, args)
+    cu_q, cu_k = (args["cu_seqlens_q"], args["cu_seqlens_k"]) if varlen else (q, q)
+    _attention_bwd_dq_kernel[(cdiv(span_q, config.blocks["BLOCK_M"]), q.shape[-2], batch)](
+        q, k, v, dout, lse2, delta, dq, cu_q, cu_k, *common, *_strides(dq, varlen), *_lse_strides(lse, varlen),
+        **constexprs, **config.blocks, **config.knobs())
+    return dq
 
 
 class _AttentionFunction(torch.autograd.Function):
     """Autograd for the family: the forward kernel (`forward`: `attention_forward` or another variant's
-    forward launcher with its signature) keeps lse for the backward's three kernels. The returned lse
-    is not differentiable (as in FlashAttention); gradients flow from `out` to q, k, v and sinks. No
-    atomics anywhere, so gradients are bitwise reproducible."""
+    forward launcher with its signature) keeps lse for the backward (`backward`: `attention_backward`
+    or another variant's backward launcher with its signature). The returned lse is not
+    differentiable (as in FlashAttention); gradients flow from `out` to q, k, v and sinks. No atomics
+    anywhere, so gradients are bitwise reproducible."""
 
     @staticmethod
-    def forward(ctx, forward, q, k, v, sinks, args: Mapping, config: CallConfig):
+    def forward(ctx, forward, backward, q, k, v, sinks, args: Mapping, config: CallConfig):
         out, lse = forward(args, config["fwd"], keep_lse=True)
         ctx.save_for_backward(q, k, v, sinks, out, lse)
         ctx.rest = {name: value for name, value in args.items() if name not in ("q", "k", "v", "sinks")}
         ctx.config = config
+        ctx.backward = backward
         ctx.mark_non_differentiable(lse)
         return (out, lse) if args["return_lse"] else out
 
     @staticmethod
     def backward(ctx, dout, *_lse_grad):
         q, k, v, sinks, out, lse = ctx.saved_tensors
-        dq, dk, dv, dsinks = attention_backward(q, k, v, sinks, out, lse, dout, ctx.rest, ctx.config)
-        return None, dq, dk, dv, dsinks, None, None
+        dq, dk, dv, dsinks = ctx.backward(q, k, v, sinks, out, lse, dout, ctx.rest, ctx.config)
+        return None, None, dq, dk, dv, dsinks, None, None
 
 
 def attention_call(args: Mapping, config: CallConfig, launch: Callable[..., Any] = triton_launch,
-                   forward: Callable[..., tuple] = attention_forward):
+                   forward: Callable[..., tuple] = attention_forward,
+                   backward: Callable[..., tuple] = attention_backward):
     """flash_attention or sink_attention on the op contract's validated args (sink_attention's carry
     `sinks`): `out`, or `(out, lse)` with `return_lse`.
 
@@ -867,13 +900,13 @@ def attention_call(args: Mapping, config: CallConfig, launch: Callable[..., Any]
     runs under `_AttentionFunction`, whose backward launches the "bwd_pre", "bwd_dkv" and "bwd_dq"
     roles' configs. `deterministic` needs nothing: no kernel here uses atomics. `launch` runs the
     forward kernel of a call without autograd (a dispatch plan's `LaunchCache`, or Triton's launch);
-    `forward` is the forward launcher (`attention_forward`'s signature): this module's kernel, or
-    another variant's that shares this backward.
+    `forward` is the forward launcher (`attention_forward`'s signature) and `backward` the backward
+    launcher (`attention_backward`'s): this module's kernels, or another variant's.
     """
     q, k, v = args["q"], args["k"], args["v"]
     sinks = args.get("sinks")
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, sinks)):
-        return _AttentionFunction.apply(forward, q, k, v, sinks, args, config)
+        return _AttentionFunction.apply(forward, backward, q, k, v, sinks, args, config)
     out, lse = forward(args, config["fwd"], keep_lse=False, launch=launch)
     return (out, lse) if args["return_lse"] else out
 
@@ -951,9 +984,11 @@ class AttentionTiledBase:
     """
 
     kernels = dict(_ROLE_KERNELS)
-    # The forward launcher (args, fwd config, keep_lse, launch) -> (out, lse or None); a variant with
-    # another forward kernel and this backward replaces it.
+    # The forward launcher (args, fwd config, keep_lse, launch) -> (out, lse or None) and the backward
+    # launcher (q, k, v, sinks, out, lse, dout, args, call config) -> (dq, dk, dv, dsinks or None); a
+    # variant with other kernels replaces them.
     run_forward = staticmethod(attention_forward)
+    run_backward = staticmethod(attention_backward)
     HEAD_DIM_DEFAULTS: Mapping[str, tuple[tuple[int, dict], ...]] = {}
 
     def shared_bytes(self, role: str, config: LaunchConfig, block_d: int, elem: int) -> int:
@@ -1021,15 +1056,15 @@ class AttentionTiledBase:
         return config
 
     def launch(self, args: dict, config: CallConfig):
-        return attention_call(args, config, forward=self.run_forward)
+        return attention_call(args, config, forward=self.run_forward, backward=self.run_backward)
 
     def bind(self, config: CallConfig):
-        forward = self.run_forward
-        return lambda args: attention_call(args, config, forward=forward)
+        forward, backward = self.run_forward, self.run_backward
+        return lambda args: attention_call(args, config, forward=forward, backward=backward)
 
     def bind_cached(self, config: CallConfig):
-        launches, forward = LaunchCache(), self.run_forward
-        return lambda args: attention_call(args, config, launches, forward)
+        launches, forward, backward = LaunchCache(), self.run_forward, self.run_backward
+        return lambda args: attention_call(args, config, launches, forward, backward)
 
     def backward(self, args: dict, config: CallConfig, outputs: tuple, grad: torch.Tensor) -> dict:
         """The backward kernels on the forward's saved out and lse (registry/library.py's custom op);
@@ -1038,7 +1073,7 @@ class AttentionTiledBase:
         if not lse.numel():
             out, lse = self.run_forward(args, config["fwd"], keep_lse=True)
         sinks = args.get("sinks")
-        dq, dk, dv, dsinks = attention_backward(args["q"], args["k"], args["v"], sinks, out, lse, grad, args, config)
+        dq, dk, dv, dsinks = self.run_backward(args["q"], args["k"], args["v"], sinks, out, lse, grad, args, config)
         return {"q": dq, "k": dk, "v": dv, "sinks": dsinks}
 
     def compile_specs(self, key: dict, config: CallConfig, dtype: str = "fp16") -> list[CompileSpec]:

@@ -1,6 +1,7 @@
 """The attention family's forward as a warp-specialized Gluon kernel for Hopper (sm_90), FlashAttention-3's
 schedule; flash_attention and sink_attention register it (kernels/nvidia/flash_attention.py,
-kernels/nvidia/sink_attention.py), their backward roles are the tiled variants' kernels.
+kernels/nvidia/sink_attention.py). Their backward runs the tiled pre and dQ kernels around the
+warp-specialized dK/dV kernel of kernels/nvidia/attention_warpspec_bwd.py (`run_backward`).
 
 Why a vendor file: the plain-Triton forward (kernels/common/attention.py) stays near 0.8x torch SDPA at
 d 128 on an H200 (benchmarks/NOTES.md): each of its warps loads, multiplies and exponentiates in turn,
@@ -53,8 +54,16 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from kernels.base import CompileSpec
-from kernels.common.attention import attention_compile_specs, attention_forward
+from kernels.common.attention import attention_backward, attention_compile_specs, attention_forward
 from kernels.common.launch import triton_launch
+from kernels.nvidia.attention_warpspec_bwd import (
+    DKV_HEAD_DIM_DEFAULTS,
+    DKV_SPACE,
+    _attention_bwd_dkv_ws_kernel,
+    dkv_compile_spec,
+    dkv_shared_bytes,
+    warpspec_backward,
+)
 from tuning.space import ConfigSpace
 from tuning_db.records import CallConfig, LaunchConfig
 
@@ -417,11 +426,23 @@ FORWARD_SPACE = ConfigSpace(
 FORWARD_HEAD_DIM_DEFAULTS = ((64, {"NUM_STAGES": 3}), (128, {}))
 
 
+def _served(args: Mapping, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether the warp-specialized kernels take a call: padded (not varlen) and q, k and v addressable
+    by TMA (varlen calls and other strides share a tuning key with the calls they serve)."""
+    return args["cu_seqlens_q"] is None and all(tma_addressable(t) for t in (q, k, v))
+
+
+# The roles with kernels of their own here: (HEAD_DIM_DEFAULTS rows, shared-memory estimate).
+_OWN_ROLES = {"fwd": (FORWARD_HEAD_DIM_DEFAULTS, shared_bytes), "bwd_dkv": (DKV_HEAD_DIM_DEFAULTS, dkv_shared_bytes)}
+
+
 class AttentionWarpSpecHopper:
-    """The warp-specialized forward's variant logic, mixed in before a tiled NVIDIA variant; each op
-    file registers one, setting `name` and `tiled` (that tiled variant's class). Its roles, kernels and
-    spaces are the tiled variant's but for the forward's (this kernel, FORWARD_SPACE); the calls this
-    kernel hands over run the tiled forward with the tiled variant's default config.
+    """The warp-specialized kernels' variant logic, mixed in before a tiled NVIDIA variant; each op
+    file registers one, setting `name` and `tiled` (that tiled variant's class). Its roles and kernels
+    are the tiled variant's but for the forward's (this kernel, FORWARD_SPACE) and dK/dV's
+    (kernels/nvidia/attention_warpspec_bwd.py, DKV_SPACE); "bwd_pre" and "bwd_dq" are the tiled
+    kernels with the tiled spaces. The calls these kernels hand over run the tiled kernels with the
+    tiled variant's default configs for those roles.
 
     Hopper only (wgmma, TMA, setmaxnreg); head dims 64 and 128, fp16/bf16, no window. Higher priority
     than the tiled variant: the default where it runs and no tuned entry names another."""
@@ -432,33 +453,33 @@ class AttentionWarpSpecHopper:
 
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
-        cls.kernels = {**cls.tiled.kernels, "fwd": _attention_fwd_ws_kernel}
-        cls.spaces = {**cls.tiled.spaces, "fwd": FORWARD_SPACE}
+        cls.kernels = {**cls.tiled.kernels, "fwd": _attention_fwd_ws_kernel, "bwd_dkv": _attention_bwd_dkv_ws_kernel}
+        cls.spaces = {**cls.tiled.spaces, "fwd": FORWARD_SPACE, "bwd_dkv": DKV_SPACE}
 
     def supports(self, key: dict, device) -> bool:
         return (device.arch == "sm_90" and key["dtype"] in ("fp16", "bf16") and key["d"] in HEAD_DIMS
                 and key["window"] is None)
 
     def role_default(self, role: str, key: dict, device) -> LaunchConfig:
-        if role != "fwd":
+        if role not in _OWN_ROLES:
             return super().role_default(role, key, device)
-        base = self.spaces["fwd"].default(device)
+        base = self.spaces[role].default(device)
         fields = {**base.blocks, **base.knobs()}
-        fields.update(next((row for d_max, row in FORWARD_HEAD_DIM_DEFAULTS if key["d"] <= d_max), {}))
-        config = self.spaces["fwd"].make(fields)
+        fields.update(next((row for d_max, row in _OWN_ROLES[role][0] if key["d"] <= d_max), {}))
+        config = self.spaces[role].make(fields)
         # A device with less shared memory than an H100/H200: fewer stages.
-        while self.prune_reason("fwd", config, key, device) is not None and config.blocks["NUM_STAGES"] > 2:
+        while self.prune_reason(role, config, key, device) is not None and config.blocks["NUM_STAGES"] > 2:
             config = config.model_copy(update={"blocks": {**config.blocks,
                                                           "NUM_STAGES": config.blocks["NUM_STAGES"] - 1}})
         return config
 
     def prune_reason(self, role: str, config: LaunchConfig, key: dict, device) -> str | None:
-        if role != "fwd":
+        if role not in _OWN_ROLES:
             return super().prune_reason(role, config, key, device)
-        expected = set(self.spaces["fwd"].blocks)
+        expected = set(self.spaces[role].blocks)
         if set(config.blocks) != expected:
             return f"blocks must be {sorted(expected)}, got {sorted(config.blocks)}"
-        need = shared_bytes(config, key["d"])
+        need = _OWN_ROLES[role][1](config, key["d"])
         if need > device.shared_mem_bytes:
             return f"needs ~{need} B of shared memory (> {device.shared_mem_bytes} B)"
         return None
@@ -467,27 +488,43 @@ class AttentionWarpSpecHopper:
                     launch: Callable[..., Any] = triton_launch) -> tuple[torch.Tensor, torch.Tensor | None]:
         """This kernel, or for varlen calls and inputs TMA cannot address, the tiled forward with the
         tiled variant's default forward config for the call's key."""
-        if args["cu_seqlens_q"] is None and all(tma_addressable(args[name]) for name in ("q", "k", "v")):
+        if _served(args, args["q"], args["k"], args["v"]):
             return warpspec_forward(args, config, keep_lse, launch)
         return attention_forward(args, self.fallback_config(args), keep_lse, launch)
 
-    def fallback_config(self, args: Mapping) -> LaunchConfig:
-        """The tiled variant's default forward config for the call's tuning key and device."""
+    def run_backward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None,
+                     out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor, args: Mapping, config: CallConfig
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The warp-specialized dK/dV kernel between the tiled pre and dQ kernels, or for the calls the
+        forward hands over, the tiled backward with the tiled variant's default dK/dV config."""
+        if _served(args, q, k, v):
+            return warpspec_backward(q, k, v, sinks, out, lse, dout, args, config)
+        call = {**args, "q": q, "k": k, "v": v, "sinks": sinks}  # the autograd path passes the rest only
+        tiled = config.replace("bwd_dkv", self.fallback_config(call, "bwd_dkv"))
+        return attention_backward(q, k, v, sinks, out, lse, dout, args, tiled)
+
+    def fallback_config(self, args: Mapping, role: str = "fwd") -> LaunchConfig:
+        """The tiled variant's default config of `role` for the call's tuning key and device."""
         from registry.device import detect
         from registry.ops._dense_attention import dense_tuning_key
 
         key = dict(dense_tuning_key(args))
         device = detect(args["q"].device)
         cache = self.__dict__.setdefault("_fallbacks", {})
-        found = cache.get((tuple(key.items()), device.key))
+        found = cache.get((role, tuple(key.items()), device.key))
         if found is None:
-            found = cache[(tuple(key.items()), device.key)] = self.tiled().role_default("fwd", key, device)
+            found = cache[(role, tuple(key.items()), device.key)] = self.tiled().role_default(role, key, device)
         return found
 
     def compile_specs(self, key: dict, config: CallConfig, dtype: str = "bf16") -> list[CompileSpec]:
-        """This forward (with sinks when the key has them, and lse) and the tiled backward kernels."""
-        specs = [forward_compile_spec(key, config["fwd"], key.get("dtype", dtype))] if "fwd" in config else []
-        return specs + attention_compile_specs(key, config, tuple(r for r in self.roles[1:] if r in config), dtype)
+        """This forward (with sinks when the key has them, and lse), the dK/dV kernel, and the tiled
+        pre and dQ kernels."""
+        elem = key.get("dtype", dtype)
+        specs = [forward_compile_spec(key, config["fwd"], elem)] if "fwd" in config else []
+        if "bwd_dkv" in config:
+            specs.append(dkv_compile_spec(key, config["bwd_dkv"], elem))
+        tiled = tuple(r for r in self.roles if r in config and r not in _OWN_ROLES)
+        return specs + attention_compile_specs(key, config, tiled, dtype)
 
 
 def _descriptor_type(elem: str, rows: int, head_dim: int) -> str:

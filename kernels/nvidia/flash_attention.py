@@ -9,7 +9,8 @@ two warpgroups of 64 rows each (wgmma's M): a tile with fewer rows than 128 give
 nothing to split, which is what `two_warpgroups_need_128_rows` keeps out.
 
 `flash_attention_warpspec` (registered last) is the same variant with the Hopper Gluon forward of
-kernels/nvidia/attention_warpspec.py in place of the tiled forward.
+kernels/nvidia/attention_warpspec.py in place of the tiled forward and the Gluon dK/dV kernel of
+kernels/nvidia/attention_warpspec_bwd.py in place of the tiled one.
 """
 
 from kernels.base import Variant

@@ -1,7 +1,7 @@
 """sink_attention on NVIDIA Hopper: the attention kernel family (kernels/common/attention.py) with
 its sink switch on, and flash_attention's NVIDIA spaces and defaults (a sink is O(rows) work next to
 the O(rows * keys) of the products, so the best tiles are the same); `sink_attention_warpspec` swaps
-in the Hopper Gluon forward (kernels/nvidia/attention_warpspec.py)."""
+in the Hopper Gluon forward and dK/dV kernels (kernels/nvidia/attention_warpspec.py, attention_warpspec_bwd.py)."""
 
 from kernels.base import Variant
 from kernels.common.attention import AttentionTiledBase
