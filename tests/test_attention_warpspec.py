@@ -354,7 +354,7 @@ GRAD_CASES = {
     "causal-sq<sk-gqa8-d128-sinks+-30": (S, 1, 65, 333, 8, 1, 128, True, (30.0, -30.0)),
     "full-201x130-gqa1-d64-sinks+-30": (S, 2, 201, 130, 4, 4, 64, False, (-30.0, 30.0)),
     "full-130x201-gqa4-d128": (F, 1, 130, 201, 8, 2, 128, False, None),
-    "full-1-gqa8-d64": (F, 2, 1, 1, 8, 1, 64, False, None),
+    "full-1x1-gqa8-d64-sinks": (S, 2, 1, 1, 8, 1, 64, False, "random"),  # with no sink dQ = dK = 0 exactly
 }
 
 
