@@ -152,17 +152,17 @@ def test_descriptor_types_are_what_the_jit_sees():
     would compile another kernel than the one that runs)."""
     from triton.runtime.jit import mangle_type
 
-    from kernels.nvidia.attention_warpspec import _descriptor, _descriptor_type
+    from kernels.nvidia.attention_tma import descriptor, descriptor_type
 
     for dtype, elem in ((torch.bfloat16, "bf16"), (torch.float16, "fp16")):
         for rows, d in ((64, 128), (128, 64)):
             t = torch.empty(2, 300, 4, d, dtype=dtype)
-            assert mangle_type(_descriptor(t, rows)) == _descriptor_type(elem, rows, d)
+            assert mangle_type(descriptor(t, rows)) == descriptor_type(elem, rows, d)
 
 
 def test_which_inputs_tma_can_address():
     """16-byte aligned bases and strides (size-1 dims aside); the rest runs the tiled forward."""
-    from kernels.nvidia.attention_warpspec import tma_addressable
+    from kernels.nvidia.attention_tma import tma_addressable
 
     def strided(shape, d_alloc=64, order=(0, 1, 2, 3)):
         full = torch.empty([shape[i] for i in order[:3]] + [d_alloc], dtype=torch.bfloat16)

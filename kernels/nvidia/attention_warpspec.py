@@ -36,7 +36,6 @@ compare it with the reference in bf16. Semantics: `registry.ops.flash_attention.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -51,11 +50,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from kernels.base import CompileSpec
 from kernels.common.attention import attention_backward, attention_compile_specs, attention_forward
 from kernels.common.launch import triton_launch
+from kernels.nvidia.attention_tma import LOG2E, PRODUCER_REGS, descriptor, descriptor_type, release, tma_addressable
 from kernels.nvidia.attention_warpspec_bwd import (
     DKV_HEAD_DIM_DEFAULTS,
     DKV_SPACE,
@@ -67,10 +66,7 @@ from kernels.nvidia.attention_warpspec_bwd import (
 from tuning.space import ConfigSpace
 from tuning_db.records import CallConfig, LaunchConfig
 
-LOG2E = gl.constexpr(1.4426950408889634)
 LN2 = gl.constexpr(0.6931471805599453)
-# The producer only issues TMA copies and waits on barriers: the fewest registers setmaxnreg allows.
-PRODUCER_REGS = gl.constexpr(24)
 HEAD_DIMS = (64, 128)
 
 
@@ -130,13 +126,6 @@ def _load_tiles(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready
 
 
 @gluon.jit
-def _release(bar):
-    """One arrival for this warpgroup, after all of its warps are past what came before."""
-    gl.thread_barrier()
-    mbarrier.arrive(bar, count=1)
-
-
-@gluon.jit
 def _softmax_step(s, m_i, l_i, cols, pos, seqlen_k, qk_scale, MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr):
     """Online softmax over one tile of raw scores `s` in log2 units: (P, the factor for the old
     accumulator, row sums, row maxima). MASKED applies the key-length and causal masks; rows that saw
@@ -181,11 +170,11 @@ def _attend_tile(i, acc, p, alpha, m_i, l_i, q, k_smem, v_smem, k_ready, v_ready
     acc = warpgroup_mma(p, v_smem.index(v_stage).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
     mbarrier.arrive(peer_turn, count=1)
     s = warpgroup_mma_wait(1, deps=(s,))
-    _release(k_free.index(k_stage))
+    release(k_free.index(k_stage))
     cols = i * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     p_new, alpha, l_i, m_i = _softmax_step(s, m_i, l_i, cols, pos, seqlen_k, qk_scale, MASKED, IS_CAUSAL)
     acc, p = warpgroup_mma_wait(0, deps=(acc, p))
-    _release(v_free.index(v_stage))
+    release(v_free.index(v_stage))
     p = gl.convert_layout(p_new.to(q.dtype), p_operand)
     return acc, p, alpha, m_i, l_i
 
@@ -243,7 +232,7 @@ def _attend(common, SIDE: gl.constexpr, GROUP: gl.constexpr, IS_CAUSAL: gl.const
                           use_acc=False, is_async=True)
         mbarrier.arrive(peer_turn, count=1)
         s = warpgroup_mma_wait(0, deps=(s,))
-        _release(k_free.index(0))
+        release(k_free.index(0))
         cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         p_new, alpha, l_i, m_i = _softmax_step(s, m_i, l_i, cols, pos, seqlen_k, qk_scale, True, IS_CAUSAL)
         p = gl.convert_layout(p_new.to(q.dtype), p_operand)
@@ -264,7 +253,7 @@ def _attend(common, SIDE: gl.constexpr, GROUP: gl.constexpr, IS_CAUSAL: gl.const
         acc = warpgroup_mma(p, v_smem.index(last % NUM_STAGES).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
         mbarrier.arrive(peer_turn, count=1)
         acc, p = warpgroup_mma_wait(0, deps=(acc, p))
-        _release(v_free.index(last % NUM_STAGES))
+        release(v_free.index(last % NUM_STAGES))
 
     l_o = gl.convert_layout(l_i, o_rows)
     empty = l_o == 0.0
@@ -335,41 +324,6 @@ def _attention_fwd_ws_kernel(
 
 
 # ----------------------------------------------------------------------------- launcher
-_GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
-_ELEMENT_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
-
-
-@functools.cache
-def _block_layout(rows: int, head_dim: int, elem: str) -> gl.NVMMASharedLayout:
-    """The shared layout of one [1, rows, 1, head_dim] TMA block (128-byte swizzle at d 64 and 128);
-    cached, since every call builds four descriptors."""
-    return gl.NVMMASharedLayout.get_default_for([1, rows, 1, head_dim], gl.bfloat16 if elem == "bf16" else gl.float16)
-
-
-def _strides(t: torch.Tensor) -> list[int]:
-    """`t`'s strides, those of size-1 dims (never stepped over, and free to be anything in torch) set to
-    what a packed layout would give them, so that they do not decide whether TMA can address `t`."""
-    strides = list(t.stride())
-    for i in range(t.dim() - 2, -1, -1):
-        if t.shape[i] == 1:
-            strides[i] = strides[i + 1] * t.shape[i + 1]
-    return strides
-
-
-def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
-    """A TMA descriptor over a [b, s, h, d] tensor whose blocks are `rows` rows of one head."""
-    d = t.shape[-1]
-    layout = _block_layout(rows, d, _ELEMENT_NAMES[t.dtype])
-    return TensorDescriptor(t, list(t.shape), _strides(t), [1, rows, 1, d], layout)
-
-
-def tma_addressable(t: torch.Tensor) -> bool:
-    """Whether TMA can address `t`: a 16-byte aligned base and every stride but the last (which the
-    contract makes 1) a positive multiple of 16 bytes (an expanded, stride-0 dim is not one)."""
-    elem = t.element_size()
-    return t.data_ptr() % 16 == 0 and all(stride > 0 and stride * elem % 16 == 0 for stride in _strides(t)[:-1])
-
-
 def warpspec_forward(args: Mapping, config: LaunchConfig, keep_lse: bool, launch: Callable[..., Any] = triton_launch
                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Allocate out (and lse, when returned or kept for a backward) and run the warp-specialized forward
@@ -385,7 +339,7 @@ def warpspec_forward(args: Mapping, config: LaunchConfig, keep_lse: bool, launch
     rows, keys = config.blocks["BLOCK_M"], config.blocks["BLOCK_N"]
     launch(
         _attention_fwd_ws_kernel, (triton.cdiv(s_q, 2 * rows), h_q, batch),
-        _descriptor(q, rows), _descriptor(k, keys), _descriptor(v, keys), _descriptor(out, rows),
+        descriptor(q, rows), descriptor(k, keys), descriptor(v, keys), descriptor(out, rows),
         sinks, lse if lse is not None else out,
         float(args["sm_scale"]) * LOG2E.value, s_q, s_k, *(lse.stride()[:2] if lse is not None else (0, 0)),
         GROUP=h_q // h_kv, IS_CAUSAL=bool(args["causal"]), HAS_SINKS=sinks is not None, RETURN_LSE=lse is not None,
@@ -527,19 +481,14 @@ class AttentionWarpSpecHopper:
         return specs + attention_compile_specs(key, config, tiled, dtype)
 
 
-def _descriptor_type(elem: str, rows: int, head_dim: int) -> str:
-    """The JIT's signature type of a `_descriptor` argument (what `triton.runtime.jit.mangle_type` gives)."""
-    return f"tensordesc<{elem}[1, {rows}, 1, {head_dim}],{_block_layout(rows, head_dim, elem)!r}>"
-
-
 def forward_compile_spec(key: Mapping, config: LaunchConfig, elem: str) -> CompileSpec:
     """The warp-specialized forward as a call with this key launches it (RETURN_LSE on, the heavier)."""
     fn = _attention_fwd_ws_kernel
     d, rows, keys = int(key["d"]), config.blocks["BLOCK_M"], config.blocks["BLOCK_N"]
     constexprs = {"GROUP": int(key["h_q"]) // int(key["h_kv"]), "IS_CAUSAL": bool(key["causal"]),
                   "HAS_SINKS": bool(key.get("sinks", False)), "RETURN_LSE": True, "HEAD_DIM": d, **config.blocks}
-    signature = {"q_desc": _descriptor_type(elem, rows, d), "o_desc": _descriptor_type(elem, rows, d),
-                 "k_desc": _descriptor_type(elem, keys, d), "v_desc": _descriptor_type(elem, keys, d),
+    signature = {"q_desc": descriptor_type(elem, rows, d), "o_desc": descriptor_type(elem, rows, d),
+                 "k_desc": descriptor_type(elem, keys, d), "v_desc": descriptor_type(elem, keys, d),
                  "Sinks": "*fp32", "Lse": "*fp32", "qk_scale": "fp32",
                  "seqlen_q": "i32", "seqlen_k": "i32", "stride_lb": "i32", "stride_lh": "i32"}
     return CompileSpec("fwd", fn, signature, constexprs, {"num_warps": 4})

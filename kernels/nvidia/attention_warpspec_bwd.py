@@ -45,29 +45,19 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from kernels.base import CompileSpec
 from kernels.common.attention import attention_backward_dq, backward_pre
+from kernels.nvidia.attention_tma import LOG2E, PRODUCER_REGS, descriptor, descriptor_type, release, tma_addressable
 from tuning.space import ConfigSpace
 from tuning_db.records import CallConfig, LaunchConfig
 
-# The producer only issues TMA copies and waits on barriers: the fewest registers setmaxnreg allows.
-PRODUCER_REGS = gl.constexpr(24)
-LOG2E = 1.4426950408889634
-
 
 # ----------------------------------------------------------------------------- shared pieces
-@gluon.jit
-def _release(bar):
-    """One arrival for this warpgroup, after all of its warps are past what came before."""
-    gl.thread_barrier()
-    mbarrier.arrive(bar, count=1)
-
-
 @gluon.jit
 def _stage_result(acc, buf, done, ROWS: gl.constexpr, HEAD_DIM: gl.constexpr):
     """`acc` (one warpgroup's [ROWS, HEAD_DIM] result) into the shared buffer `buf`, which no product
     reads any more, for the producer's TMA store; `done` completes when it is there."""
     buf.reshape([ROWS, HEAD_DIM]).store(acc.to(buf.dtype))
     fence_async_shared()
-    _release(done)
+    release(done)
 
 
 # ----------------------------------------------------------------------------- dK/dV
@@ -119,7 +109,7 @@ def _dkv_producer(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, q_smem, do_
         # Rows past the sequence: Lse2 = +inf, so their P is 0.
         lse_smem.index(stage).store(gl.load(Lse2 + head + rows, mask=rows < seqlen_q, other=float("inf")))
         delta_smem.index(stage).store(gl.load(Delta + head + rows, mask=rows < seqlen_q, other=0.0))
-        _release(ready.index(stage))
+        release(ready.index(stage))
     for side in gl.static_range(2):
         mbarrier.wait(done.index(side), 0)
         tma.async_copy_shared_to_global(dk_desc, [off_b, n0 + side * BLOCK_N, off_hk, 0], k_smem.index(side))
@@ -167,7 +157,7 @@ def _dkv_tile(j, pos0, dk, dv, k, v, q_smem, do_smem, lse_smem, delta_smem, read
     ds_op = gl.convert_layout(ds_t.to(q.dtype), operand)
     dk = warpgroup_mma(ds_op, q, dk, is_async=True)
     dv, dk = warpgroup_mma_wait(0, deps=(dv, dk, p_op, ds_op))
-    _release(free.index(stage))
+    release(free.index(stage))
     return dk, dv
 
 
@@ -254,17 +244,15 @@ def warpspec_dkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """dK and dV of padded [b, s, h, d] inputs that TMA can address (dout included), from the pre
     kernel's Lse2 and Delta ([b, h_q, s_q], rows contiguous). No tensor value is read on the host."""
-    from kernels.nvidia.attention_warpspec import _descriptor
-
     batch, s_q, h_q, _ = q.shape
     s_k, h_kv = k.shape[1], k.shape[2]
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     rows, keys = config.blocks["BLOCK_M"], config.blocks["BLOCK_N"]
     _attention_bwd_dkv_ws_kernel[(triton.cdiv(s_k, 2 * keys), h_kv, batch)](
-        _descriptor(q, rows), _descriptor(k, keys), _descriptor(v, keys), _descriptor(dout, rows),
-        _descriptor(dk, keys), _descriptor(dv, keys), lse2, delta,
-        sm_scale * LOG2E, sm_scale, s_q, s_k - s_q, lse2.stride(0), lse2.stride(1),
+        descriptor(q, rows), descriptor(k, keys), descriptor(v, keys), descriptor(dout, rows),
+        descriptor(dk, keys), descriptor(dv, keys), lse2, delta,
+        sm_scale * LOG2E.value, sm_scale, s_q, s_k - s_q, lse2.stride(0), lse2.stride(1),
         GROUP=h_q // h_kv, IS_CAUSAL=causal, HEAD_DIM=q.shape[-1], **config.blocks, num_warps=4)
     return dk, dv
 
@@ -274,8 +262,6 @@ def warpspec_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: 
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The backward of a padded call whose q, k and v TMA can address: the tiled pre kernel (Delta,
     Lse2, d sinks), this file's dK/dV kernel, the tiled dQ kernel. Returns (dq, dk, dv, dsinks)."""
-    from kernels.nvidia.attention_warpspec import tma_addressable
-
     dout, lse, delta, lse2, dsinks = backward_pre(q, sinks, out, lse, dout, args, config["bwd_pre"])
     if not tma_addressable(dout):  # an expanded or oddly strided incoming gradient
         dout = dout.contiguous()
@@ -321,13 +307,11 @@ DKV_HEAD_DIM_DEFAULTS = ((64, {"BLOCK_M": 64, "NUM_STAGES": 2}), (128, {}))
 # ----------------------------------------------------------------------------- offline compiles
 def dkv_compile_spec(key: Mapping, config: LaunchConfig, elem: str) -> CompileSpec:
     """The dK/dV kernel as a call with this key launches it."""
-    from kernels.nvidia.attention_warpspec import _descriptor_type
-
     d, rows, keys = int(key["d"]), config.blocks["BLOCK_M"], config.blocks["BLOCK_N"]
     constexprs = {"GROUP": int(key["h_q"]) // int(key["h_kv"]), "IS_CAUSAL": bool(key["causal"]), "HEAD_DIM": d,
                   **config.blocks}
-    signature = {**{name: _descriptor_type(elem, rows, d) for name in ("q_desc", "do_desc")},
-                 **{name: _descriptor_type(elem, keys, d) for name in ("k_desc", "v_desc", "dk_desc", "dv_desc")},
+    signature = {**{name: descriptor_type(elem, rows, d) for name in ("q_desc", "do_desc")},
+                 **{name: descriptor_type(elem, keys, d) for name in ("k_desc", "v_desc", "dk_desc", "dv_desc")},
                  "Lse2": "*fp32", "Delta": "*fp32", "qk_scale": "fp32", "sm_scale": "fp32",
                  "seqlen_q": "i32", "diag": "i32", "stride_lb": "i32", "stride_lh": "i32"}
     return CompileSpec("bwd_dkv", _attention_bwd_dkv_ws_kernel, signature, constexprs, {"num_warps": 4})

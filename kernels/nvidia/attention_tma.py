@@ -1,0 +1,63 @@
+"""What the attention family's Hopper Gluon kernels share (kernels/nvidia/attention_warpspec.py, the
+forward; kernels/nvidia/attention_warpspec_bwd.py, the dK/dV backward): TMA descriptors over
+[b, s, h, d] tensors with blocks of rows of one head, the check that TMA can address a tensor at all,
+the JIT signature type of such a descriptor (for offline compiles), and the warp roles' common
+pieces (the producer's register budget, a warpgroup's arrival on an mbarrier)."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+LOG2E = gl.constexpr(1.4426950408889634)
+# A producer only issues TMA copies and waits on barriers: the fewest registers setmaxnreg allows.
+PRODUCER_REGS = gl.constexpr(24)
+_ELEMENT_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+@gluon.jit
+def release(bar):
+    """One arrival for this warpgroup, after all of its warps are past what came before."""
+    gl.thread_barrier()
+    mbarrier.arrive(bar, count=1)
+
+
+@functools.cache
+def _block_layout(rows: int, head_dim: int, elem: str) -> gl.NVMMASharedLayout:
+    """The shared layout of one [1, rows, 1, head_dim] TMA block (128-byte swizzle at d 64 and 128);
+    cached, since every call builds several descriptors."""
+    return gl.NVMMASharedLayout.get_default_for([1, rows, 1, head_dim], gl.bfloat16 if elem == "bf16" else gl.float16)
+
+
+def _strides(t: torch.Tensor) -> list[int]:
+    """`t`'s strides, those of size-1 dims (never stepped over, and free to be anything in torch) set to
+    what a packed layout would give them, so that they do not decide whether TMA can address `t`."""
+    strides = list(t.stride())
+    for i in range(t.dim() - 2, -1, -1):
+        if t.shape[i] == 1:
+            strides[i] = strides[i + 1] * t.shape[i + 1]
+    return strides
+
+
+def descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
+    """A TMA descriptor over a [b, s, h, d] tensor whose blocks are `rows` rows of one head."""
+    d = t.shape[-1]
+    layout = _block_layout(rows, d, _ELEMENT_NAMES[t.dtype])
+    return TensorDescriptor(t, list(t.shape), _strides(t), [1, rows, 1, d], layout)
+
+
+def descriptor_type(elem: str, rows: int, head_dim: int) -> str:
+    """The JIT's signature type of a `descriptor` argument (what `triton.runtime.jit.mangle_type` gives)."""
+    return f"tensordesc<{elem}[1, {rows}, 1, {head_dim}],{_block_layout(rows, head_dim, elem)!r}>"
+
+
+def tma_addressable(t: torch.Tensor) -> bool:
+    """Whether TMA can address `t`: a 16-byte aligned base and every stride but the last (which the
+    contract makes 1) a positive multiple of 16 bytes (an expanded, stride-0 dim is not one)."""
+    elem = t.element_size()
+    return t.data_ptr() % 16 == 0 and all(stride > 0 and stride * elem % 16 == 0 for stride in _strides(t)[:-1])
