@@ -832,7 +832,7 @@ def attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks:
         q, k, v, dout, lse2, delta, dk, dv, cu_q, cu_k, *common,
         *_strides(dk, varlen), *_strides(dv, varlen), *_lse_strides(lse, varlen),
         **constexprs, **dkv.blocks, **dkv.knobs())
-    dq = attention_backward_dq(q, k, v, dout, lse, lse2, delta, args, config["bwd_dq"])
+    dq = attention_backward_dq(q, k, v, dout, lse, lse2, delta, args, config["bwd_dq"], (common, constexprs))
     return dq, dk, dv, dsinks
 
 
@@ -852,13 +852,14 @@ def _backward_arguments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout:
 
 
 def attention_backward_dq(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor,
-                          lse2: torch.Tensor, delta: torch.Tensor, args: Mapping, config: LaunchConfig
-                          ) -> torch.Tensor:
+                          lse2: torch.Tensor, delta: torch.Tensor, args: Mapping, config: LaunchConfig,
+                          arguments: tuple[tuple, dict] | None = None) -> torch.Tensor:
     """dQ by the tiled dQ kernel with `config` (the "bwd_dq" role's), from what `backward_pre` returned
-    (dout, the dense lse, delta and lse2)."""
+    (dout, the dense lse, delta and lse2); `arguments`: `_backward_arguments`' result when the caller
+    already has it."""
     varlen, batch, _, _, span_q, _ = _geometry({**args, "q": q, "k": k})
     dq = (torch.zeros if varlen else torch.empty)(q.shape, dtype=q.dtype, device=q.device)
-    common, constexprs = _backward_arguments(q, k, v, dout, args)
+    common, constexprs = arguments if arguments is not None else _backward_arguments(q, k, v, dout, args)
     cu_q, cu_k = (args["cu_seqlens_q"], args["cu_seqlens_k"]) if varlen else (q, q)
     _attention_bwd_dq_kernel[(cdiv(span_q, config.blocks["BLOCK_M"]), q.shape[-2], batch)](
         q, k, v, dout, lse2, delta, dq, cu_q, cu_k, *common, *_strides(dq, varlen), *_lse_strides(lse, varlen),
