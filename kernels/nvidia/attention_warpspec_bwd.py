@@ -529,9 +529,12 @@ def dq_shared_bytes(config: LaunchConfig, head_dim: int, elem: int = 2) -> int:
 
 
 def fits_dq_consumers(config: LaunchConfig, key: Mapping) -> bool:
-    """Keep: at most 256 keys in the ring (two 128-key stages at d 128 already take 192 KB with Q and
-    dO)."""
+    """Keep: 128-key tiles at d 128 only with 240 consumer registers (dQ, S and dP of 64 rows: causal
+    sm_90 compiles spill 16 B at 232), and at most 256 keys in the ring (two 128-key stages at d 128
+    already take 192 KB with Q and dO)."""
     blocks = config.blocks
+    if blocks["BLOCK_N"] > 64 and key["d"] > 64 and blocks["CONSUMER_REGS"] < 240:
+        return False
     return blocks["NUM_STAGES"] * blocks["BLOCK_N"] <= 256
 
 
@@ -543,7 +546,7 @@ DQ_SPACE = ConfigSpace(
     keep=fits_dq_consumers,
     defaults={"*": {"BLOCK_M": 64, "BLOCK_N": 128, "NUM_STAGES": 2, "CONSUMER_REGS": 240, "num_warps": 4}},
 )
-# Per head dim, the fields that change the space's default.
+# Per head dim, the fields that change the space's default (none: 64 x 128 with two stages at both).
 DQ_HEAD_DIM_DEFAULTS = ((128, {}),)
 
 
