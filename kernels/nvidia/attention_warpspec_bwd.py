@@ -1,13 +1,13 @@
-"""The attention family's dK/dV backward as a warp-specialized Gluon kernel for Hopper (sm_90), beside
-the warp-specialized forward (kernels/nvidia/attention_warpspec.py), whose variants launch it between
-the tiled pre and dQ kernels (kernels/common/attention.py).
+"""The attention family's dK/dV and dQ backward as warp-specialized Gluon kernels for Hopper (sm_90),
+beside the warp-specialized forward (kernels/nvidia/attention_warpspec.py), whose variants launch them
+after the tiled pre kernel (kernels/common/attention.py).
 
 Why: the tiled backward reaches ~220 TFLOP/s of matmul work at d 128 on an H200: its dK/dV kernel
 holds 242-255 registers at 8 warps, one CTA per SM, and each warp loads, multiplies and exponentiates
 in turn. FlashAttention-3's backward splits the work between a producer warp (TMA loads into an
 mbarrier ring) and two consumer warpgroups (wgmma, P in registers); its dQ goes out through fp32
 atomics, which this family avoids (gradients stay bitwise reproducible), so dQ keeps a kernel of its
-own (still the tiled one; a Gluon dQ kernel is the next step):
+own:
 
 - `_attention_bwd_dkv_ws_kernel`: a CTA owns 2 * BLOCK_N keys of one kv head, BLOCK_N per consumer
   warpgroup (its K and V tiles loaded once); the producer streams Q and dO tiles of BLOCK_M query rows
@@ -16,11 +16,18 @@ own (still the tiled one; a Gluon dQ kernel is the next step):
   exponentials of S^T run under the dP^T product), P^T = exp2(S^T * qk_scale - Lse2),
   dS^T = P^T (dP^T - Delta), dV += P^T dO and dK += dS^T Q with P^T and dS^T in registers as the A
   operands; the producer stores dK and dV by TMA at the end.
+- `_attention_bwd_dq_ws_kernel`: the forward's program layout: a CTA owns 2 * BLOCK_M query rows of
+  one query head, BLOCK_M per consumer warpgroup (its Q and dO tiles loaded once, its rows' Lse2 and
+  Delta in registers); the producer streams K and V tiles of BLOCK_N keys of the kv head through a
+  NUM_STAGES ring. Per tile: S = Q K^T and dP = dO V^T - Delta (async), P = exp2(S * qk_scale - Lse2),
+  dS = P (dP - Delta), dQ += dS K with dS as the register A operand; each warpgroup stores its
+  dQ * sm_scale by TMA through its Q buffer.
 
 It reads Lse2 (the lse with the sink, in log2 units, +inf for a row with no key) and Delta from the
 tiled pre kernel (`_attention_bwd_pre_kernel`, which also sums d sinks), so sinks cost nothing here.
 Rows TMA reads past a sequence come back as zeros and its stores drop them: padding queries have
-Lse2 = +inf (P^T = 0), and padding keys only touch their own dK/dV rows, which are never written.
+Lse2 = +inf (P = 0), padding keys only touch their own dK/dV rows, which are never written, and the
+dQ kernel masks them (keys past s_k) in its last tile.
 Served: sm_90, fp16/bf16, d 64 and 128, no window, padded (not varlen) inputs TMA can address; the
 variants send every other call to the tiled backward (`run_backward` in attention_warpspec.py).
 Gluon kernels do not run in the Triton interpreter: CI compiles this one for sm_90 and the GPU tests
