@@ -1,5 +1,6 @@
 """Times the attention backward on one NVIDIA H100/H200: the warp-specialized variant's (tiled pre,
-Gluon dK/dV, tiled dQ) against the tiled variant's (pre, dK/dV, dQ), kernel by kernel, beside torch
+Gluon dK/dV, Gluon dQ) against the tiled variant's (pre, dK/dV, dQ), kernel by kernel (the Gluon dQ
+beside the tiled dQ at the tiled variant's default config), beside torch
 SDPA's forward and forward+backward on the same tensors. Gradients of the two backward paths (and
 SDPA's, at shapes without sinks) are checked against each other before anything is timed.
 
@@ -21,7 +22,7 @@ import torch.nn.functional as F
 import triton.testing
 
 from kernels.common.attention import attention_backward, attention_backward_dq, backward_pre
-from kernels.nvidia.attention_warpspec_bwd import warpspec_dkv
+from kernels.nvidia.attention_warpspec_bwd import warpspec_dkv, warpspec_dq
 from registry.catalog import load_all
 from registry.device import detect
 from registry.ops import OPS
@@ -91,8 +92,10 @@ def probe(label: str) -> None:
         ("pre", _ms(lambda: backward_pre(q, sinks, out, lse, dout, rest, ws_config["bwd_pre"])), None),
         ("dK/dV Gluon", _ms(lambda: warpspec_dkv(q, k, v, dout_c, lse2, delta, args["sm_scale"], True,
                                                  ws_config["bwd_dkv"])), gflop["dkv"]),
-        ("dQ tiled (warpspec config)", _ms(lambda: attention_backward_dq(q, k, v, dout_c, lse_c, lse2, delta, rest,
-                                                                         ws_config["bwd_dq"])), gflop["dq"]),
+        ("dQ Gluon", _ms(lambda: warpspec_dq(q, k, v, dout_c, lse2, delta, args["sm_scale"], True,
+                                             ws_config["bwd_dq"])), gflop["dq"]),
+        ("dQ tiled (tiled config)", _ms(lambda: attention_backward_dq(q, k, v, dout_c, lse_c, lse2, delta, rest,
+                                                                      tiled_config["bwd_dq"])), gflop["dq"]),
         ("backward warpspec", _ms(lambda: ws.run_backward(q, k, v, sinks, out, lse, dout, rest, ws_config)),
          gflop["dkv"] + gflop["dq"]),
         ("backward tiled", _ms(lambda: attention_backward(q, k, v, sinks, out, lse, dout, rest, tiled_config)),

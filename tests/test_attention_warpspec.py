@@ -1,11 +1,11 @@
 """The Hopper Gluon kernels of the attention family (kernels/nvidia/attention_warpspec.py and
 attention_warpspec_bwd.py: flash_attention_warpspec, sink_attention_warpspec): where they run, their
-config spaces, the backward's roles (Gluon dK/dV between the tiled pre and dQ kernels), their offline
+config spaces, the backward's roles (Gluon dK/dV and dQ after the tiled pre kernel), their offline
 sm_90 compiles, and the calls they hand to the tiled kernels (varlen, inputs TMA cannot address),
 which run here in the interpreter. On an sm_90 GPU: the forward against the reference in bf16 (odd
 lengths, s_q != s_k, GQA 1/4/8, sinks of +-30, causal and not, d 64 and 128, lse), every config of
 its space, gradients of q, k, v and sinks against the reference's autograd over the same cases and
-every dK/dV config, dispatch by name and the fallbacks. Default configs at the ops' preset keys are
+every dK/dV and dQ config, dispatch by name and the fallbacks. Default configs at the ops' preset keys are
 compiled in test_shipped_and_default_configs.py."""
 
 from __future__ import annotations
@@ -109,18 +109,24 @@ def test_space_and_pruning():
 
 @pytest.mark.parametrize("op", [F, S])
 def test_backward_roles(op):
-    """The pre and dQ roles are the tiled variant's (kernels, spaces, defaults); dK/dV is the Gluon
-    kernel with its own space."""
-    from kernels.nvidia.attention_warpspec_bwd import DKV_SPACE, _attention_bwd_dkv_ws_kernel
+    """The pre role is the tiled variant's (kernel, space, default); dK/dV and dQ are Gluon kernels
+    with spaces of their own."""
+    from kernels.nvidia.attention_warpspec_bwd import (
+        DKV_SPACE,
+        DQ_SPACE,
+        _attention_bwd_dkv_ws_kernel,
+        _attention_bwd_dq_ws_kernel,
+    )
 
     warpspec, tiled = WARPSPEC[op], TILED[op]
     assert warpspec.roles == tiled.roles == ("fwd", "bwd_pre", "bwd_dkv", "bwd_dq")
     assert warpspec.kernels["fwd"] is not tiled.kernels["fwd"]
     assert warpspec.kernels["bwd_dkv"] is _attention_bwd_dkv_ws_kernel and warpspec.spaces["bwd_dkv"] is DKV_SPACE
-    for role in ("bwd_pre", "bwd_dq"):
-        assert warpspec.kernels[role] is tiled.kernels[role]
-        assert warpspec.spaces[role] is tiled.spaces[role]
-        assert warpspec.default_config(KEY, preset("h200"))[role] == tiled.default_config(KEY, preset("h200"))[role]
+    assert warpspec.kernels["bwd_dq"] is _attention_bwd_dq_ws_kernel and warpspec.spaces["bwd_dq"] is DQ_SPACE
+    assert warpspec.kernels["bwd_pre"] is tiled.kernels["bwd_pre"]
+    assert warpspec.spaces["bwd_pre"] is tiled.spaces["bwd_pre"]
+    target = preset("h200")
+    assert warpspec.default_config(KEY, target)["bwd_pre"] == tiled.default_config(KEY, target)["bwd_pre"]
     assert warpspec.source_hash != tiled.source_hash
 
 
@@ -145,6 +151,30 @@ def test_dkv_space_and_pruning():
     chosen = warpspec.default_config(KEY, target)["bwd_dkv"]
     assert 0 <= 132_504 - dkv_shared_bytes(chosen, 128) < 512
     assert warpspec.prune_reason("bwd_dkv", LaunchConfig(blocks={"BLOCK_M": 64}), KEY, target).startswith("blocks")
+
+
+def test_dq_space_and_pruning():
+    """64-row warpgroups, 64- or 128-key tiles (128 at d 128 only with 240 consumer registers), at most
+    256 keys in the ring: 7 configs at d 128, 8 at d 64, each fitting an H100/H200; default 64 x 128
+    with two stages at both; the estimate is what sm_90 compiles allocate, give or take alignment."""
+    from kernels.nvidia.attention_warpspec_bwd import dq_shared_bytes
+
+    target = preset("h200")
+    warpspec = WARPSPEC[F]
+    default = {"BLOCK_M": 64, "BLOCK_N": 128, "NUM_STAGES": 2, "CONSUMER_REGS": 240}
+    for d, size in ((128, 7), (64, 8)):
+        key = {**KEY, "d": d}
+        space = warpspec.space(key, target)["bwd_dq"]
+        assert len(space) == len(set(space)) == size
+        assert {c.num_warps for c in space} == {4} and {c.blocks["BLOCK_M"] for c in space} == {64}
+        assert all(c.blocks["NUM_STAGES"] * c.blocks["BLOCK_N"] <= 256 for c in space)
+        assert all(c.blocks["CONSUMER_REGS"] == 240 for c in space if c.blocks["BLOCK_N"] == 128) is (d == 128)
+        assert all(warpspec.prune_reason("bwd_dq", c, key, target) is None for c in space)
+        chosen = warpspec.default_config(key, target)["bwd_dq"]
+        assert chosen in space and chosen.blocks == default
+    # Measured with tuning.compile_check (bf16, sm_90): the d 128 default allocates 196_904 B.
+    assert 0 <= 196_904 - dq_shared_bytes(warpspec.default_config(KEY, target)["bwd_dq"], 128) < 512
+    assert warpspec.prune_reason("bwd_dq", LaunchConfig(blocks={"BLOCK_N": 64}), KEY, target).startswith("blocks")
 
 
 def test_descriptor_types_are_what_the_jit_sees():
@@ -198,8 +228,18 @@ DKV_CORNERS = [
 ]
 
 
+# The dQ space's corners: the deepest ring at d 128 with GQA 8 (causal), 128-key tiles at 232 registers
+# at d 64 in fp16, without causal masks.
+DQ_CORNERS = [
+    ({"h_kv": 2}, {"BLOCK_M": 64, "BLOCK_N": 64, "NUM_STAGES": 4, "CONSUMER_REGS": 232}),
+    ({"d": 64, "h_kv": 2, "causal": False, "dtype": "fp16"},
+     {"BLOCK_M": 64, "BLOCK_N": 128, "NUM_STAGES": 2, "CONSUMER_REGS": 232}),
+]
+
+
 @pytest.mark.parametrize("role,corners,kernel", [("fwd", CORNERS, "_attention_fwd_ws_kernel"),
-                                                 ("bwd_dkv", DKV_CORNERS, "_attention_bwd_dkv_ws_kernel")])
+                                                 ("bwd_dkv", DKV_CORNERS, "_attention_bwd_dkv_ws_kernel"),
+                                                 ("bwd_dq", DQ_CORNERS, "_attention_bwd_dq_ws_kernel")])
 def test_space_corners_compile_for_sm_90_without_spills(role, corners, kernel):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     for changes, blocks in corners:
@@ -276,7 +316,7 @@ def no_gluon(monkeypatch):
 @pytest.mark.parametrize("op", [F, S])
 def test_calls_it_hands_over_run_the_tiled_kernels(op, no_gluon):
     """Varlen calls and a q that TMA cannot address run the tiled forward and backward with the tiled
-    variant's default forward and dK/dV configs for the key (here in the interpreter; on a GPU through
+    variant's default forward, dK/dV and dQ configs for the key (here in the interpreter; on a GPU through
     its own kernels)."""
     variant = WARPSPEC[op]
     device = detect(DEVICE)
@@ -285,7 +325,7 @@ def test_calls_it_hands_over_run_the_tiled_kernels(op, no_gluon):
         # Off Hopper the backward roles take the interpreter's tiles (the forward's config is not read).
         config = (variant if HAS_GPU else TILED[op]).default_config(key, device)
         assert_close(variant.launch(args, config), OPS[op].reference(**args), TOLERANCE[DTYPE])
-        for role in ("fwd", "bwd_dkv"):
+        for role in ("fwd", "bwd_dkv", "bwd_dq"):
             assert variant.fallback_config(args, role) == TILED[op].role_default(role, key, device)
         # The backward launcher on these very tensors (autograd's leaves would be fresh, aligned copies).
         out, lse = variant.launch(args, config)
@@ -367,7 +407,7 @@ def _gradient_error(variant, args: dict, config: CallConfig | None = None) -> fl
 @hopper
 @pytest.mark.parametrize("case", list(GRAD_CASES))
 def test_gradients_match_reference(case):
-    """Gradients of q, k, v (and sinks) through the Gluon forward and dK/dV kernels against the
+    """Gradients of q, k, v (and sinks) through the Gluon forward, dK/dV and dQ kernels against the
     reference's fp32 autograd."""
     op, b, s_q, s_k, h_q, h_kv, d, causal, sinks = GRAD_CASES[case]
     args = _make(op, b, s_q, s_k, h_q, h_kv, d, sinks=sinks, causal=causal, seed=len(case))
@@ -376,15 +416,17 @@ def test_gradients_match_reference(case):
 
 
 @hopper
+@pytest.mark.parametrize("role", ["bwd_dkv", "bwd_dq"])
 @pytest.mark.parametrize("d", [64, 128])
-def test_every_dkv_config_matches_reference(d):
-    """Causal GQA 4 with sinks, lengths no tile divides and s_q < s_k, at every dK/dV config."""
+def test_every_backward_config_matches_reference(d, role):
+    """Causal GQA 4 with sinks, lengths no tile divides and s_q < s_k, at every dK/dV and every dQ
+    config (the other roles at their defaults)."""
     variant = WARPSPEC[S]
     args = _make(S, 1, 199, 301, 8, 2, d, sinks="random", causal=True, seed=d)
     key = dict(OPS[S].tuning_key(args))
     default = variant.default_config(key, preset("h200"))
-    for config in variant.space(key, preset("h200"))["bwd_dkv"]:
-        err = _gradient_error(variant, args, default.replace("bwd_dkv", config))
+    for config in variant.space(key, preset("h200"))[role]:
+        err = _gradient_error(variant, args, default.replace(role, config))
         assert err <= GRAD_TOLERANCE[torch.bfloat16], f"{config}: relative error {err:.3g}"
 
 

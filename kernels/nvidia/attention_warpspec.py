@@ -1,7 +1,7 @@
 """The attention family's forward as a warp-specialized Gluon kernel for Hopper (sm_90), FlashAttention-3's
 schedule; flash_attention and sink_attention register it (kernels/nvidia/flash_attention.py,
-kernels/nvidia/sink_attention.py). Their backward runs the tiled pre and dQ kernels around the
-warp-specialized dK/dV kernel of kernels/nvidia/attention_warpspec_bwd.py (`run_backward`).
+kernels/nvidia/sink_attention.py). Their backward runs the tiled pre kernel, then the
+warp-specialized dK/dV and dQ kernels of kernels/nvidia/attention_warpspec_bwd.py (`run_backward`).
 
 Why a vendor file: the plain-Triton forward (kernels/common/attention.py) stays near 0.8x torch SDPA at
 d 128 on an H200 (benchmarks/NOTES.md): each of its warps loads, multiplies and exponentiates in turn,
@@ -58,9 +58,14 @@ from kernels.nvidia.attention_tma import LOG2E, PRODUCER_REGS, descriptor, descr
 from kernels.nvidia.attention_warpspec_bwd import (
     DKV_HEAD_DIM_DEFAULTS,
     DKV_SPACE,
+    DQ_HEAD_DIM_DEFAULTS,
+    DQ_SPACE,
     _attention_bwd_dkv_ws_kernel,
+    _attention_bwd_dq_ws_kernel,
     dkv_compile_spec,
     dkv_shared_bytes,
+    dq_compile_spec,
+    dq_shared_bytes,
     warpspec_backward,
 )
 from tuning.space import ConfigSpace
@@ -387,16 +392,17 @@ def _served(args: Mapping, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) ->
 
 
 # The roles with kernels of their own here: (HEAD_DIM_DEFAULTS rows, shared-memory estimate).
-_OWN_ROLES = {"fwd": (FORWARD_HEAD_DIM_DEFAULTS, shared_bytes), "bwd_dkv": (DKV_HEAD_DIM_DEFAULTS, dkv_shared_bytes)}
+_OWN_ROLES = {"fwd": (FORWARD_HEAD_DIM_DEFAULTS, shared_bytes), "bwd_dkv": (DKV_HEAD_DIM_DEFAULTS, dkv_shared_bytes),
+              "bwd_dq": (DQ_HEAD_DIM_DEFAULTS, dq_shared_bytes)}
 
 
 class AttentionWarpSpecHopper:
     """The warp-specialized kernels' variant logic, mixed in before a tiled NVIDIA variant; each op
     file registers one, setting `name` and `tiled` (that tiled variant's class). Its roles and kernels
-    are the tiled variant's but for the forward's (this kernel, FORWARD_SPACE) and dK/dV's
-    (kernels/nvidia/attention_warpspec_bwd.py, DKV_SPACE); "bwd_pre" and "bwd_dq" are the tiled
-    kernels with the tiled spaces. The calls these kernels hand over run the tiled kernels with the
-    tiled variant's default configs for those roles.
+    are the tiled variant's but for the forward's (this kernel, FORWARD_SPACE), dK/dV's and dQ's
+    (kernels/nvidia/attention_warpspec_bwd.py, DKV_SPACE, DQ_SPACE); "bwd_pre" is the tiled kernel
+    with the tiled space. The calls these kernels hand over run the tiled kernels with the tiled
+    variant's default configs for those roles.
 
     Hopper only (wgmma, TMA, setmaxnreg); head dims 64 and 128, fp16/bf16, no window. Higher priority
     than the tiled variant: the default where it runs and no tuned entry names another."""
@@ -407,8 +413,9 @@ class AttentionWarpSpecHopper:
 
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
-        cls.kernels = {**cls.tiled.kernels, "fwd": _attention_fwd_ws_kernel, "bwd_dkv": _attention_bwd_dkv_ws_kernel}
-        cls.spaces = {**cls.tiled.spaces, "fwd": FORWARD_SPACE, "bwd_dkv": DKV_SPACE}
+        cls.kernels = {**cls.tiled.kernels, "fwd": _attention_fwd_ws_kernel, "bwd_dkv": _attention_bwd_dkv_ws_kernel,
+                       "bwd_dq": _attention_bwd_dq_ws_kernel}
+        cls.spaces = {**cls.tiled.spaces, "fwd": FORWARD_SPACE, "bwd_dkv": DKV_SPACE, "bwd_dq": DQ_SPACE}
 
     def supports(self, key: dict, device) -> bool:
         return (device.arch == "sm_90" and key["dtype"] in ("fp16", "bf16") and key["d"] in HEAD_DIMS
@@ -449,12 +456,14 @@ class AttentionWarpSpecHopper:
     def run_backward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None,
                      out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor, args: Mapping, config: CallConfig
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """The warp-specialized dK/dV kernel between the tiled pre and dQ kernels, or for the calls the
-        forward hands over, the tiled backward with the tiled variant's default dK/dV config."""
+        """The tiled pre kernel, then the warp-specialized dK/dV and dQ kernels, or for the calls the
+        forward hands over, the tiled backward with the tiled variant's default dK/dV and dQ configs."""
         if _served(args, q, k, v):
             return warpspec_backward(q, k, v, sinks, out, lse, dout, args, config)
         call = {**args, "q": q, "k": k, "v": v, "sinks": sinks}  # the autograd path passes the rest only
-        tiled = config.replace("bwd_dkv", self.fallback_config(call, "bwd_dkv"))
+        tiled = config
+        for role in ("bwd_dkv", "bwd_dq"):
+            tiled = tiled.replace(role, self.fallback_config(call, role))
         return attention_backward(q, k, v, sinks, out, lse, dout, args, tiled)
 
     def fallback_config(self, args: Mapping, role: str = "fwd") -> LaunchConfig:
@@ -471,12 +480,14 @@ class AttentionWarpSpecHopper:
         return found
 
     def compile_specs(self, key: dict, config: CallConfig, dtype: str = "bf16") -> list[CompileSpec]:
-        """This forward (with sinks when the key has them, and lse), the dK/dV kernel, and the tiled
-        pre and dQ kernels."""
+        """This forward (with sinks when the key has them, and lse), the dK/dV and dQ kernels, and the
+        tiled pre kernel."""
         elem = key.get("dtype", dtype)
         specs = [forward_compile_spec(key, config["fwd"], elem)] if "fwd" in config else []
         if "bwd_dkv" in config:
             specs.append(dkv_compile_spec(key, config["bwd_dkv"], elem))
+        if "bwd_dq" in config:
+            specs.append(dq_compile_spec(key, config["bwd_dq"], elem))
         tiled = tuple(r for r in self.roles if r in config and r not in _OWN_ROLES)
         return specs + attention_compile_specs(key, config, tiled, dtype)
 

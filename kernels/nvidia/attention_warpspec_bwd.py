@@ -1,13 +1,13 @@
-"""The attention family's dK/dV backward as a warp-specialized Gluon kernel for Hopper (sm_90), beside
-the warp-specialized forward (kernels/nvidia/attention_warpspec.py), whose variants launch it between
-the tiled pre and dQ kernels (kernels/common/attention.py).
+"""The attention family's dK/dV and dQ backward as warp-specialized Gluon kernels for Hopper (sm_90),
+beside the warp-specialized forward (kernels/nvidia/attention_warpspec.py), whose variants launch them
+after the tiled pre kernel (kernels/common/attention.py).
 
 Why: the tiled backward reaches ~220 TFLOP/s of matmul work at d 128 on an H200: its dK/dV kernel
 holds 242-255 registers at 8 warps, one CTA per SM, and each warp loads, multiplies and exponentiates
 in turn. FlashAttention-3's backward splits the work between a producer warp (TMA loads into an
 mbarrier ring) and two consumer warpgroups (wgmma, P in registers); its dQ goes out through fp32
 atomics, which this family avoids (gradients stay bitwise reproducible), so dQ keeps a kernel of its
-own (still the tiled one; a Gluon dQ kernel is the next step):
+own:
 
 - `_attention_bwd_dkv_ws_kernel`: a CTA owns 2 * BLOCK_N keys of one kv head, BLOCK_N per consumer
   warpgroup (its K and V tiles loaded once); the producer streams Q and dO tiles of BLOCK_M query rows
@@ -16,11 +16,18 @@ own (still the tiled one; a Gluon dQ kernel is the next step):
   exponentials of S^T run under the dP^T product), P^T = exp2(S^T * qk_scale - Lse2),
   dS^T = P^T (dP^T - Delta), dV += P^T dO and dK += dS^T Q with P^T and dS^T in registers as the A
   operands; the producer stores dK and dV by TMA at the end.
+- `_attention_bwd_dq_ws_kernel`: the forward's program layout: a CTA owns 2 * BLOCK_M query rows of
+  one query head, BLOCK_M per consumer warpgroup (its Q and dO tiles loaded once, its rows' Lse2 and
+  Delta in registers); the producer streams K and V tiles of BLOCK_N keys of the kv head through a
+  NUM_STAGES ring. Per tile: S = Q K^T and dP = dO V^T - Delta (async), P = exp2(S * qk_scale - Lse2),
+  dS = P (dP - Delta), dQ += dS K with dS as the register A operand; each warpgroup stores its
+  dQ * sm_scale by TMA through its Q buffer.
 
 It reads Lse2 (the lse with the sink, in log2 units, +inf for a row with no key) and Delta from the
 tiled pre kernel (`_attention_bwd_pre_kernel`, which also sums d sinks), so sinks cost nothing here.
 Rows TMA reads past a sequence come back as zeros and its stores drop them: padding queries have
-Lse2 = +inf (P^T = 0), and padding keys only touch their own dK/dV rows, which are never written.
+Lse2 = +inf (P = 0), padding keys only touch their own dK/dV rows, which are never written, and the
+dQ kernel masks them (keys past s_k) in its last tile.
 Served: sm_90, fp16/bf16, d 64 and 128, no window, padded (not varlen) inputs TMA can address; the
 variants send every other call to the tiled backward (`run_backward` in attention_warpspec.py).
 Gluon kernels do not run in the Triton interpreter: CI compiles this one for sm_90 and the GPU tests
@@ -44,7 +51,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from kernels.base import CompileSpec
-from kernels.common.attention import attention_backward_dq, backward_pre
+from kernels.common.attention import backward_pre
 from kernels.nvidia.attention_tma import LOG2E, PRODUCER_REGS, descriptor, descriptor_type, release, tma_addressable
 from tuning.space import ConfigSpace
 from tuning_db.records import CallConfig, LaunchConfig
@@ -238,6 +245,175 @@ def _attention_bwd_dkv_ws_kernel(
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
+# ----------------------------------------------------------------------------- dQ
+@gluon.jit
+def _dq_query_tile(IS_CAUSAL: gl.constexpr):
+    """This program's query tile: causal grids take the last tiles (the most keys) first."""
+    tile = gl.program_id(0)
+    if IS_CAUSAL:
+        tile = gl.num_programs(0) - 1 - tile
+    return tile
+
+
+@gluon.jit
+def _dq_key_tiles(m0, rows, seqlen_q, seqlen_k, IS_CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Key tiles [0, n) that query rows [m0, m0 + rows) may see (query i sits at s_k - s_q + i)."""
+    hi = seqlen_k
+    if IS_CAUSAL:
+        hi = gl.minimum(hi, gl.maximum(seqlen_k - seqlen_q + gl.minimum(m0 + rows, seqlen_q), 0))
+    return gl.cdiv(hi, BLOCK_N)
+
+
+@gluon.jit
+def _dq_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_ready, ready, free,
+                 seqlen_q, seqlen_k, GROUP: gl.constexpr, IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
+                 BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
+    """Producer: each warpgroup's Q and dO tiles once, then per stage a K and a V tile of the kv head
+    (TMA; keys past the sequence come back as zeros), for every key tile the CTA's rows may see."""
+    m0 = _dq_query_tile(IS_CAUSAL) * (2 * BLOCK_M)
+    off_h = gl.program_id(1)
+    off_b = gl.program_id(2)
+    off_hk = off_h // GROUP
+    for side in gl.static_range(2):
+        mbarrier.expect(q_ready.index(side), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [off_b, m0 + side * BLOCK_M, off_h, 0], q_ready.index(side),
+                                        q_smem.index(side))
+        tma.async_copy_global_to_shared(do_desc, [off_b, m0 + side * BLOCK_M, off_h, 0], q_ready.index(side),
+                                        do_smem.index(side))
+    for i in range(_dq_key_tiles(m0, 2 * BLOCK_M, seqlen_q, seqlen_k, IS_CAUSAL, BLOCK_N)):
+        stage = i % NUM_STAGES
+        # Barriers start in phase 0: the first pass over the ring finds every stage free.
+        mbarrier.wait(free.index(stage), ((i // NUM_STAGES) & 1) ^ 1)
+        mbarrier.expect(ready.index(stage), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [off_b, i * BLOCK_N, off_hk, 0], ready.index(stage),
+                                        k_smem.index(stage))
+        tma.async_copy_global_to_shared(v_desc, [off_b, i * BLOCK_N, off_hk, 0], ready.index(stage),
+                                        v_smem.index(stage))
+
+
+@gluon.jit
+def _dq_tile(i, dq, q, do, lse2, delta, pos, k_smem, v_smem, ready, free, seqlen_k, qk_scale,
+             MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+             HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr):
+    """Key tile i into this warpgroup's dQ (unscaled): S = Q K^T and dP = dO V^T - Delta (async, the
+    exponentials under the dP product), P = exp2(S * qk_scale - Lse2), dS = P (dP - Delta),
+    dQ += dS K with dS in registers. MASKED zeroes P at keys past s_k and, causal, after a row's
+    position `pos`. Rows past s_q have Lse2 = +inf (P = 0)."""
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, HEAD_DIM, 16])
+    operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    stage = i % NUM_STAGES
+    mbarrier.wait(ready.index(stage), (i // NUM_STAGES) & 1)
+    k = k_smem.index(stage).reshape([BLOCK_N, HEAD_DIM])
+    v = v_smem.index(stage).reshape([BLOCK_N, HEAD_DIM])
+    zeros = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+    s = warpgroup_mma(q, k.permute((1, 0)), zeros, use_acc=False, is_async=True)
+    # dP accumulates onto -Delta: no Delta-shaped tile is live beside P and dP later.
+    dp = warpgroup_mma(do, v.permute((1, 0)), zeros - delta[:, None], is_async=True)
+    s = warpgroup_mma_wait(1, deps=(s,))
+    p = gl.exp2(s * qk_scale - lse2[:, None])
+    if MASKED:
+        cols = i * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        allowed = cols[None, :] < seqlen_k
+        if IS_CAUSAL:
+            allowed = allowed & (cols[None, :] <= pos[:, None])
+        p = gl.where(allowed, p, 0.0)
+    dp = warpgroup_mma_wait(0, deps=(dp,))
+    ds_op = gl.convert_layout((p * dp).to(q.dtype), operand)
+    dq = warpgroup_mma(ds_op, k, dq, is_async=True)
+    dq, ds_op = warpgroup_mma_wait(0, deps=(dq, ds_op))
+    release(free.index(stage))
+    return dq
+
+
+@gluon.jit
+def _dq_consumer(common, SIDE: gl.constexpr, IS_CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr,
+                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
+    """Consumer warpgroup SIDE: dQ of query rows [m0 + SIDE * BLOCK_M, + BLOCK_M) of one (sequence,
+    query head) over every key tile the CTA visits (the first warpgroup's last tiles may be all
+    masked); writes dQ * sm_scale through its Q buffer and a TMA store, which drops rows past s_q.
+    Tiles [0, n_full) hold only keys every row of the warpgroup sees: no mask arithmetic there."""
+    (dq_desc, q_smem, do_smem, k_smem, v_smem, q_ready, ready, free, Lse2, Delta, qk_scale, sm_scale,
+     seqlen_q, seqlen_k, stride_lb, stride_lh) = common
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, HEAD_DIM, 16])
+    s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
+    m_cta = _dq_query_tile(IS_CAUSAL) * (2 * BLOCK_M)
+    m0 = m_cta + SIDE * BLOCK_M
+    off_h = gl.program_id(1)
+    off_b = gl.program_id(2)
+    diag = seqlen_k - seqlen_q
+    n_tiles = _dq_key_tiles(m_cta, 2 * BLOCK_M, seqlen_q, seqlen_k, IS_CAUSAL, BLOCK_N)
+    full_end = seqlen_k
+    if IS_CAUSAL:
+        full_end = gl.minimum(full_end, gl.maximum(diag + m0 + 1, 0))
+    n_full = gl.minimum(full_end // BLOCK_N, n_tiles)
+    # Per-row vectors in the products' row layout: 2 values a thread each, loaded once.
+    rows = m0 + gl.arange(0, BLOCK_M, layout=s_rows)
+    pos = diag + rows
+    head = off_b.to(gl.int64) * stride_lb + off_h.to(gl.int64) * stride_lh  # Delta's strides are Lse2's
+    lse2 = gl.load(Lse2 + head + rows, mask=rows < seqlen_q, other=float("inf"))
+    delta = gl.load(Delta + head + rows, mask=rows < seqlen_q, other=0.0)
+
+    q_buf = q_smem.index(SIDE)
+    q = q_buf.reshape([BLOCK_M, HEAD_DIM])
+    do = do_smem.index(SIDE).reshape([BLOCK_M, HEAD_DIM])
+    mbarrier.wait(q_ready.index(SIDE), 0)
+    dq = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, acc_layout)
+    for i in range(0, n_full):
+        dq = _dq_tile(i, dq, q, do, lse2, delta, pos, k_smem, v_smem, ready, free, seqlen_k, qk_scale,
+                      False, IS_CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES)
+    for i in range(n_full, n_tiles):
+        dq = _dq_tile(i, dq, q, do, lse2, delta, pos, k_smem, v_smem, ready, free, seqlen_k, qk_scale,
+                      True, IS_CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES)
+    # Q is dead (its last product was waited for): its buffer stages dQ for one TMA store.
+    q.store((dq * sm_scale).to(q.dtype))
+    fence_async_shared()
+    gl.thread_barrier()
+    tma.async_copy_shared_to_global(dq_desc, [off_b, m0, off_h, 0], q_buf)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _attention_bwd_dq_ws_kernel(
+        q_desc, k_desc, v_desc, do_desc, dq_desc, Lse2, Delta,
+        qk_scale, sm_scale, seqlen_q, seqlen_k, stride_lb, stride_lh,
+        GROUP: gl.constexpr, IS_CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+        BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+    """One program: dQ of 2 * BLOCK_M query rows of one query head of one sequence (the forward's grid:
+    query tiles, causal ones last-first, h_q, batch), two consumer warpgroups of BLOCK_M rows and a
+    producer warp streaming key tiles of kv head h // GROUP. Descriptors cover q, dO, dQ
+    ([b, s_q, h_q, d], blocks of BLOCK_M rows), k, v ([b, s_k, h_kv, d], blocks of BLOCK_N rows).
+    Lse2 and Delta: the pre kernel's, [b, h_q, s_q] with strides (stride_lb, stride_lh, 1). Shared
+    memory: both warpgroups' Q (reused for dQ) and dO, NUM_STAGES stages of K and of V, the barriers.
+    CONSUMER_REGS: registers per thread of the second warpgroup (as the forward's)."""
+    dtype: gl.constexpr = q_desc.dtype
+    q_smem = gl.allocate_shared_memory(dtype, [2, 1, BLOCK_M, 1, HEAD_DIM], q_desc.layout)
+    do_smem = gl.allocate_shared_memory(dtype, [2, 1, BLOCK_M, 1, HEAD_DIM], do_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, 1, BLOCK_N, 1, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, 1, BLOCK_N, 1, HEAD_DIM], v_desc.layout)
+    q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    free = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    for side in gl.static_range(2):
+        mbarrier.init(q_ready.index(side), count=1)
+    for stage in gl.static_range(NUM_STAGES):
+        mbarrier.init(ready.index(stage), count=1)
+        mbarrier.init(free.index(stage), count=2)  # both warpgroups done with the stage's K and V
+    common = (dq_desc, q_smem, do_smem, k_smem, v_smem, q_ready, ready, free, Lse2, Delta, qk_scale, sm_scale,
+              seqlen_q, seqlen_k, stride_lb, stride_lh)
+    gl.warp_specialize([
+        (_dq_consumer, (common, 0, IS_CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES)),
+        (_dq_consumer, (common, 1, IS_CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES)),
+        (_dq_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_ready, ready, free,
+                        seqlen_q, seqlen_k, GROUP, IS_CAUSAL, BLOCK_M, BLOCK_N, NUM_STAGES)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
 # ----------------------------------------------------------------------------- launchers
 def warpspec_dkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, lse2: torch.Tensor,
                  delta: torch.Tensor, sm_scale: float, causal: bool, config: LaunchConfig
@@ -257,17 +433,32 @@ def warpspec_dkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.
     return dk, dv
 
 
+def warpspec_dq(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, lse2: torch.Tensor,
+                delta: torch.Tensor, sm_scale: float, causal: bool, config: LaunchConfig) -> torch.Tensor:
+    """dQ of padded [b, s, h, d] inputs that TMA can address (dout included), from the pre kernel's
+    Lse2 and Delta ([b, h_q, s_q], rows contiguous). No tensor value is read on the host."""
+    batch, s_q, h_q, _ = q.shape
+    s_k, h_kv = k.shape[1], k.shape[2]
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    rows, keys = config.blocks["BLOCK_M"], config.blocks["BLOCK_N"]
+    _attention_bwd_dq_ws_kernel[(triton.cdiv(s_q, 2 * rows), h_q, batch)](
+        descriptor(q, rows), descriptor(k, keys), descriptor(v, keys), descriptor(dout, rows),
+        descriptor(dq, rows), lse2, delta, sm_scale * LOG2E.value, sm_scale, s_q, s_k, lse2.stride(0), lse2.stride(1),
+        GROUP=h_q // h_kv, IS_CAUSAL=causal, HEAD_DIM=q.shape[-1], **config.blocks, num_warps=4)
+    return dq
+
+
 def warpspec_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None,
                       out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor, args: Mapping, config: CallConfig
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The backward of a padded call whose q, k and v TMA can address: the tiled pre kernel (Delta,
-    Lse2, d sinks), this file's dK/dV kernel, the tiled dQ kernel. Returns (dq, dk, dv, dsinks)."""
+    Lse2, d sinks), this file's dK/dV and dQ kernels. Returns (dq, dk, dv, dsinks)."""
     dout, lse, delta, lse2, dsinks = backward_pre(q, sinks, out, lse, dout, args, config["bwd_pre"])
     if not tma_addressable(dout):  # an expanded or oddly strided incoming gradient
         dout = dout.contiguous()
-    dk, dv = warpspec_dkv(q, k, v, dout, lse2, delta, float(args["sm_scale"]), bool(args["causal"]),
-                          config["bwd_dkv"])
-    dq = attention_backward_dq(q, k, v, dout, lse, lse2, delta, args, config["bwd_dq"])
+    sm_scale, causal = float(args["sm_scale"]), bool(args["causal"])
+    dk, dv = warpspec_dkv(q, k, v, dout, lse2, delta, sm_scale, causal, config["bwd_dkv"])
+    dq = warpspec_dq(q, k, v, dout, lse2, delta, sm_scale, causal, config["bwd_dq"])
     return dq, dk, dv, dsinks
 
 
@@ -315,3 +506,46 @@ def dkv_compile_spec(key: Mapping, config: LaunchConfig, elem: str) -> CompileSp
                  "Lse2": "*fp32", "Delta": "*fp32", "qk_scale": "fp32", "sm_scale": "fp32",
                  "seqlen_q": "i32", "diag": "i32", "stride_lb": "i32", "stride_lh": "i32"}
     return CompileSpec("bwd_dkv", _attention_bwd_dkv_ws_kernel, signature, constexprs, {"num_warps": 4})
+
+
+# ----------------------------------------------------------------------------- dQ config space
+def dq_shared_bytes(config: LaunchConfig, head_dim: int, elem: int = 2) -> int:
+    """Shared memory of one dQ program: both warpgroups' Q and dO tiles, NUM_STAGES stages of K and V,
+    the barriers."""
+    blocks = config.blocks
+    stages = blocks["NUM_STAGES"]
+    return elem * head_dim * (4 * blocks["BLOCK_M"] + 2 * stages * blocks["BLOCK_N"]) + 8 * (2 + 2 * stages)
+
+
+def fits_dq_consumers(config: LaunchConfig, key: Mapping) -> bool:
+    """Keep: 128-key tiles at d 128 only with 240 consumer registers (dQ, S and dP of 64 rows: causal
+    sm_90 compiles spill 16 B at 232), and at most 256 keys in the ring (two 128-key stages at d 128
+    already take 192 KB with Q and dO)."""
+    blocks = config.blocks
+    if blocks["BLOCK_N"] > 64 and key["d"] > 64 and blocks["CONSUMER_REGS"] < 240:
+        return False
+    return blocks["NUM_STAGES"] * blocks["BLOCK_N"] <= 256
+
+
+# BLOCK_M: query rows per consumer warpgroup (a CTA has two; wgmma's M); BLOCK_N: keys per streamed
+# tile; NUM_STAGES: the K/V ring; CONSUMER_REGS: as the forward's.
+DQ_SPACE = ConfigSpace(
+    blocks={"BLOCK_M": (64,), "BLOCK_N": (64, 128), "NUM_STAGES": (2, 3, 4), "CONSUMER_REGS": (232, 240)},
+    knobs={"num_warps": (4,)},
+    keep=fits_dq_consumers,
+    defaults={"*": {"BLOCK_M": 64, "BLOCK_N": 128, "NUM_STAGES": 2, "CONSUMER_REGS": 240, "num_warps": 4}},
+)
+# Per head dim, the fields that change the space's default (none: 64 x 128 with two stages at both).
+DQ_HEAD_DIM_DEFAULTS = ((128, {}),)
+
+
+def dq_compile_spec(key: Mapping, config: LaunchConfig, elem: str) -> CompileSpec:
+    """The dQ kernel as a call with this key launches it."""
+    d, rows, keys = int(key["d"]), config.blocks["BLOCK_M"], config.blocks["BLOCK_N"]
+    constexprs = {"GROUP": int(key["h_q"]) // int(key["h_kv"]), "IS_CAUSAL": bool(key["causal"]), "HEAD_DIM": d,
+                  **config.blocks}
+    signature = {**{name: descriptor_type(elem, rows, d) for name in ("q_desc", "do_desc", "dq_desc")},
+                 **{name: descriptor_type(elem, keys, d) for name in ("k_desc", "v_desc")},
+                 "Lse2": "*fp32", "Delta": "*fp32", "qk_scale": "fp32", "sm_scale": "fp32",
+                 "seqlen_q": "i32", "seqlen_k": "i32", "stride_lb": "i32", "stride_lh": "i32"}
+    return CompileSpec("bwd_dq", _attention_bwd_dq_ws_kernel, signature, constexprs, {"num_warps": 4})
