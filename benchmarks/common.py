@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from triton.runtime.errors import OutOfResources
 
 from registry.testing import GRAD_TOLERANCE, TOLERANCE, backward_call, gradient_error, output_error
 from tuning.bench import time_gpu, time_gpu_quantiles
@@ -185,25 +186,39 @@ def explore(op, shape: dict, configs: dict[str, list[dict]], *, name: str, unit:
     out = []
     for role, fields in ((role, f) for role, listed in configs.items() for f in listed):
         call_config = default.replace(role, LaunchConfig(**fields))
-        # Run as the sweep does: with the role's own arguments (Variant.role_arguments).
-        extra = variant.role_arguments.get(role, {})
-        call = lambda a, c=call_config, e=extra: variant.launch({**a, **e}, c)  # noqa: E731
         label = f"{variant.name} {role} {describe(call_config[role])}"
-        if role.startswith("bwd"):
-            err = checked_backward(op, small, call)
-            timed = backward_call(op, call, args)
-            m = measure(f"{op.name} bwd", name, label, timed, 2.5 * work, unit, err)
-            kernels = [k for r, k in variant.kernels.items() if r.startswith("bwd")]
-        else:
-            err = checked(op, small, call)
-            timed = lambda c=call: c(args)  # noqa: E731
-            m = measure(op.name, name, label, timed, work, unit, err)
-            kernels = [k for r, k in variant.kernels.items() if not r.startswith("bwd")]
-        m.provider += f" ({kernel_ms(timed, kernels)})"
-        del timed
-        out.append(m)
+        # A config the variant rules out, or one the GPU cannot hold, is reported and passed over so
+        # the rest of the list still runs.
+        reason = variant.prune_reason(role, call_config[role], key, device)
+        if reason is None:
+            try:
+                out.append(_explore_one(op, variant, role, call_config, small, args, name, label, work, unit))
+            except OutOfResources as error:
+                reason = f"out of resources: {error}"
+        if reason is not None:
+            print(f"{name:45} {label:100} skipped: {reason}", flush=True)
         torch.cuda.empty_cache()
     return out
+
+
+def _explore_one(op, variant, role: str, call_config, small: dict, args: dict, name: str, label: str, work: float,
+                 unit: str) -> Measurement:
+    """One config of `explore`: checked on the reduced shape, then timed (backward roles on the
+    backward alone), run as a sweep runs it (with the role's `Variant.role_arguments`)."""
+    extra = variant.role_arguments.get(role, {})
+    call = lambda a: variant.launch({**a, **extra}, call_config)  # noqa: E731
+    if role.startswith("bwd"):
+        err = checked_backward(op, small, call)
+        timed = backward_call(op, call, args)
+        m = measure(f"{op.name} bwd", name, label, timed, 2.5 * work, unit, err)
+        kernels = [k for r, k in variant.kernels.items() if r.startswith("bwd")]
+    else:
+        err = checked(op, small, call)
+        timed = lambda: call(args)  # noqa: E731
+        m = measure(op.name, name, label, timed, work, unit, err)
+        kernels = [k for r, k in variant.kernels.items() if not r.startswith("bwd")]
+    m.provider += f" ({kernel_ms(timed, kernels)})"
+    return m
 
 
 def explore_main(prog: str, op, shapes: list[dict], name, unit: str, argv: list[str] | None = None) -> int:
