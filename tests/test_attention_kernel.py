@@ -143,6 +143,8 @@ CASES = {
     "window16-gqa8": (S, 1, 33, 33, 8, 1, 64, True, 16, "random", True),
     "window17-sq<sk": (S, 1, 17, 37, 2, 2, 64, True, 17, "random", False),
     "window-longer-than-seq": (S, 1, 37, 37, 2, 2, 64, True, 100, "random", True),
+    # A block's rows see an unmasked middle between a masked window start and a masked diagonal.
+    "window40-gqa4": (S, 1, 70, 70, 4, 1, 64, True, 40, "random", False),
     "sinks+-30": (S, 2, 21, 21, 2, 1, 64, True, None, (30.0, -30.0), False),
     "sinks+-30-window4": (S, 1, 21, 30, 2, 2, 64, True, 4, (-30.0, 30.0), False),
     "no-sinks-d128": (S, 2, 11, 27, 2, 2, 128, True, None, None, False),

@@ -22,7 +22,8 @@ here). Sinks, windows, causal masks and varlen are constexpr switches of every k
 Masking in stages (Triton's fused-attention tutorial): for one query block the key range [lo, hi) that
 holds any allowed key is cut into an unmasked middle [mid_lo, mid_hi), whose key blocks every row of
 the block fully sees, and masked edges (the window's start, the causal diagonal, the partial last
-block), so mask arithmetic runs only where a block needs it; key blocks outside [lo, hi) are never
+block), so mask arithmetic runs only where a block needs it (in three loops, or in one loop that
+branches per block around the mask: KEY_LOOPS); key blocks outside [lo, hi) are never
 visited, so a window's cost grows with s * W, not s^2. The dK/dV kernel cuts the query range of a key
 block the same way.
 
@@ -53,6 +54,7 @@ from tuning_db.records import CallConfig, LaunchConfig
 # Kernels can only read globals that are constexprs.
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
+FLOAT32_LOWEST = tl.constexpr(-3.4028234663852886e38)
 
 
 # ----------------------------------------------------------------------------- shared helpers
@@ -150,17 +152,18 @@ def _allowed_keys(pos, cols, seqlen_k, window, IS_CAUSAL: tl.constexpr, HAS_WIND
 
 # ----------------------------------------------------------------------------- forward
 @triton.jit
-def _attention_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, start, end,
+def _attention_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, start, end, full_lo, full_hi,
                          pos_m, seqlen_k, window, qk_scale,
-                         MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                         HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                         POSITIVE_SCALE: tl.constexpr):
+                         MASKED: tl.constexpr, EDGES_ONLY: tl.constexpr, IS_CAUSAL: tl.constexpr,
+                         HAS_WINDOW: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_D: tl.constexpr, POSITIVE_SCALE: tl.constexpr):
     """Fold key blocks [start, end) into the online-softmax state (acc, l_i, m_i) of one query block.
 
     `k_base`/`v_base` point at key 0 of this (sequence, kv head). Scores are kept in log2 units
     (`qk_scale` = sm_scale * log2(e); POSITIVE_SCALE says it is > 0), so exp2 replaces exp. MASKED
     applies the key-length, causal and window masks; the unmasked stage is only called on blocks where
-    every key is allowed.
+    every key is allowed. EDGES_ONLY (with MASKED): the key blocks in [full_lo, full_hi), which every
+    row fully sees, skip the score mask (one uniform branch per block; the loads stay masked).
     """
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -189,22 +192,28 @@ def _attention_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn,
         if not POSITIVE_SCALE:
             qk = qk * qk_scale
         if MASKED:
-            qk = tl.where(_allowed_keys(pos_m, cols, seqlen_k, window, IS_CAUSAL, HAS_WINDOW), qk, float("-inf"))
+            # Positions relative to the block: in the causal diagonal loop (128 x 64 tiles) LLVM had
+            # packed the mask of absolute positions into bit fields, 442 SASS instructions per tile to 362.
+            if EDGES_ONLY:
+                # The mask is ~3.5 of ~16 instructions per score in a window tile, and most of a
+                # window's blocks need none.
+                if (start_n < full_lo) | (start_n >= full_hi):
+                    qk = tl.where(_allowed_keys(pos_m - start_n, offs_n, seqlen_k - start_n, window, IS_CAUSAL,
+                                                HAS_WINDOW), qk, float("-inf"))
+            else:
+                qk = tl.where(_allowed_keys(pos_m - start_n, offs_n, seqlen_k - start_n, window, IS_CAUSAL,
+                                            HAS_WINDOW), qk, float("-inf"))
         row_max = tl.max(qk, 1)
         if POSITIVE_SCALE:
             row_max = row_max * qk_scale
+        # m starts at the lowest finite float (see the caller), so a row with no allowed key so far
+        # shifts its -inf scores by a finite m: exp2 gives 0, not NaN, with no select per row and block.
         m_new = tl.maximum(m_i, row_max)
-        if MASKED:
-            # A row with no allowed key so far keeps m = -inf; it shifts by 0 so exp2 gives 0, not NaN
-            # (m itself stays -inf, so a later block's scores are never shifted by a made-up maximum).
-            m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        else:
-            m_shift = m_new
         if POSITIVE_SCALE:
-            p = tl.math.exp2(qk * qk_scale - m_shift[:, None])
+            p = tl.math.exp2(qk * qk_scale - m_new[:, None])
         else:
-            p = tl.math.exp2(qk - m_shift[:, None])
-        alpha = tl.math.exp2(m_i - m_shift)
+            p = tl.math.exp2(qk - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
@@ -222,8 +231,9 @@ def _attention_fwd_block_body(q_base, k_base, v_base, o_base, lse_base, start_m,
                               KEY_LOOPS: tl.constexpr, POSITIVE_SCALE: tl.constexpr):
     """Query block `start_m` of one (sequence, HEADS query heads of one kv head): out rows (and lse)
     from its key blocks, in three loops (KEY_LOOPS 3: masked leading edge, unmasked middle, masked
-    diagonal and tail) or in one masked loop (KEY_LOOPS 1: a short window spans a few key blocks, and
-    each loop pays its own pipeline prologue: one loop of five blocks may beat three of one to three).
+    diagonal and tail) or in one loop (KEY_LOOPS 1: a short window spans a few key blocks, and each
+    loop pays its own pipeline prologue: one loop of five blocks may beat three of one to three) that
+    branches per block around the score mask, which only its edge blocks apply).
     Row r is token start_m * (BLOCK_M // HEADS) + r // HEADS of head r % HEADS (counted from the
     bases' head), so with HEADS > 1 each K/V tile serves the GQA group's heads at once and the block
     spans BLOCK_M // HEADS tokens: a window's key range overhangs a block's rows by less. With
@@ -243,24 +253,27 @@ def _attention_fwd_block_body(q_base, k_base, v_base, o_base, lse_base, start_m,
     pos_m = seqlen_k - seqlen_q + offs_m
     lo, mid_lo, mid_hi, hi = _key_range(m0, seqlen_q, seqlen_k, window, IS_CAUSAL, HAS_WINDOW, TOKENS, BLOCK_N)
 
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    # Not -inf: any finite score is >= this m, so the first real maximum replaces it (alpha = 0 then)
+    # and a later block's scores are never shifted by a made-up maximum; until then alpha is 1 on an
+    # empty row (l = 0, acc = 0).
+    m_i = tl.full([BLOCK_M], FLOAT32_LOWEST, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     if KEY_LOOPS == 1:
         acc, l_i, m_i = _attention_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, lo, hi,
-                                             pos_m, seqlen_k, window, qk_scale, True, IS_CAUSAL, HAS_WINDOW,
-                                             HEAD_DIM, BLOCK_N, BLOCK_D, POSITIVE_SCALE)
+                                             mid_lo, mid_hi, pos_m, seqlen_k, window, qk_scale, True, True,
+                                             IS_CAUSAL, HAS_WINDOW, HEAD_DIM, BLOCK_N, BLOCK_D, POSITIVE_SCALE)
     else:
         # Stage 1: the window's leading edge; stage 2: fully allowed blocks; stage 3: diagonal and tail.
         acc, l_i, m_i = _attention_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, lo, mid_lo,
-                                             pos_m, seqlen_k, window, qk_scale, True, IS_CAUSAL, HAS_WINDOW,
-                                             HEAD_DIM, BLOCK_N, BLOCK_D, POSITIVE_SCALE)
+                                             mid_lo, mid_hi, pos_m, seqlen_k, window, qk_scale, True, False,
+                                             IS_CAUSAL, HAS_WINDOW, HEAD_DIM, BLOCK_N, BLOCK_D, POSITIVE_SCALE)
         acc, l_i, m_i = _attention_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, mid_lo,
-                                             mid_hi, pos_m, seqlen_k, window, qk_scale, False, IS_CAUSAL,
-                                             HAS_WINDOW, HEAD_DIM, BLOCK_N, BLOCK_D, POSITIVE_SCALE)
+                                             mid_hi, mid_lo, mid_hi, pos_m, seqlen_k, window, qk_scale, False, False,
+                                             IS_CAUSAL, HAS_WINDOW, HEAD_DIM, BLOCK_N, BLOCK_D, POSITIVE_SCALE)
         acc, l_i, m_i = _attention_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, mid_hi, hi,
-                                             pos_m, seqlen_k, window, qk_scale, True, IS_CAUSAL, HAS_WINDOW,
-                                             HEAD_DIM, BLOCK_N, BLOCK_D, POSITIVE_SCALE)
+                                             mid_lo, mid_hi, pos_m, seqlen_k, window, qk_scale, True, False,
+                                             IS_CAUSAL, HAS_WINDOW, HEAD_DIM, BLOCK_N, BLOCK_D, POSITIVE_SCALE)
 
     empty = l_i == 0.0
     lse2 = m_i + tl.math.log2(tl.where(empty, 1.0, l_i))  # log2 units
@@ -724,7 +737,8 @@ def tile_blocks(blocks: Mapping[str, int]) -> dict[str, int]:
 
 def key_loops(config: LaunchConfig) -> int:
     """The forward's KEY_LOOPS: 3 (masked edges and an unmasked middle) unless the config says 1 (one
-    masked loop); configs of spaces without the block (older tables, other ops' window roles) take 3."""
+    loop, the score mask applied on its edge blocks only); configs of spaces without the block (older
+    tables, other ops' window roles) take 3."""
     return config.blocks.get("KEY_LOOPS", 3)
 
 
