@@ -4,7 +4,8 @@ config spaces, the backward's roles (Gluon dK/dV and dQ after the tiled pre kern
 sm_90 compiles, and the calls they hand to the tiled kernels (varlen, inputs TMA cannot address),
 which run here in the interpreter. On an sm_90 GPU: the forward against the reference in bf16 (odd
 lengths, s_q != s_k, GQA 1/4/8, sinks of +-30, causal and not, d 64 and 128, lse), every config of
-its space, gradients of q, k, v and sinks against the reference's autograd over the same cases and
+its space (two and three consumer warpgroups; the three-consumer ones also on edge cases), gradients
+of q, k, v and sinks against the reference's autograd over the same cases and
 every dK/dV and dQ config, dispatch by name and the fallbacks. Default configs at the ops' preset keys are
 compiled in test_shipped_and_default_configs.py."""
 
@@ -82,29 +83,59 @@ def test_registry_prefers_it_on_hopper_and_never_on_cpu(op):
 
 
 def test_space_and_pruning():
-    """Rows per warpgroup, key tiles, ring depth and the second consumer's registers: 10 configs at
-    d 128 (128-row warpgroups spill there), 16 at d 64; every one fits an H100/H200's shared memory, and
-    the estimate is what sm_90 compiles allocate, give or take the barriers' alignment."""
+    """Rows per warpgroup, key tiles, ring depth, consumer warpgroups, their registers and waits: two
+    consumers as before (10 configs at d 128, where 128-row warpgroups spill, 16 at d 64), three with
+    160 registers and 64 rows each (6 configs at d 128, 64-key tiles only; 8 at d 64, 128-key tiles
+    waiting once); every one fits an H100/H200's shared memory, and the estimate is what sm_90 compiles
+    allocate, give or take the barriers' alignment."""
     from kernels.nvidia.attention_warpspec import shared_bytes
 
     target = preset("h200")
     warpspec = WARPSPEC[F]
-    for d, size in ((128, 10), (64, 16)):
+    for d, two, three in ((128, 10, 6), (64, 16, 8)):
         key = {**KEY, "d": d}
         space = warpspec.space(key, target)["fwd"]
-        assert len(space) == len(set(space)) == size
+        assert len(space) == len(set(space)) == two + three
+        by_consumers = {n: [c.blocks for c in space if c.blocks["CONSUMERS"] == n] for n in (2, 3)}
+        assert [len(by_consumers[2]), len(by_consumers[3])] == [two, three]
         assert {c.num_warps for c in space} == {4}
-        assert {c.blocks["CONSUMER_REGS"] for c in space} == {232, 240}
+        assert {b["CONSUMER_REGS"] for b in by_consumers[2]} == {232, 240}
+        assert {b["MMA_WAITS"] for b in by_consumers[2]} == {2}
+        assert {(b["BLOCK_M"], b["CONSUMER_REGS"]) for b in by_consumers[3]} == {(64, 160)}
+        assert {b["MMA_WAITS"] for b in by_consumers[3] if b["BLOCK_N"] == 64} == {1, 2}
+        assert {b["MMA_WAITS"] for b in by_consumers[3] if b["BLOCK_N"] == 128} == ({1} if d == 64 else set())
         assert all(c.blocks["NUM_STAGES"] * c.blocks["BLOCK_N"] <= 384 for c in space)
         assert all(warpspec.prune_reason("fwd", c, key, target) is None for c in space)
         assert warpspec.default_config(key, target)["fwd"] in space
-        assert ({c.blocks["BLOCK_M"] for c in space} == {64}) is (d == 128)
-    # Measured with tuning.compile_check (bf16, sm_90): the d 128 default and the largest config.
+        assert ({b["BLOCK_M"] for b in by_consumers[2]} == {64}) is (d == 128)
+    # Measured with tuning.compile_check (bf16, sm_90): the d 128 default, the largest config, and
+    # three consumers at d 128 (4 stages of 64 keys) and d 64 (3 stages of 128 keys).
     default = warpspec.default_config(KEY, target)["fwd"]
+    assert default.blocks["CONSUMERS"] == 2 and default.blocks["MMA_WAITS"] == 2
     assert 0 <= 164_208 - shared_bytes(default, 128) < 512
     widest = LaunchConfig(blocks={**default.blocks, "NUM_STAGES": 3}, num_warps=4)
     assert 0 <= 229_808 - shared_bytes(widest, 128) < 512 and shared_bytes(widest, 128) < target.shared_mem_bytes
+    three = {"CONSUMERS": 3, "CONSUMER_REGS": 160, "MMA_WAITS": 1}
+    deep = LaunchConfig(blocks={**default.blocks, **three, "BLOCK_N": 64, "NUM_STAGES": 4}, num_warps=4)
+    assert 0 <= 180_712 - shared_bytes(deep, 128) < 512
+    wide = LaunchConfig(blocks={**default.blocks, **three, "NUM_STAGES": 3}, num_warps=4)
+    assert 0 <= 123_368 - shared_bytes(wide, 64) < 512
     assert warpspec.prune_reason("fwd", LaunchConfig(blocks={"BLOCK_M": 64}), KEY, target).startswith("blocks")
+
+
+def test_a_tuned_forward_from_before_three_consumers_keeps_its_kernel():
+    """Shipped entries name the forward's blocks without CONSUMERS and MMA_WAITS: they complete with two
+    consumers and two waits (the kernel they were measured with), whatever their CONSUMER_REGS."""
+    target = preset("h200")
+    for op in (F, S):
+        key = {**KEY, "d": 64, "h_q": 64, "h_kv": 8, **({"sinks": True} if op == S else {})}
+        variant = WARPSPEC[op]
+        for regs in (232, 240):
+            old = LaunchConfig(blocks={"BLOCK_M": 64, "BLOCK_N": 128, "NUM_STAGES": 2, "CONSUMER_REGS": regs},
+                               num_warps=4)
+            done = variant.complete(CallConfig({"fwd": old}), key, target)["fwd"]
+            assert done.blocks == {**old.blocks, "CONSUMERS": 2, "MMA_WAITS": 2}
+            assert done in variant.space(key, target)["fwd"]
 
 
 @pytest.mark.parametrize("op", [F, S])
@@ -211,11 +242,20 @@ def test_which_inputs_tma_can_address():
 # (key changes, forward blocks): the space's corners, compiled offline for sm_90 beside the defaults
 # that test_shipped_and_default_configs compiles: the largest shared memory (d 128, three 128-key
 # stages), 128-row warpgroups (d 64), GQA with sinks in fp16 without causal masks.
+TWO = {"CONSUMERS": 2, "MMA_WAITS": 2}
+THREE = {"CONSUMERS": 3, "CONSUMER_REGS": 160}
 CORNERS = [
-    ({}, {"BLOCK_M": 64, "BLOCK_N": 128, "NUM_STAGES": 3, "CONSUMER_REGS": 232}),
-    ({"d": 64}, {"BLOCK_M": 128, "BLOCK_N": 64, "NUM_STAGES": 4, "CONSUMER_REGS": 240}),
+    ({}, {"BLOCK_M": 64, "BLOCK_N": 128, "NUM_STAGES": 3, "CONSUMER_REGS": 232, **TWO}),
+    ({"d": 64}, {"BLOCK_M": 128, "BLOCK_N": 64, "NUM_STAGES": 4, "CONSUMER_REGS": 240, **TWO}),
     ({"d": 64, "h_q": 64, "h_kv": 8, "causal": False, "dtype": "fp16", "sinks": True},
-     {"BLOCK_M": 64, "BLOCK_N": 64, "NUM_STAGES": 4, "CONSUMER_REGS": 232}),
+     {"BLOCK_M": 64, "BLOCK_N": 64, "NUM_STAGES": 4, "CONSUMER_REGS": 232, **TWO}),
+    # Three consumers: the gpt-oss key with 128-key tiles (the tightest registers), d 128 with the
+    # deepest ring and the intra-warpgroup overlap, d 64 in fp16 without causal masks.
+    ({"d": 64, "h_q": 64, "h_kv": 8, "sinks": True},
+     {"BLOCK_M": 64, "BLOCK_N": 128, "NUM_STAGES": 3, **THREE, "MMA_WAITS": 1}),
+    ({}, {"BLOCK_M": 64, "BLOCK_N": 64, "NUM_STAGES": 4, **THREE, "MMA_WAITS": 2}),
+    ({"d": 64, "causal": False, "dtype": "fp16", "h_kv": 4},
+     {"BLOCK_M": 64, "BLOCK_N": 64, "NUM_STAGES": 2, **THREE, "MMA_WAITS": 1}),
 ]
 
 
@@ -383,6 +423,26 @@ def test_every_config_of_the_space_matches_reference(d):
     for config in variant.space(key, preset("h200"))["fwd"]:
         out = variant.launch(args, default.replace("fwd", config))
         assert_close(out, expected, TOLERANCE[torch.bfloat16], what=str(config))
+
+
+@hopper
+@pytest.mark.parametrize("case", ["causal-sq>sk-empty-rows-d64", "sinks+-30-full-sq>sk-d64"])
+def test_three_consumers_on_edge_cases(case):
+    """Every three-consumer config of the space on two d 64 edge cases: rows with no key (whole
+    warpgroups' and CTAs' among them), extreme sinks without causal masks (a CTA whose later
+    warpgroups hold no row of the sequence: the every-config test's s_q 999 too)."""
+    op, b, s_q, s_k, h_q, h_kv, d, causal, sinks, lse, dtype = CASES[case]
+    args = _make(op, b, s_q, s_k, h_q, h_kv, d, sinks=sinks, causal=causal, return_lse=lse, dtype=dtype,
+                 seed=len(case))
+    variant = WARPSPEC[op]
+    key = dict(OPS[op].tuning_key(args))
+    default = variant.default_config(key, preset("h200"))
+    expected = OPS[op].reference(**args)
+    configs = [c for c in variant.space(key, preset("h200"))["fwd"] if c.blocks["CONSUMERS"] == 3]
+    assert len(configs) == 8
+    for config in configs:
+        out = variant.launch(args, default.replace("fwd", config))
+        assert_close(out, expected, TOLERANCE[args["q"].dtype], what=f"{case} {config}")
 
 
 # (op, b, s_q, s_k, h_q, h_kv, d, causal, sinks): the backward's cases, lengths no tile divides.

@@ -12,13 +12,16 @@ who does what, as sparse_mla's warp-specialized forward does:
   come back as zeros): each consumer's query rows once, then K and V tiles into a ring of NUM_STAGES
   stages, K and V with their own `ready` and `free` mbarriers (K of the next tile streams in while V
   of the current one is still read);
-- two consumer warpgroups own BLOCK_M query rows each (a CTA covers 2 * BLOCK_M rows) and walk the same
-  key tiles. Per tile a warpgroup issues S = Q K^T (wgmma, async) together with the previous tile's
-  O += P V, waits for S only, and runs the online softmax (fp32, exp2) while P V still runs on the
-  tensor cores (FA3's intra-warpgroup overlap); P stays in registers as the A operand;
-- the two warpgroups take turns issuing their products (an mbarrier each: a warpgroup waits for its
-  turn, issues, and hands the turn over), so one's softmax runs under the other's products (FA3's
-  ping-pong).
+- CONSUMERS (2 or 3) consumer warpgroups own BLOCK_M query rows each (a CTA covers CONSUMERS * BLOCK_M
+  rows) and walk the same key tiles. Per tile a warpgroup issues S = Q K^T (wgmma, async) together
+  with the previous tile's O += P V, waits for S only, and runs the online softmax (fp32, exp2) while
+  P V still runs on the tensor cores (FA3's intra-warpgroup overlap; MMA_WAITS 1 waits for both
+  products first, which frees P's registers for the softmax); P stays in registers as the A operand;
+- the warpgroups take turns issuing their products, round robin (an mbarrier each: a warpgroup waits
+  for its turn, issues, and hands the turn to the next), so one's softmax runs under the others'
+  products (FA3's ping-pong). Three warpgroups are FA3's choice at d 64, where the exponentials cost
+  as much as the products: two others' products to hide a softmax under, in 160 registers each
+  instead of 240.
 
 Causal calls visit only key tiles at or below the CTA's last diagonal; per warpgroup the tiles every
 row fully sees run without mask arithmetic, the rest (diagonal, key tail) with it. Sinks scale the
@@ -111,18 +114,18 @@ def _load_stage(desc, ring, ready, free, i, off_b, off_hk, BLOCK_N: gl.constexpr
 def _load_tiles(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_free, v_free,
                 seqlen_q, seqlen_k,
                 GROUP: gl.constexpr, IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                NUM_STAGES: gl.constexpr):
+                NUM_STAGES: gl.constexpr, CONSUMERS: gl.constexpr):
     """Producer: each warpgroup's BLOCK_M query rows, then K and V tiles in the order the consumers
     read them (K of tile i before V of tile i - 1)."""
-    m0 = _query_tile(IS_CAUSAL) * (2 * BLOCK_M)
+    m0 = _query_tile(IS_CAUSAL) * (CONSUMERS * BLOCK_M)
     off_h = gl.program_id(1)
     off_b = gl.program_id(2)
     off_hk = off_h // GROUP
-    for side in gl.static_range(2):
+    for side in gl.static_range(CONSUMERS):
         mbarrier.expect(q_ready.index(side), q_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [off_b, m0 + side * BLOCK_M, off_h, 0], q_ready.index(side),
                                         q_smem.index(side))
-    n_tiles = _key_tiles(m0, 2 * BLOCK_M, seqlen_q, seqlen_k, IS_CAUSAL, BLOCK_N)
+    n_tiles = _key_tiles(m0, CONSUMERS * BLOCK_M, seqlen_q, seqlen_k, IS_CAUSAL, BLOCK_N)
     for i in range(n_tiles + 1):
         if i < n_tiles:
             _load_stage(k_desc, k_smem, k_ready, k_free, i, off_b, off_hk, BLOCK_N, NUM_STAGES)
@@ -154,9 +157,10 @@ def _softmax_step(s, m_i, l_i, cols, pos, seqlen_k, qk_scale, MASKED: gl.constex
 def _attend_tile(i, acc, p, alpha, m_i, l_i, q, k_smem, v_smem, k_ready, v_ready, k_free, v_free, my_turn,
                  peer_turn, pos, seqlen_k, qk_scale,
                  MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                 HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr):
+                 HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr, MMA_WAITS: gl.constexpr):
     """Key tile i >= 1: issue S_i = Q K_i^T and O += P_{i-1} V_{i-1} in this warpgroup's turn, take the
-    softmax step of S_i while the P V product runs, then release both stages."""
+    softmax step of S_i and release both stages. MMA_WAITS 2: wait for S alone and run the softmax
+    while the P V product runs (FA3's intra-warpgroup overlap); 1: wait for both products first."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -174,12 +178,22 @@ def _attend_tile(i, acc, p, alpha, m_i, l_i, q, k_smem, v_smem, k_ready, v_ready
     mbarrier.wait(v_ready.index(v_stage), ((i - 1) // NUM_STAGES) & 1)
     acc = warpgroup_mma(p, v_smem.index(v_stage).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
     mbarrier.arrive(peer_turn, count=1)
-    s = warpgroup_mma_wait(1, deps=(s,))
-    release(k_free.index(k_stage))
-    cols = i * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-    p_new, alpha, l_i, m_i = _softmax_step(s, m_i, l_i, cols, pos, seqlen_k, qk_scale, MASKED, IS_CAUSAL)
-    acc, p = warpgroup_mma_wait(0, deps=(acc, p))
-    release(v_free.index(v_stage))
+    if MMA_WAITS == 2:
+        s = warpgroup_mma_wait(1, deps=(s,))
+        release(k_free.index(k_stage))
+        cols = i * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        p_new, alpha, l_i, m_i = _softmax_step(s, m_i, l_i, cols, pos, seqlen_k, qk_scale, MASKED, IS_CAUSAL)
+        acc, p = warpgroup_mma_wait(0, deps=(acc, p))
+        release(v_free.index(v_stage))
+    else:
+        # Both products first: P's registers are free for the softmax (the other warpgroups' products
+        # run under it instead).
+        s, acc, p = warpgroup_mma_wait(0, deps=(s, acc, p))
+        gl.thread_barrier()
+        mbarrier.arrive(k_free.index(k_stage), count=1)
+        mbarrier.arrive(v_free.index(v_stage), count=1)
+        cols = i * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        p_new, alpha, l_i, m_i = _softmax_step(s, m_i, l_i, cols, pos, seqlen_k, qk_scale, MASKED, IS_CAUSAL)
     p = gl.convert_layout(p_new.to(q.dtype), p_operand)
     return acc, p, alpha, m_i, l_i
 
@@ -187,12 +201,13 @@ def _attend_tile(i, acc, p, alpha, m_i, l_i, q, k_smem, v_smem, k_ready, v_ready
 @gluon.jit
 def _attend(common, SIDE: gl.constexpr, GROUP: gl.constexpr, IS_CAUSAL: gl.constexpr, HAS_SINKS: gl.constexpr,
             RETURN_LSE: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-            NUM_STAGES: gl.constexpr):
-    """Consumer warpgroup SIDE: query rows [m0 + SIDE * BLOCK_M, + BLOCK_M) of one (sequence, query
-    head) over every key tile the CTA visits; writes their out (through its Q buffer and a TMA store,
-    which drops rows past the sequence) and, with RETURN_LSE, their natural-log lse. A row with no
-    allowed key gets out 0 and lse +inf."""
-    (o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_free, v_free, turn0, turn1, Sinks, Lse,
+            NUM_STAGES: gl.constexpr, CONSUMERS: gl.constexpr, MMA_WAITS: gl.constexpr):
+    """Consumer warpgroup SIDE of CONSUMERS: query rows [m0 + SIDE * BLOCK_M, + BLOCK_M) of one
+    (sequence, query head) over every key tile the CTA visits; writes their out (through its Q buffer
+    and a TMA store, which drops rows past the sequence) and, with RETURN_LSE, their natural-log lse. A
+    row with no allowed key gets out 0 and lse +inf. It issues its products in its turn and hands the
+    turn to warpgroup SIDE + 1 (the last to warpgroup 0)."""
+    (o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_free, v_free, turns, Sinks, Lse,
      qk_scale, seqlen_q, seqlen_k, stride_lb, stride_lh) = common
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -201,18 +216,14 @@ def _attend(common, SIDE: gl.constexpr, GROUP: gl.constexpr, IS_CAUSAL: gl.const
     p_operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
     o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
-    m_cta = _query_tile(IS_CAUSAL) * (2 * BLOCK_M)
+    m_cta = _query_tile(IS_CAUSAL) * (CONSUMERS * BLOCK_M)
     m0 = m_cta + SIDE * BLOCK_M
     off_h = gl.program_id(1)
     off_b = gl.program_id(2)
-    if SIDE == 0:
-        my_turn = turn0
-        peer_turn = turn1
-    else:
-        my_turn = turn1
-        peer_turn = turn0
+    my_turn = turns[SIDE]
+    peer_turn = turns[(SIDE + 1) % CONSUMERS]
     diag = seqlen_k - seqlen_q
-    n_tiles = _key_tiles(m_cta, 2 * BLOCK_M, seqlen_q, seqlen_k, IS_CAUSAL, BLOCK_N)
+    n_tiles = _key_tiles(m_cta, CONSUMERS * BLOCK_M, seqlen_q, seqlen_k, IS_CAUSAL, BLOCK_N)
     # Tiles [0, n_full) hold only keys every row of this warpgroup sees: no mask arithmetic there.
     full_end = seqlen_k
     if IS_CAUSAL:
@@ -244,11 +255,11 @@ def _attend(common, SIDE: gl.constexpr, GROUP: gl.constexpr, IS_CAUSAL: gl.const
     for i in range(1, n_full):
         acc, p, alpha, m_i, l_i = _attend_tile(i, acc, p, alpha, m_i, l_i, q, k_smem, v_smem, k_ready, v_ready,
                                                k_free, v_free, my_turn, peer_turn, pos, seqlen_k, qk_scale,
-                                               False, IS_CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES)
+                                               False, IS_CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES, MMA_WAITS)
     for i in range(gl.maximum(n_full, 1), n_tiles):
         acc, p, alpha, m_i, l_i = _attend_tile(i, acc, p, alpha, m_i, l_i, q, k_smem, v_smem, k_ready, v_ready,
                                                k_free, v_free, my_turn, peer_turn, pos, seqlen_k, qk_scale,
-                                               True, IS_CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES)
+                                               True, IS_CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES, MMA_WAITS)
     if n_tiles > 0:
         # The last tile's P V, in this warpgroup's turn like every product.
         last = n_tiles - 1
@@ -287,45 +298,65 @@ def _attention_fwd_ws_kernel(
         qk_scale, seqlen_q, seqlen_k, stride_lb, stride_lh,
         GROUP: gl.constexpr, IS_CAUSAL: gl.constexpr, HAS_SINKS: gl.constexpr, RETURN_LSE: gl.constexpr,
         HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-        CONSUMER_REGS: gl.constexpr):
-    """One program: 2 * BLOCK_M query rows of one query head of one sequence (grid: query tiles, h_q,
-    batch), two consumer warpgroups of BLOCK_M rows and a producer warp. Query head h reads kv head
-    h // GROUP. The descriptors cover q, k, v and out as [b, s, h, d] with blocks [1, rows, 1, d].
-    Shared memory: both warpgroups' Q tiles (reused for out), NUM_STAGES stages of K and of V, the
-    barriers. CONSUMER_REGS: registers per thread of the second warpgroup (the first, the default
-    partition, gets what it and the producer leave)."""
+        CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr, MMA_WAITS: gl.constexpr):
+    """One program: CONSUMERS * BLOCK_M query rows of one query head of one sequence (grid: query tiles,
+    h_q, batch), CONSUMERS (2 or 3) consumer warpgroups of BLOCK_M rows and a producer warp. Query head
+    h reads kv head h // GROUP. The descriptors cover q, k, v and out as [b, s, h, d] with blocks
+    [1, rows, 1, d]. Shared memory: every warpgroup's Q tile (reused for out), NUM_STAGES stages of K
+    and of V, the barriers. CONSUMER_REGS: registers per thread of each consumer warpgroup but the
+    first (the default partition, which gets what the others and the producer leave of the CTA's)."""
     dtype: gl.constexpr = q_desc.dtype
-    q_smem = gl.allocate_shared_memory(dtype, [2, 1, BLOCK_M, 1, HEAD_DIM], q_desc.layout)
+    q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, 1, BLOCK_M, 1, HEAD_DIM], q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, 1, BLOCK_N, 1, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, 1, BLOCK_N, 1, HEAD_DIM], v_desc.layout)
-    q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
     # Each warpgroup's turn to issue products, a barrier of its own (a warpgroup waits on its own and
-    # arrives on the other's; in one allocation the compiler would order the two with a CTA barrier).
-    turn0 = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    turn1 = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    mbarrier.init(turn0, count=1)
-    mbarrier.init(turn1, count=1)
+    # arrives on the next one's; in one allocation the compiler would order them with a CTA barrier).
+    if CONSUMERS == 2:
+        turns = (gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout()),
+                 gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout()))
+    else:
+        turns = (gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout()),
+                 gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout()),
+                 gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout()))
+    for side in gl.static_range(CONSUMERS):
+        mbarrier.init(turns[side], count=1)
     k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     k_free = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     v_free = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    for side in gl.static_range(2):
+    for side in gl.static_range(CONSUMERS):
         mbarrier.init(q_ready.index(side), count=1)
     for stage in gl.static_range(NUM_STAGES):
         mbarrier.init(k_ready.index(stage), count=1)
         mbarrier.init(v_ready.index(stage), count=1)
-        mbarrier.init(k_free.index(stage), count=2)
-        mbarrier.init(v_free.index(stage), count=2)
+        mbarrier.init(k_free.index(stage), count=CONSUMERS)
+        mbarrier.init(v_free.index(stage), count=CONSUMERS)
     # Warpgroup 0 takes the first turn.
-    mbarrier.arrive(turn0, count=1)
-    common = (o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_free, v_free, turn0, turn1, Sinks, Lse,
+    mbarrier.arrive(turns[0], count=1)
+    common = (o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_free, v_free, turns, Sinks, Lse,
               qk_scale, seqlen_q, seqlen_k, stride_lb, stride_lh)
-    gl.warp_specialize([
-        (_attend, (common, 0, GROUP, IS_CAUSAL, HAS_SINKS, RETURN_LSE, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES)),
-        (_attend, (common, 1, GROUP, IS_CAUSAL, HAS_SINKS, RETURN_LSE, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES)),
-        (_load_tiles, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_free, v_free,
-                       seqlen_q, seqlen_k, GROUP, IS_CAUSAL, BLOCK_M, BLOCK_N, NUM_STAGES)),
-    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    # The partitions are a list the compiler reads as written: one call per count of consumers.
+    if CONSUMERS == 2:
+        gl.warp_specialize([
+            (_attend, (common, 0, GROUP, IS_CAUSAL, HAS_SINKS, RETURN_LSE, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES,
+                       CONSUMERS, MMA_WAITS)),
+            (_attend, (common, 1, GROUP, IS_CAUSAL, HAS_SINKS, RETURN_LSE, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES,
+                       CONSUMERS, MMA_WAITS)),
+            (_load_tiles, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_free,
+                           v_free, seqlen_q, seqlen_k, GROUP, IS_CAUSAL, BLOCK_M, BLOCK_N, NUM_STAGES, CONSUMERS)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    else:
+        gl.warp_specialize([
+            (_attend, (common, 0, GROUP, IS_CAUSAL, HAS_SINKS, RETURN_LSE, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES,
+                       CONSUMERS, MMA_WAITS)),
+            (_attend, (common, 1, GROUP, IS_CAUSAL, HAS_SINKS, RETURN_LSE, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES,
+                       CONSUMERS, MMA_WAITS)),
+            (_attend, (common, 2, GROUP, IS_CAUSAL, HAS_SINKS, RETURN_LSE, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES,
+                       CONSUMERS, MMA_WAITS)),
+            (_load_tiles, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_free,
+                           v_free, seqlen_q, seqlen_k, GROUP, IS_CAUSAL, BLOCK_M, BLOCK_N, NUM_STAGES, CONSUMERS)),
+        ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
 
 
 # ----------------------------------------------------------------------------- launcher
@@ -343,7 +374,7 @@ def warpspec_forward(args: Mapping, config: LaunchConfig, keep_lse: bool, launch
         lse = torch.empty((batch, h_q, s_q), dtype=torch.float32, device=q.device)
     rows, keys = config.blocks["BLOCK_M"], config.blocks["BLOCK_N"]
     launch(
-        _attention_fwd_ws_kernel, (triton.cdiv(s_q, 2 * rows), h_q, batch),
+        _attention_fwd_ws_kernel, (triton.cdiv(s_q, config.blocks["CONSUMERS"] * rows), h_q, batch),
         descriptor(q, rows), descriptor(k, keys), descriptor(v, keys), descriptor(out, rows),
         sinks, lse if lse is not None else out,
         float(args["sm_scale"]) * LOG2E.value, s_q, s_k, *(lse.stride()[:2] if lse is not None else (0, 0)),
@@ -354,31 +385,50 @@ def warpspec_forward(args: Mapping, config: LaunchConfig, keep_lse: bool, launch
 
 # ----------------------------------------------------------------------------- the variants
 def shared_bytes(config: LaunchConfig, head_dim: int, elem: int = 2) -> int:
-    """Shared memory of one program: both warpgroups' Q tiles, NUM_STAGES stages of K and of V, the
+    """Shared memory of one program: every warpgroup's Q tile, NUM_STAGES stages of K and of V, the
     barriers (matches sm_90 compiles up to the alignment of the barriers)."""
     blocks = config.blocks
-    tiles = 2 * blocks["BLOCK_M"] + 2 * blocks["NUM_STAGES"] * blocks["BLOCK_N"]
-    return elem * head_dim * tiles + 8 * (4 + 4 * blocks["NUM_STAGES"])
+    consumers = blocks["CONSUMERS"]
+    tiles = consumers * blocks["BLOCK_M"] + 2 * blocks["NUM_STAGES"] * blocks["BLOCK_N"]
+    return elem * head_dim * tiles + 8 * (2 * consumers + 4 * blocks["NUM_STAGES"])
 
 
 def fits_consumers(config: LaunchConfig, key: Mapping) -> bool:
-    """Keep: 128 rows per warpgroup only with 64-key tiles at d 64 (the scores, P and the output
-    accumulator of 128 rows spill a consumer's registers otherwise: 144-272 B at d 128 on sm_90), and
-    at most 384 keys in the ring (deeper rings hold more than the loads need to stay ahead)."""
+    """Keep what fits a consumer's registers without spills on sm_90 and at most 384 keys in the ring
+    (deeper rings hold more than the loads need to stay ahead).
+
+    Two consumers (232 or 240 registers each, what the producer's 24 leave of 504 a thread; MMA_WAITS 2,
+    the schedule measured since version 4): 128 rows per warpgroup only with 64-key tiles at d 64 (the
+    scores, P and the output accumulator of 128 rows spill otherwise: 144-272 B at d 128). Three
+    (160 registers, the first 168, of 512): 64 rows per warpgroup; 128-key tiles only at d 64 with
+    MMA_WAITS 1 (S, P and O held at once through the softmax spill 96 B there; at d 128 128-key tiles
+    spill 152-216 B either way)."""
     blocks = config.blocks
-    if blocks["BLOCK_M"] == 128 and (blocks["BLOCK_N"] != 64 or key["d"] > 64):
-        return False
+    if blocks["CONSUMERS"] == 2:
+        if blocks["CONSUMER_REGS"] not in (232, 240) or blocks["MMA_WAITS"] != 2:
+            return False
+        if blocks["BLOCK_M"] == 128 and (blocks["BLOCK_N"] != 64 or key["d"] > 64):
+            return False
+    else:
+        if blocks["CONSUMER_REGS"] != 160 or blocks["BLOCK_M"] != 64:
+            return False
+        if blocks["BLOCK_N"] == 128 and (key["d"] > 64 or blocks["MMA_WAITS"] == 2):
+            return False
     return blocks["NUM_STAGES"] * blocks["BLOCK_N"] <= 384
 
 
-# BLOCK_M: query rows per consumer warpgroup (a CTA has two); NUM_STAGES: K/V ring depth; CONSUMER_REGS:
-# registers of the second consumer (setmaxnreg; the first gets what it and the producer's 24 leave of
-# 512). 10 configs at d 128, 16 at d 64.
+# BLOCK_M: query rows per consumer warpgroup; NUM_STAGES: K/V ring depth; CONSUMERS: consumer
+# warpgroups (a CTA covers CONSUMERS * BLOCK_M rows); CONSUMER_REGS: registers of each consumer but the
+# first (setmaxnreg; the first gets what the others and the producer leave); MMA_WAITS: see
+# `_attend_tile`. A tuned entry from before CONSUMERS and MMA_WAITS existed completes with the defaults'
+# 2 and 2, the kernel it was measured with. 16 configs at d 128, 24 at d 64 (`fits_consumers`).
 FORWARD_SPACE = ConfigSpace(
-    blocks={"BLOCK_M": (64, 128), "BLOCK_N": (64, 128), "NUM_STAGES": (2, 3, 4), "CONSUMER_REGS": (232, 240)},
+    blocks={"BLOCK_M": (64, 128), "BLOCK_N": (64, 128), "NUM_STAGES": (2, 3, 4), "CONSUMERS": (2, 3),
+            "CONSUMER_REGS": (160, 232, 240), "MMA_WAITS": (2, 1)},
     knobs={"num_warps": (4,)},
     keep=fits_consumers,
-    defaults={"*": {"BLOCK_M": 64, "BLOCK_N": 128, "NUM_STAGES": 2, "CONSUMER_REGS": 240, "num_warps": 4}},
+    defaults={"*": {"BLOCK_M": 64, "BLOCK_N": 128, "NUM_STAGES": 2, "CONSUMERS": 2, "CONSUMER_REGS": 240,
+                    "MMA_WAITS": 2, "num_warps": 4}},
 )
 # Per head dim, the fields that change the space's default (the first row whose head dim fits): d 128
 # has room for two 128-key stages beside Q (164 KB), d 64 for three (115 KB).
