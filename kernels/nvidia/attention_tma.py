@@ -1,8 +1,9 @@
 """What the attention family's Hopper Gluon kernels share (kernels/nvidia/attention_warpspec.py, the
-forward; kernels/nvidia/attention_warpspec_bwd.py, the dK/dV backward): TMA descriptors over
+forward; kernels/nvidia/attention_warpspec_bwd.py, the dK/dV and dQ backward): TMA descriptors over
 [b, s, h, d] tensors with blocks of rows of one head, the check that TMA can address a tensor at all,
 the JIT signature type of such a descriptor (for offline compiles), and the warp roles' common
-pieces (the producer's register budget, a warpgroup's arrival on an mbarrier)."""
+pieces (the producer's register budget, a warpgroup's arrival on an mbarrier, the query tile a
+program owns and the key tiles its rows may see)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,26 @@ def release(bar):
     """One arrival for this warpgroup, after all of its warps are past what came before."""
     gl.thread_barrier()
     mbarrier.arrive(bar, count=1)
+
+
+@gluon.jit
+def query_tile(IS_CAUSAL: gl.constexpr):
+    """This program's query tile (grid axis 0): causal grids start with the last tiles (they see the
+    most keys), so the short ones fill the tail."""
+    tile = gl.program_id(0)
+    if IS_CAUSAL:
+        tile = gl.num_programs(0) - 1 - tile
+    return tile
+
+
+@gluon.jit
+def key_tiles(m0, rows, seqlen_q, seqlen_k, IS_CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Key tiles [0, n) that query rows [m0, m0 + rows) may see (query i sits at s_k - s_q + i)."""
+    hi = seqlen_k
+    if IS_CAUSAL:
+        p_last = seqlen_k - seqlen_q + gl.minimum(m0 + rows, seqlen_q) - 1
+        hi = gl.minimum(hi, gl.maximum(p_last + 1, 0))
+    return gl.cdiv(hi, BLOCK_N)
 
 
 @functools.cache

@@ -57,7 +57,16 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from kernels.base import CompileSpec
 from kernels.common.attention import attention_backward, attention_compile_specs, attention_forward
 from kernels.common.launch import triton_launch
-from kernels.nvidia.attention_tma import LOG2E, PRODUCER_REGS, descriptor, descriptor_type, release, tma_addressable
+from kernels.nvidia.attention_tma import (
+    LOG2E,
+    PRODUCER_REGS,
+    descriptor,
+    descriptor_type,
+    key_tiles,
+    query_tile,
+    release,
+    tma_addressable,
+)
 from kernels.nvidia.attention_warpspec_bwd import (
     DKV_HEAD_DIM_DEFAULTS,
     DKV_SPACE,
@@ -80,26 +89,6 @@ HEAD_DIMS = (64, 128)
 
 # ----------------------------------------------------------------------------- Gluon kernel
 @gluon.jit
-def _query_tile(IS_CAUSAL: gl.constexpr):
-    """This program's query tile: causal grids start with the last tiles (they see the most keys), so
-    the short ones fill the tail."""
-    tile = gl.program_id(0)
-    if IS_CAUSAL:
-        tile = gl.num_programs(0) - 1 - tile
-    return tile
-
-
-@gluon.jit
-def _key_tiles(m0, rows, seqlen_q, seqlen_k, IS_CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr):
-    """Key tiles [0, n) that query rows [m0, m0 + rows) may see (query i sits at s_k - s_q + i)."""
-    hi = seqlen_k
-    if IS_CAUSAL:
-        p_last = seqlen_k - seqlen_q + gl.minimum(m0 + rows, seqlen_q) - 1
-        hi = gl.minimum(hi, gl.maximum(p_last + 1, 0))
-    return gl.cdiv(hi, BLOCK_N)
-
-
-@gluon.jit
 def _load_stage(desc, ring, ready, free, i, off_b, off_hk, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
     """Key tile i of one (sequence, kv head) from `desc` into its stage of `ring`, once the stage's
     previous tile is released; `ready` completes when the bytes have landed."""
@@ -117,7 +106,7 @@ def _load_tiles(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready
                 NUM_STAGES: gl.constexpr, CONSUMERS: gl.constexpr):
     """Producer: each warpgroup's BLOCK_M query rows, then K and V tiles in the order the consumers
     read them (K of tile i before V of tile i - 1)."""
-    m0 = _query_tile(IS_CAUSAL) * (CONSUMERS * BLOCK_M)
+    m0 = query_tile(IS_CAUSAL) * (CONSUMERS * BLOCK_M)
     off_h = gl.program_id(1)
     off_b = gl.program_id(2)
     off_hk = off_h // GROUP
@@ -125,7 +114,7 @@ def _load_tiles(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready
         mbarrier.expect(q_ready.index(side), q_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [off_b, m0 + side * BLOCK_M, off_h, 0], q_ready.index(side),
                                         q_smem.index(side))
-    n_tiles = _key_tiles(m0, CONSUMERS * BLOCK_M, seqlen_q, seqlen_k, IS_CAUSAL, BLOCK_N)
+    n_tiles = key_tiles(m0, CONSUMERS * BLOCK_M, seqlen_q, seqlen_k, IS_CAUSAL, BLOCK_N)
     for i in range(n_tiles + 1):
         if i < n_tiles:
             _load_stage(k_desc, k_smem, k_ready, k_free, i, off_b, off_hk, BLOCK_N, NUM_STAGES)
@@ -216,14 +205,14 @@ def _attend(common, SIDE: gl.constexpr, GROUP: gl.constexpr, IS_CAUSAL: gl.const
     p_operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
     o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
-    m_cta = _query_tile(IS_CAUSAL) * (CONSUMERS * BLOCK_M)
+    m_cta = query_tile(IS_CAUSAL) * (CONSUMERS * BLOCK_M)
     m0 = m_cta + SIDE * BLOCK_M
     off_h = gl.program_id(1)
     off_b = gl.program_id(2)
     my_turn = turns[SIDE]
     peer_turn = turns[(SIDE + 1) % CONSUMERS]
     diag = seqlen_k - seqlen_q
-    n_tiles = _key_tiles(m_cta, CONSUMERS * BLOCK_M, seqlen_q, seqlen_k, IS_CAUSAL, BLOCK_N)
+    n_tiles = key_tiles(m_cta, CONSUMERS * BLOCK_M, seqlen_q, seqlen_k, IS_CAUSAL, BLOCK_N)
     # Tiles [0, n_full) hold only keys every row of this warpgroup sees: no mask arithmetic there.
     full_end = seqlen_k
     if IS_CAUSAL:

@@ -52,7 +52,16 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from kernels.base import CompileSpec
 from kernels.common.attention import backward_pre
-from kernels.nvidia.attention_tma import LOG2E, PRODUCER_REGS, descriptor, descriptor_type, release, tma_addressable
+from kernels.nvidia.attention_tma import (
+    LOG2E,
+    PRODUCER_REGS,
+    descriptor,
+    descriptor_type,
+    key_tiles,
+    query_tile,
+    release,
+    tma_addressable,
+)
 from tuning.space import ConfigSpace
 from tuning_db.records import CallConfig, LaunchConfig
 
@@ -247,30 +256,12 @@ def _attention_bwd_dkv_ws_kernel(
 
 # ----------------------------------------------------------------------------- dQ
 @gluon.jit
-def _dq_query_tile(IS_CAUSAL: gl.constexpr):
-    """This program's query tile: causal grids take the last tiles (the most keys) first."""
-    tile = gl.program_id(0)
-    if IS_CAUSAL:
-        tile = gl.num_programs(0) - 1 - tile
-    return tile
-
-
-@gluon.jit
-def _dq_key_tiles(m0, rows, seqlen_q, seqlen_k, IS_CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr):
-    """Key tiles [0, n) that query rows [m0, m0 + rows) may see (query i sits at s_k - s_q + i)."""
-    hi = seqlen_k
-    if IS_CAUSAL:
-        hi = gl.minimum(hi, gl.maximum(seqlen_k - seqlen_q + gl.minimum(m0 + rows, seqlen_q), 0))
-    return gl.cdiv(hi, BLOCK_N)
-
-
-@gluon.jit
 def _dq_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_ready, ready, free,
                  seqlen_q, seqlen_k, GROUP: gl.constexpr, IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
                  BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
     """Producer: each warpgroup's Q and dO tiles once, then per stage a K and a V tile of the kv head
     (TMA; keys past the sequence come back as zeros), for every key tile the CTA's rows may see."""
-    m0 = _dq_query_tile(IS_CAUSAL) * (2 * BLOCK_M)
+    m0 = query_tile(IS_CAUSAL) * (2 * BLOCK_M)
     off_h = gl.program_id(1)
     off_b = gl.program_id(2)
     off_hk = off_h // GROUP
@@ -280,7 +271,7 @@ def _dq_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_sme
                                         q_smem.index(side))
         tma.async_copy_global_to_shared(do_desc, [off_b, m0 + side * BLOCK_M, off_h, 0], q_ready.index(side),
                                         do_smem.index(side))
-    for i in range(_dq_key_tiles(m0, 2 * BLOCK_M, seqlen_q, seqlen_k, IS_CAUSAL, BLOCK_N)):
+    for i in range(key_tiles(m0, 2 * BLOCK_M, seqlen_q, seqlen_k, IS_CAUSAL, BLOCK_N)):
         stage = i % NUM_STAGES
         # Barriers start in phase 0: the first pass over the ring finds every stage free.
         mbarrier.wait(free.index(stage), ((i // NUM_STAGES) & 1) ^ 1)
@@ -342,12 +333,12 @@ def _dq_consumer(common, SIDE: gl.constexpr, IS_CAUSAL: gl.constexpr, HEAD_DIM: 
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, HEAD_DIM, 16])
     s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
-    m_cta = _dq_query_tile(IS_CAUSAL) * (2 * BLOCK_M)
+    m_cta = query_tile(IS_CAUSAL) * (2 * BLOCK_M)
     m0 = m_cta + SIDE * BLOCK_M
     off_h = gl.program_id(1)
     off_b = gl.program_id(2)
     diag = seqlen_k - seqlen_q
-    n_tiles = _dq_key_tiles(m_cta, 2 * BLOCK_M, seqlen_q, seqlen_k, IS_CAUSAL, BLOCK_N)
+    n_tiles = key_tiles(m_cta, 2 * BLOCK_M, seqlen_q, seqlen_k, IS_CAUSAL, BLOCK_N)
     full_end = seqlen_k
     if IS_CAUSAL:
         full_end = gl.minimum(full_end, gl.maximum(diag + m0 + 1, 0))
