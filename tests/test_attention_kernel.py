@@ -164,6 +164,38 @@ def test_matches_reference(case):
     _check(_variant(op, vendor), args, grads=grads, other=not grads or case.startswith("full"))
 
 
+# KEY_LOOPS 2: a causal window of 32, 64 or 128 keys in three products (its two halves and the block's
+# diagonal), no loop, for blocks of at most 16 tokens. (op, b, s_q, s_k, h_q, h_kv, d, window, sinks,
+# fwd blocks): the window's start clamped at key 0 in the first blocks and free after them, s_q != s_k
+# (rows with no key), 16 tokens a block, d below the tile, sinks of +-30; a window longer than the
+# sequence (capped to it) and 32 tokens a block run the one-loop form instead.
+NO_LOOP_CASES = {
+    "w32-gqa4-8tokens": (S, 1, 70, 70, 4, 1, 64, 32, "random", {"BLOCK_M": 16, "BLOCK_N": 16, "HEADS": 2}),
+    "w64-sq<sk-sinks+-30": (S, 1, 17, 100, 2, 2, 64, 64, (30.0, -30.0), {"BLOCK_M": 16, "BLOCK_N": 32, "HEADS": 1}),
+    "w32-sq>sk-empty-rows": (S, 2, 45, 20, 2, 1, 64, 32, "random", {"BLOCK_M": 16, "BLOCK_N": 16, "HEADS": 2}),
+    "w128-d80": (F, 1, 150, 150, 2, 1, 80, 128, None, {"BLOCK_M": 16, "BLOCK_N": 16, "HEADS": 1}),
+    "w32-16tokens": (S, 1, 81, 81, 4, 2, 64, 32, "random", {"BLOCK_M": 32, "BLOCK_N": 16, "HEADS": 2}),
+    "w64-longer-than-seq": (S, 1, 37, 37, 2, 1, 64, 64, "random", {"BLOCK_M": 16, "BLOCK_N": 16, "HEADS": 1}),
+    "w32-32tokens": (F, 1, 77, 77, 2, 2, 64, 32, None, {"BLOCK_M": 32, "BLOCK_N": 16, "HEADS": 1}),
+}
+
+
+@pytest.mark.parametrize("case", list(NO_LOOP_CASES),
+                         ids=[f"{c}-{VENDORS[i % 2]}" for i, c in enumerate(NO_LOOP_CASES)])
+def test_short_windows_without_a_loop(case):
+    """KEY_LOOPS 2 against the reference (out and lse), and the gradients once (the backward is the
+    family's; the forward's lse feeds it)."""
+    op, b, s_q, s_k, h_q, h_kv, d, window, sinks, blocks = NO_LOOP_CASES[case]
+    variant = _variant(op, VENDORS[list(NO_LOOP_CASES).index(case) % 2])
+    args = _make(op, b, s_q, s_k, h_q, h_kv, d, sinks=sinks, causal=True, window=window, seed=len(case))
+    default = variant.default_config(dict(OPS[op].tuning_key(args)), CPU)
+    config = default.replace("fwd", LaunchConfig(blocks={**blocks, "KEY_LOOPS": 2}))
+    err = _forward_error(variant, args, config)
+    assert err <= RTOL, f"{variant.name} ({variant.vendor}) [{config['fwd']}]: forward error {err:.3g}"
+    if case.startswith("w32-gqa4"):
+        assert _gradient_error(variant, args, config) <= GRAD_RTOL
+
+
 def test_infinite_sinks_and_lse_without_the_sink():
     """A sink of +inf takes the whole softmax (out 0), -inf none of it (plain attention); the lse never
     includes the sink; rows with no key stay 0 with lse +inf whatever the sink."""
@@ -244,6 +276,12 @@ def test_only_reachable_key_blocks_are_visited():
     config = variant.default_config(dict(OPS[S].tuning_key(args)), CPU)
     assert _forward_error(variant, args, config) <= RTOL
     assert _gradient_error(variant, args, config) <= GRAD_RTOL
+    # Without a loop (a window of 32 over blocks of 8 tokens), the window's keys only: [16, 64).
+    args = _make(S, 1, 16, 64, 2, 1, 64, sinks="random", causal=True, window=32)
+    for name in ("k", "v"):
+        args[name][:, :16] = math.nan
+    no_loop = LaunchConfig(blocks={"BLOCK_M": 16, "BLOCK_N": 16, "HEADS": 2, "KEY_LOOPS": 2})
+    assert _forward_error(variant, args, config.replace("fwd", no_loop)) <= RTOL
 
 
 def test_lse_is_returned_but_not_differentiable():
@@ -299,6 +337,19 @@ def test_varlen_with_empty_and_length_one_sequences(op, vendor, window):
     out, lse = variant.launch(args, _other_config(variant, dict(OPS[op].tuning_key(args))))
     for rows in (slice(0, 2), slice(-3, None)):
         assert torch.equal(out[rows], torch.zeros_like(out[rows])) and torch.isposinf(lse[:, rows]).all()
+
+
+def test_short_window_without_a_loop_on_packed_sequences():
+    """KEY_LOOPS 2 on packed sequences of lengths 45, 0, 1 and 70 (one with s_q < s_k), q rows outside
+    every sequence, and a max_seqlen shorter than the longest sequence (programs stride past it)."""
+    args = _packed(S, [45, 0, 1, 70], [45, 3, 1, 90], 4, 1, 64, lead=2, tail=3, causal=True, window=32, seed=4)
+    variant = _variant(S, "amd")
+    no_loop = LaunchConfig(blocks={"BLOCK_M": 16, "BLOCK_N": 16, "HEADS": 2, "KEY_LOOPS": 2})
+    config = variant.default_config(dict(OPS[S].tuning_key(args)), CPU).replace("fwd", no_loop)
+    assert _forward_error(variant, args, config) <= RTOL
+    with _poisoned():
+        out = variant.launch({**args, "max_seqlen_q": 16}, config)
+    assert max_relative_error(out, OPS[S].reference(**args)) <= RTOL
 
 
 def test_max_seqlen_shorter_than_a_sequence_still_covers_every_row():
@@ -467,12 +518,16 @@ def test_prune_reasons():
 
 
 def test_one_key_loop_only_for_windows():
-    """The forward spaces offer KEY_LOOPS 1 (one masked loop) at windowed keys only."""
+    """The forward spaces offer KEY_LOOPS 1 (one masked loop) at windowed keys only, and 2 (no loop) at
+    windows of 32, 64 and 128 keys over blocks of at most 16 tokens."""
     for variant, device in ((_variant(F, "nvidia"), PRESETS["h200"]), (_variant(S, "amd"), PRESETS["mi355x"])):
-        loops = {c.blocks["KEY_LOOPS"] for c in variant.spaces["fwd"].configs({**KEY, "window": None}, device)}
+        space = variant.spaces["fwd"]
+        loops = {c.blocks["KEY_LOOPS"] for c in space.configs({**KEY, "window": None}, device)}
         assert loops == {3}
-        loops = {c.blocks["KEY_LOOPS"] for c in variant.spaces["fwd"].configs({**KEY, "window": 128}, device)}
+        loops = {c.blocks["KEY_LOOPS"] for c in space.configs({**KEY, "window": 512}, device)}
         assert loops == {1, 3}
+        no_loop = [c for c in space.configs({**KEY, "window": 128}, device) if c.blocks["KEY_LOOPS"] == 2]
+        assert no_loop and all(c.blocks["BLOCK_M"] // c.blocks["HEADS"] <= 16 for c in no_loop)
 
 
 @pytest.mark.parametrize("d", [64, 80, 128, 256])

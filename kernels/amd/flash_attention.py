@@ -56,7 +56,7 @@ class AttentionAmd:
     vendor = "amd"
     spaces = {
         "fwd": _space("fwd", {"BLOCK_M": (64, 128), "BLOCK_N": (32, 64), "HEADS": (1, 2, 4, 8, 16),
-                              "KEY_LOOPS": (3, 1)},
+                              "KEY_LOOPS": (3, 1, 2)},
                       {"BLOCK_M": 128, "BLOCK_N": 64, "HEADS": 1, "KEY_LOOPS": 3, "num_warps": 8, "num_stages": 1,
                        **_DEFAULT_KNOBS}),
         "bwd_pre": ConfigSpace(

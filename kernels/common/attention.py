@@ -23,9 +23,9 @@ Masking in stages (Triton's fused-attention tutorial): for one query block the k
 holds any allowed key is cut into an unmasked middle [mid_lo, mid_hi), whose key blocks every row of
 the block fully sees, and masked edges (the window's start, the causal diagonal, the partial last
 block), so mask arithmetic runs only where a block needs it (in three loops, or in one loop that
-branches per block around the mask: KEY_LOOPS); key blocks outside [lo, hi) are never
-visited, so a window's cost grows with s * W, not s^2. The dK/dV kernel cuts the query range of a key
-block the same way.
+branches per block around the mask: KEY_LOOPS; a short window may skip the loop altogether, see
+`_attention_fwd_window`); key blocks outside [lo, hi) are never visited, so a window's cost grows with
+s * W, not s^2. The dK/dV kernel cuts the query range of a key block the same way.
 
 Varlen memory safety: sequence bounds read from cu_seqlens are clamped into the packed tensors inside
 the kernels (a sequence past the end, a decreasing or negative offset touches only rows that exist),
@@ -222,18 +222,99 @@ def _attention_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn,
     return acc, l_i, m_i
 
 
+@triton.jit
+def _window_rows(base, stride_n, start, seqlen_k, WIDTH: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Rows [start, start + WIDTH) (start >= 0) of one head's K or V; rows past seqlen_k come back as
+    zeros. Cached in L2 only: the blocks that share these rows run on other SMs (L1 hit rate 0.2%
+    under ncu), and skipping L1 took 1-2% off the window-128 forward on an H100."""
+    rows = tl.arange(0, WIDTH)
+    offs_d = tl.arange(0, BLOCK_D)
+    ok = (start + rows < seqlen_k)[:, None] & (offs_d[None, :] < HEAD_DIM)
+    return tl.load(base + tl.cast(start, tl.int64) * stride_n + rows[:, None] * stride_n + offs_d[None, :], mask=ok,
+                   other=0.0, cache_modifier=".cg")
+
+
+@triton.jit
+def _window_scores(q, k, start, pos_m, seqlen_k, window, qk_scale, WIDTH: tl.constexpr, EDGE: tl.constexpr,
+                   FULL_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                   POSITIVE_SCALE: tl.constexpr):
+    """Q K^T of the keys [start, start + WIDTH), -inf where not allowed: every mask with FULL_MASK,
+    else the one test EDGE names (1: the window's first key, key >= pos - W + 1; 2: the diagonal,
+    key <= pos; 0: none), one compare per score against a per-row bound."""
+    qk = tl.dot(q, tl.trans(k))
+    if not POSITIVE_SCALE:
+        qk = qk * qk_scale
+    cols = tl.arange(0, WIDTH)
+    if FULL_MASK:
+        qk = tl.where(_allowed_keys(pos_m - start, cols, seqlen_k - start, window, IS_CAUSAL, HAS_WINDOW), qk,
+                      float("-inf"))
+    elif EDGE == 1:
+        qk = tl.where(cols[None, :] >= (pos_m - start - window + 1)[:, None], qk, float("-inf"))
+    elif EDGE == 2:
+        qk = tl.where(cols[None, :] <= (pos_m - start)[:, None], qk, float("-inf"))
+    return qk
+
+
+@triton.jit
+def _attention_fwd_window(q, k_base, v_base, stride_kn, stride_vn, p_first, pos_m, seqlen_k, window, qk_scale,
+                          HALF: tl.constexpr, CLAMPED: tl.constexpr, IS_CAUSAL: tl.constexpr,
+                          HAS_WINDOW: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                          POSITIVE_SCALE: tl.constexpr):
+    """KEY_LOOPS 2: a causal window of exactly 2 * HALF keys over a block of at most 16 tokens whose first
+    row sits at p_first, in three products and no loop: (acc, l, m) with no online rescaling.
+
+    From the window's first key: HALF keys at the window's edge (only the window test applies there),
+    HALF keys every row sees whole, and 16 keys past p_first (only the causal test applies): W + 16
+    keys for the block's W + TOKENS - 1, where aligned key blocks of 32 visit 160 at W 128 and 8
+    tokens in five loop iterations, each paying for its rescale, loads and barriers. CLAMPED (the
+    caller's test: the window's first key, p_first - W + 1, would be negative, near a sequence's
+    start): the three start at key 0 and every product takes every mask."""
+    TAIL: tl.constexpr = 16
+    lo = tl.maximum(p_first - window + 1, 0)
+    k_edge = _window_rows(k_base, stride_kn, lo, seqlen_k, HALF, HEAD_DIM, BLOCK_D)
+    k_mid = _window_rows(k_base, stride_kn, lo + HALF, seqlen_k, HALF, HEAD_DIM, BLOCK_D)
+    k_tail = _window_rows(k_base, stride_kn, lo + 2 * HALF, seqlen_k, TAIL, HEAD_DIM, BLOCK_D)
+    v_edge = _window_rows(v_base, stride_vn, lo, seqlen_k, HALF, HEAD_DIM, BLOCK_D)
+    v_mid = _window_rows(v_base, stride_vn, lo + HALF, seqlen_k, HALF, HEAD_DIM, BLOCK_D)
+    v_tail = _window_rows(v_base, stride_vn, lo + 2 * HALF, seqlen_k, TAIL, HEAD_DIM, BLOCK_D)
+    s_edge = _window_scores(q, k_edge, lo, pos_m, seqlen_k, window, qk_scale, HALF, 1, CLAMPED, IS_CAUSAL, HAS_WINDOW,
+                            POSITIVE_SCALE)
+    s_mid = _window_scores(q, k_mid, lo + HALF, pos_m, seqlen_k, window, qk_scale, HALF, 0, CLAMPED, IS_CAUSAL,
+                           HAS_WINDOW, POSITIVE_SCALE)
+    s_tail = _window_scores(q, k_tail, lo + 2 * HALF, pos_m, seqlen_k, window, qk_scale, TAIL, 2, CLAMPED, IS_CAUSAL,
+                            HAS_WINDOW, POSITIVE_SCALE)
+    # The two halves share a shape: one cross-thread reduction for both (each costs shuffles).
+    row_max = tl.maximum(tl.max(tl.maximum(s_edge, s_mid), 1), tl.max(s_tail, 1))
+    if POSITIVE_SCALE:
+        row_max = row_max * qk_scale
+        shift = qk_scale
+    else:
+        shift = 1.0
+    # The lowest finite float, not -inf, for a row with no allowed key: exp2 then gives 0, not NaN.
+    m = tl.maximum(row_max, FLOAT32_LOWEST)
+    p_edge = tl.math.exp2(s_edge * shift - m[:, None])
+    p_mid = tl.math.exp2(s_mid * shift - m[:, None])
+    p_tail = tl.math.exp2(s_tail * shift - m[:, None])
+    l_i = tl.sum(p_edge + p_mid, 1) + tl.sum(p_tail, 1)
+    acc = tl.dot(p_edge.to(v_edge.dtype), v_edge)
+    acc = tl.dot(p_mid.to(v_mid.dtype), v_mid, acc)
+    acc = tl.dot(p_tail.to(v_tail.dtype), v_tail, acc)
+    return acc, l_i, m
+
+
 def _attention_fwd_block_body(q_base, k_base, v_base, o_base, lse_base, start_m, seqlen_q, seqlen_k, window,
                               qk_scale, sink_base, stride_qm, stride_qh, stride_kn, stride_vn, stride_om, stride_oh,
                               stride_lh,
                               IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
                               RETURN_LSE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEADS: tl.constexpr,
-                              KEY_LOOPS: tl.constexpr, POSITIVE_SCALE: tl.constexpr):
+                              KEY_LOOPS: tl.constexpr, WINDOW_HALF: tl.constexpr, POSITIVE_SCALE: tl.constexpr):
     """Query block `start_m` of one (sequence, HEADS query heads of one kv head): out rows (and lse)
     from its key blocks, in three loops (KEY_LOOPS 3: masked leading edge, unmasked middle, masked
-    diagonal and tail) or in one loop (KEY_LOOPS 1: a short window spans a few key blocks, and each
+    diagonal and tail), in one loop (KEY_LOOPS 1: a short window spans a few key blocks, and each
     loop pays its own pipeline prologue: one loop of five blocks may beat three of one to three) that
-    branches per block around the score mask, which only its edge blocks apply).
+    branches per block around the score mask, which only its edge blocks apply, or without a loop
+    (KEY_LOOPS 2, a window of 2 * WINDOW_HALF keys: `_attention_fwd_window`).
     Row r is token start_m * (BLOCK_M // HEADS) + r // HEADS of head r % HEADS (counted from the
     bases' head), so with HEADS > 1 each K/V tile serves the GQA group's heads at once and the block
     spans BLOCK_M // HEADS tokens: a window's key range overhangs a block's rows by less. With
@@ -259,7 +340,19 @@ def _attention_fwd_block_body(q_base, k_base, v_base, o_base, lse_base, start_m,
     m_i = tl.full([BLOCK_M], FLOAT32_LOWEST, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    if KEY_LOOPS == 1:
+    if KEY_LOOPS == 2:
+        p_first = seqlen_k - seqlen_q + m0
+        # Two copies with their masks fixed at compile time: a run-time mask switch per product cost
+        # 14 registers (110 against 96 on sm_90, 4 CTAs per SM instead of 5).
+        if p_first - window + 1 < 0:
+            acc, l_i, m_i = _attention_fwd_window(q, k_base, v_base, stride_kn, stride_vn, p_first, pos_m, seqlen_k,
+                                                  window, qk_scale, WINDOW_HALF, True, IS_CAUSAL, HAS_WINDOW,
+                                                  HEAD_DIM, BLOCK_D, POSITIVE_SCALE)
+        else:
+            acc, l_i, m_i = _attention_fwd_window(q, k_base, v_base, stride_kn, stride_vn, p_first, pos_m, seqlen_k,
+                                                  window, qk_scale, WINDOW_HALF, False, IS_CAUSAL, HAS_WINDOW,
+                                                  HEAD_DIM, BLOCK_D, POSITIVE_SCALE)
+    elif KEY_LOOPS == 1:
         acc, l_i, m_i = _attention_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, lo, hi,
                                              mid_lo, mid_hi, pos_m, seqlen_k, window, qk_scale, True, True,
                                              IS_CAUSAL, HAS_WINDOW, HEAD_DIM, BLOCK_N, BLOCK_D, POSITIVE_SCALE)
@@ -276,21 +369,23 @@ def _attention_fwd_block_body(q_base, k_base, v_base, o_base, lse_base, start_m,
                                              IS_CAUSAL, HAS_WINDOW, HEAD_DIM, BLOCK_N, BLOCK_D, POSITIVE_SCALE)
 
     empty = l_i == 0.0
-    lse2 = m_i + tl.math.log2(tl.where(empty, 1.0, l_i))  # log2 units
-    scale = 1.0 / tl.where(empty, 1.0, l_i)
+    denominator = tl.where(empty, 1.0, l_i)
     if HAS_SINKS:
         if HEADS == 1:
             sink = tl.load(sink_base) * LOG2E
         else:
             sink = tl.load(sink_base + head_r) * LOG2E  # each row's head
-        # sigmoid(lse - sink), the sink's share taken out, in log2 units.
-        scale = scale / (1.0 + tl.math.exp2(sink - tl.where(empty, 0.0, lse2)))
-    out = acc * tl.where(empty, 0.0, scale)[:, None]  # a row with no key: 0 whatever the sink
+        # The sink joins the softmax's denominator at the row's shift m: out_nosink * sigmoid(lse - sink)
+        # without a logarithm (exact for sinks of +-inf: the term is inf or 0). A window CTA is short, so
+        # its epilogue counts: this took two log2 and a division per row out of it when lse is not kept.
+        denominator += tl.math.exp2(sink - tl.where(empty, 0.0, m_i))
+    out = acc * tl.where(empty, 0.0, 1.0 / denominator)[:, None]  # a row with no key: 0 whatever the sink
     o_rows = (rows // HEADS) * stride_om + head_r * stride_oh
     tl.store(o_base + m0.to(tl.int64) * stride_om + o_rows[:, None] + offs_d[None, :], out.to(o_base.dtype.element_ty),
              mask=tile_ok)
     if RETURN_LSE:
-        tl.store(lse_base + head_r * stride_lh + offs_m, tl.where(empty, float("inf"), lse2 * LN2), mask=row_ok)
+        lse = (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * LN2
+        tl.store(lse_base + head_r * stride_lh + offs_m, tl.where(empty, float("inf"), lse), mask=row_ok)
 
 
 _attention_fwd_block = triton.jit(_attention_fwd_block_body)
@@ -312,7 +407,7 @@ def _attention_fwd_kernel(
         GROUP: tl.constexpr, IS_VARLEN: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
         HAS_SINKS: tl.constexpr, RETURN_LSE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEADS: tl.constexpr, KEY_LOOPS: tl.constexpr,
-        POSITIVE_SCALE: tl.constexpr):
+        WINDOW_HALF: tl.constexpr, POSITIVE_SCALE: tl.constexpr):
     """One program: BLOCK_M rows of one sequence (grid: query blocks, h_q // HEADS, batch): BLOCK_M
     queries of one query head (HEADS = 1), or BLOCK_M // HEADS queries of HEADS consecutive query
     heads of one kv head (HEADS divides GROUP; the rows are token-major, heads minor).
@@ -348,7 +443,7 @@ def _attention_fwd_kernel(
                                         seqlen_q, seqlen_k, window, qk_scale, sink_base, stride_qm, stride_qh,
                                         stride_kn, stride_vn, stride_om, stride_oh, stride_lh, IS_CAUSAL, HAS_WINDOW,
                                         HAS_SINKS, RETURN_LSE, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, HEADS,
-                                        KEY_LOOPS, POSITIVE_SCALE)
+                                        KEY_LOOPS, WINDOW_HALF, POSITIVE_SCALE)
     else:
         q_base = Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh
         o_base = Out + off_b.to(tl.int64) * stride_ob + off_h.to(tl.int64) * stride_oh
@@ -362,7 +457,7 @@ def _attention_fwd_kernel(
         _attention_fwd_block(q_base, k_base, v_base, o_base, lse_base, start_m, rows_q, rows_k, window,
                              qk_scale, sink_base, stride_qm, stride_qh, stride_kn, stride_vn, stride_om, stride_oh,
                              stride_lh, IS_CAUSAL, HAS_WINDOW, HAS_SINKS, RETURN_LSE, HEAD_DIM, BLOCK_D, BLOCK_M,
-                             BLOCK_N, HEADS, KEY_LOOPS, POSITIVE_SCALE)
+                             BLOCK_N, HEADS, KEY_LOOPS, WINDOW_HALF, POSITIVE_SCALE)
 
 
 # ----------------------------------------------------------------------------- backward
@@ -737,15 +832,34 @@ def tile_blocks(blocks: Mapping[str, int]) -> dict[str, int]:
 
 def key_loops(config: LaunchConfig) -> int:
     """The forward's KEY_LOOPS: 3 (masked edges and an unmasked middle) unless the config says 1 (one
-    loop, the score mask applied on its edge blocks only); configs of spaces without the block (older
-    tables, other ops' window roles) take 3."""
+    loop, the score mask applied on its edge blocks only) or 2 (no loop: a short window's two halves
+    and its diagonal as three products, see `window_reason`); configs of spaces without the block
+    (older tables, other ops' window roles) take 3."""
     return config.blocks.get("KEY_LOOPS", 3)
 
 
+def window_reason(window: int | None, tokens: int) -> str | None:
+    """Why KEY_LOOPS 2 (no loop: a causal window's two halves and its diagonal in three products) cannot
+    run a window of `window` keys over blocks of `tokens` tokens (None when it can): the window must be
+    a power of two from 32 to 128 (its halves are products of their own; 256 would hold 136 scores a
+    thread) and the block's tokens at most 16 (its diagonal is one 16-key product)."""
+    if window is None or window not in (32, 64, 128):
+        return f"KEY_LOOPS=2 needs a window of 32, 64 or 128 keys, got {window}"
+    if tokens > 16:
+        return f"KEY_LOOPS=2 needs at most 16 tokens per block (BLOCK_M // HEADS), got {tokens}"
+    return None
+
+
 def one_loop_only_for_windows(config: LaunchConfig, key: Mapping) -> bool:
-    """Keep: KEY_LOOPS 1 only for windowed keys; without a window the middle blocks of a long causal
-    or full row are unmasked, which the three-loop form exploits."""
-    return key_loops(config) == 3 or key.get("window") is not None
+    """Keep: KEY_LOOPS 1 only for windowed keys, 2 where `window_reason` allows it; without a window the
+    middle blocks of a long causal or full row are unmasked, which the three-loop form exploits."""
+    loops = key_loops(config)
+    if loops == 2:
+        # No loop: neither the key tile nor a pipeline's depth plays a part, so one value of each stays.
+        tokens = config.blocks["BLOCK_M"] // config.blocks.get("HEADS", 1)
+        return window_reason(key.get("window"), tokens) is None and config.blocks["BLOCK_N"] == 32 and \
+            config.num_stages <= 2
+    return loops == 3 or key.get("window") is not None
 
 
 def packing_reason(blocks: Mapping[str, int], key: Mapping) -> str | None:
@@ -787,6 +901,10 @@ def attention_forward(args: Mapping, config: LaunchConfig, keep_lse: bool, launc
     cu_q, cu_k = (args["cu_seqlens_q"], args["cu_seqlens_k"]) if varlen else (q, q)  # q: unused placeholder
     block_m, block_n = config.blocks["BLOCK_M"], config.blocks["BLOCK_N"]
     heads = packed_heads(config, h_q // h_kv)
+    loops = key_loops(config)
+    if loops == 2 and window_reason(window if masks["HAS_WINDOW"] and masks["IS_CAUSAL"] else None,
+                                    block_m // heads) is not None:
+        loops = 1  # a config carried over from another key, or a window capped at the sequence's length
     launch(
         _attention_fwd_kernel, (cdiv(span_q, block_m // heads), h_q // heads, batch),
         q, k, v, sinks, out, lse if lse is not None else out, cu_q, cu_k,
@@ -794,8 +912,8 @@ def attention_forward(args: Mapping, config: LaunchConfig, keep_lse: bool, launc
         *_strides(q, varlen), *_strides(k, varlen), *_strides(v, varlen), *_strides(out, varlen),
         *(_lse_strides(lse, varlen) if lse is not None else (0, 0)),
         GROUP=h_q // h_kv, IS_VARLEN=varlen, HAS_SINKS=sinks is not None, RETURN_LSE=lse is not None, HEAD_DIM=d,
-        BLOCK_D=dot_block(d), BLOCK_M=block_m, BLOCK_N=block_n, HEADS=heads, KEY_LOOPS=key_loops(config),
-        POSITIVE_SCALE=args["sm_scale"] > 0, **masks, **config.knobs())
+        BLOCK_D=dot_block(d), BLOCK_M=block_m, BLOCK_N=block_n, HEADS=heads, KEY_LOOPS=loops,
+        WINDOW_HALF=window // 2 if loops == 2 else 0, POSITIVE_SCALE=args["sm_scale"] > 0, **masks, **config.knobs())
     return out, lse
 
 
@@ -958,6 +1076,7 @@ def attention_compile_specs(key: dict, config: CallConfig, roles: tuple[str, ...
                           "HAS_WINDOW": key["window"] is not None, "HAS_SINKS": bool(key.get("sinks", False)),
                           "RETURN_LSE": True, "HEAD_DIM": int(key["d"]), "BLOCK_D": dot_block(key["d"]), **blocks,
                           "HEADS": packed_heads(config[role], group), "KEY_LOOPS": key_loops(config[role]),
+                          "WINDOW_HALF": (key["window"] or 0) // 2 if key_loops(config[role]) == 2 else 0,
                           "POSITIVE_SCALE": True}
             constexprs = {name: value for name, value in constexprs.items() if name in fn.arg_names}
             pointers = {name: f"*{elem}" for name in _ELEMENT_POINTERS}

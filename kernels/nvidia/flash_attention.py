@@ -55,8 +55,9 @@ class AttentionNvidia:
     spaces = {
         "fwd": ConfigSpace(
             # HEADS: query heads of one kv head per program, packed along the rows (BLOCK_M // HEADS
-            # tokens each); it must divide the GQA group. KEY_LOOPS: 3 loops over the key blocks, or 1.
-            blocks={"BLOCK_M": (64, 128), "BLOCK_N": (32, 64, 128), "HEADS": (1, 2, 4, 8, 16), "KEY_LOOPS": (3, 1)},
+            # tokens each); it must divide the GQA group. KEY_LOOPS: 3 loops over the key blocks, 1, or
+            # 2: no loop (short windows, see kernels/common/attention.py).
+            blocks={"BLOCK_M": (64, 128), "BLOCK_N": (32, 64, 128), "HEADS": (1, 2, 4, 8, 16), "KEY_LOOPS": (3, 1, 2)},
             knobs={"num_warps": (4, 8), "num_stages": (2, 3, 4, 5)},
             keep=forward_tiles,
             defaults={"*": {"BLOCK_M": 128, "BLOCK_N": 64, "HEADS": 1, "KEY_LOOPS": 3, "num_warps": 8,
