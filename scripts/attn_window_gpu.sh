@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The window forward without a loop (KEY_LOOPS 2) on one NVIDIA H100/H200, in about 7 minutes: (a) the
+# attention GPU tests, (b) a sweep of the forward role's KEY_LOOPS 2 configs at the two gpt-oss window
+# keys (b1 h64/8 d64, window 128, s 8192 and 32768) into $OUT/window.db (tables exported to
+# $OUT/tables), (c) benchmarks.attention's rows for those shapes (ours vs Flex + sink rescale, forward
+# and forward+backward) with that database in front of the shipped tables.
+#   scripts/attn_window_gpu.sh            (writes under $OUT, else ./.gpu-out)
+# Without network: carry .whl/ (scripts/fetch_wheels.sh) and the wheels are installed by on_device.sh.
+set -euo pipefail
+source "$(dirname "$0")/gpu_common.sh"
+export KREG_TUNING_DB="sqlite:///$OUT/window.db"
+
+# (a) GPU tests (bf16; conftest leaves TRITON_INTERPRET unset when a GPU is present), two processes.
+timeout 240 python3 -m pytest -q -x -p no:cacheprovider tests/test_attention_kernel.py > "$OUT/test_attention_kernel.log" 2>&1 &
+kernel_tests=$!
+timeout 240 python3 -m pytest -q -x -p no:cacheprovider tests/test_conformance.py -k attention > "$OUT/test_conformance.log" 2>&1 &
+conformance_tests=$!
+report test_attention_kernel $kernel_tests "$OUT/test_attention_kernel.log"
+report "test_conformance -k attention" $conformance_tests "$OUT/test_conformance.log"
+
+# (b) Forward only; the backward roles keep the shipped entries' configs.
+timeout 200 python3 -m tuning.sweep --device auto --op sink_attention --variant sink_attention_flash \
+    --shapes full:1,2 --roles fwd --filter KEY_LOOPS=2 --export "$OUT/tables" --no-progress 2>&1 \
+    | tee "$OUT/sweep.log" | tail -n 12 || true
+
+# (c) The benchmark's rows for the window shapes, through the registry (the database above first).
+timeout 200 python3 - <<'PY' 2>&1 | grep -v "Warning\|_warn_once"
+import torch
+
+from benchmarks.attention import SINK, _bench_shape
+
+for index in (1, 2):
+    for m in _bench_shape(SINK, SINK.presets["full"][index], torch.bfloat16):
+        err = "-" if m.rel_err is None else f"{m.rel_err:.1e}"
+        print(f"{m.op:24} {m.shape:40} {m.provider:18} {m.median_ms:8.4f} ms  rel err {err}", flush=True)
+PY
