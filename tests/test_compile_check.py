@@ -202,3 +202,19 @@ def test_attention_window_of_one_compiles(tmp_path):
         rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
         assert len(rows) == 4, proc.stderr[-3000:]
         assert all(row["fits"] for row in rows), (target, rows)
+
+
+def test_attention_window_without_a_loop_fits_every_target():
+    """KEY_LOOPS 2 (a window of 128 keys without a loop) at the gpt-oss window key, 8 and 16 tokens a
+    block: no spills, shared memory/LDS within budget on sm_90, gfx942 and gfx950, padded and varlen."""
+    key = {"causal": True, "d": 64, "dtype": "bf16", "h_kv": 8, "h_q": 64, "s_k": 8192, "s_q": 8192, "sinks": True,
+           "window": 128}
+    for vendor, targets, knobs in (("nvidia", "h200", {"num_stages": 2}),
+                                   ("amd", "mi300x,mi355x", {"num_stages": 1, "waves_per_eu": 2})):
+        configs = [_fwd(blocks={"BLOCK_M": 64, "BLOCK_N": 32, "HEADS": heads, "KEY_LOOPS": 2}, num_warps=4, **knobs)
+                   for heads in (8, 4)]
+        config_args = [arg for config in configs for arg in ("--config-json", config.to_json())]
+        rc, rows = _compile_check("--variant", "sink_attention_flash", "--vendor", vendor, "--target", targets,
+                                  "--key-json", json.dumps(key), *config_args, "--roles", "fwd")
+        assert rc == 0 and len(rows) == 4 * len(targets.split(",")), rows
+        assert all(row["fits"] and row["spills"] == 0 for row in rows), rows
