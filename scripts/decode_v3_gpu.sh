@@ -13,12 +13,9 @@ BENCH_S=${BENCH_S:-130}
 DB="sqlite:///$OUT/decode.db"
 
 # (a) GPU tests (bf16; conftest leaves TRITON_INTERPRET unset when a GPU is present), two processes.
-timeout 200 python3 -m pytest -q -x -p no:cacheprovider tests/test_decode_kernel.py > "$OUT/test_decode_kernel.log" 2>&1 &
-kernel_tests=$!
-timeout 200 python3 -m pytest -q -x -p no:cacheprovider tests/test_conformance.py -k decode > "$OUT/test_conformance.log" 2>&1 &
-conformance_tests=$!
-report test_decode_kernel $kernel_tests "$OUT/test_decode_kernel.log"
-report "test_conformance -k decode" $conformance_tests "$OUT/test_conformance.log"
+background_tests test_decode_kernel 200 tests/test_decode_kernel.py
+background_tests test_conformance 200 tests/test_conformance.py -k decode
+report_tests
 
 # (b) The split role only, at targets 6, 7 (b32 h32/8 d128 n8192 contiguous, paged 16), 0, 1 (b8 h64/8
 # d64 n32768) and 3, 4 (b1 n131072), three stages: first WAVES 2 (every KV_HEADS x BLOCK_N x num_warps

@@ -850,6 +850,19 @@ def window_reason(window: int | None, tokens: int) -> str | None:
     return None
 
 
+def forward_loops(config: LaunchConfig, window: int | None, tokens: int) -> tuple[int, int]:
+    """(KEY_LOOPS, WINDOW_HALF) the forward runs a config with, for a causal window of `window` keys (None
+    without one) over blocks of `tokens` tokens: KEY_LOOPS 2 where `window_reason` allows it (a config
+    carried over from another key, or a window capped at the sequence's length, runs as one loop),
+    WINDOW_HALF 0 unless it is 2. The launcher and the offline compile specs both ask here."""
+    loops = key_loops(config)
+    if loops != 2:
+        return loops, 0
+    if window_reason(window, tokens) is not None:
+        return 1, 0
+    return 2, window // 2
+
+
 def one_loop_only_for_windows(config: LaunchConfig, key: Mapping) -> bool:
     """Keep: KEY_LOOPS 1 only for windowed keys, 2 where `window_reason` allows it; without a window the
     middle blocks of a long causal or full row are unmasked, which the three-loop form exploits."""
@@ -901,10 +914,8 @@ def attention_forward(args: Mapping, config: LaunchConfig, keep_lse: bool, launc
     cu_q, cu_k = (args["cu_seqlens_q"], args["cu_seqlens_k"]) if varlen else (q, q)  # q: unused placeholder
     block_m, block_n = config.blocks["BLOCK_M"], config.blocks["BLOCK_N"]
     heads = packed_heads(config, h_q // h_kv)
-    loops = key_loops(config)
-    if loops == 2 and window_reason(window if masks["HAS_WINDOW"] and masks["IS_CAUSAL"] else None,
-                                    block_m // heads) is not None:
-        loops = 1  # a config carried over from another key, or a window capped at the sequence's length
+    loops, half = forward_loops(config, window if masks["HAS_WINDOW"] and masks["IS_CAUSAL"] else None,
+                                block_m // heads)
     launch(
         _attention_fwd_kernel, (cdiv(span_q, block_m // heads), h_q // heads, batch),
         q, k, v, sinks, out, lse if lse is not None else out, cu_q, cu_k,
@@ -913,7 +924,7 @@ def attention_forward(args: Mapping, config: LaunchConfig, keep_lse: bool, launc
         *(_lse_strides(lse, varlen) if lse is not None else (0, 0)),
         GROUP=h_q // h_kv, IS_VARLEN=varlen, HAS_SINKS=sinks is not None, RETURN_LSE=lse is not None, HEAD_DIM=d,
         BLOCK_D=dot_block(d), BLOCK_M=block_m, BLOCK_N=block_n, HEADS=heads, KEY_LOOPS=loops,
-        WINDOW_HALF=window // 2 if loops == 2 else 0, POSITIVE_SCALE=args["sm_scale"] > 0, **masks, **config.knobs())
+        WINDOW_HALF=half, POSITIVE_SCALE=args["sm_scale"] > 0, **masks, **config.knobs())
     return out, lse
 
 
@@ -1071,13 +1082,14 @@ def attention_compile_specs(key: dict, config: CallConfig, roles: tuple[str, ...
     for role in roles:
         fn = _ROLE_KERNELS[role]
         blocks = config[role].blocks
+        heads = packed_heads(config[role], group)
+        loops, half = forward_loops(config[role], key["window"] if key["causal"] else None,
+                                    blocks.get("BLOCK_M", 1) // heads)
         for varlen in ((False,) if role == "bwd_pre" else (False, True)):
             constexprs = {"GROUP": group, "IS_VARLEN": varlen, "IS_CAUSAL": bool(key["causal"]),
                           "HAS_WINDOW": key["window"] is not None, "HAS_SINKS": bool(key.get("sinks", False)),
                           "RETURN_LSE": True, "HEAD_DIM": int(key["d"]), "BLOCK_D": dot_block(key["d"]), **blocks,
-                          "HEADS": packed_heads(config[role], group), "KEY_LOOPS": key_loops(config[role]),
-                          "WINDOW_HALF": (key["window"] or 0) // 2 if key_loops(config[role]) == 2 else 0,
-                          "POSITIVE_SCALE": True}
+                          "HEADS": heads, "KEY_LOOPS": loops, "WINDOW_HALF": half, "POSITIVE_SCALE": True}
             constexprs = {name: value for name, value in constexprs.items() if name in fn.arg_names}
             pointers = {name: f"*{elem}" for name in _ELEMENT_POINTERS}
             pointers.update({name: "*fp32" for name in _FP32_POINTERS})
