@@ -1,0 +1,237 @@
+"""The attention family's short-window forward (KEY_LOOPS 2 of kernels/common/attention.py) as a Gluon
+kernel for Hopper whose K/V tiles arrive by TMA: the tiled kernel's no-loop form, without its global
+loads staged through registers.
+
+Why: a window-128 CTA of the tiled kernel lives for three products and spends most of its time
+waiting on its own loads (ncu on an H100, benchmarks/NOTES.md session 15: long-scoreboard stalls, the
+L1/TEX unit 76% busy moving 44 KB per CTA from LDG registers into shared memory). Here one thread
+issues every copy of the CTA at its start (Q and the three K pieces on one mbarrier, the three V
+pieces on another), the copies land in shared memory where the tensor cores read them, and the
+registers that held K/V in flight are gone.
+
+What a program does is `_attention_fwd_window`'s: TOKENS (<= 16) tokens of HEADS query heads of one
+kv head (token-major rows), the causal window of 2 * HALF keys as its edge half (window test), the
+half every row sees (no test) and the 16 keys past the block's first position (causal test); one
+softmax, no rescaling. Near a sequence's start (the window's first key below 0) the three pieces
+start at key 0 and take every mask, as the tiled kernel's clamped copy does. Rows and keys past a
+sequence come back from TMA as zeros and rows past s_q are dropped by the TMA store, so the kernel
+serves padded [b, s, h, d] calls only; `window_tma_served` says which (the caller runs the tiled
+kernel otherwise). Semantics: `registry.ops.sink_attention.reference`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from kernels.common.launch import triton_launch
+from kernels.nvidia.attention_tma import LOG2E, tma_addressable
+
+LN2 = gl.constexpr(0.6931471805599453)
+FLOAT32_LOWEST = gl.constexpr(-3.4028234663852886e38)
+TAIL = gl.constexpr(16)  # keys of the diagonal piece: the block's tokens fit one 16-key product
+
+
+@gluon.jit
+def _scores(q, k_smem, start, pos, window, WIDTH: gl.constexpr, TEST: gl.constexpr, ROWS: gl.constexpr,
+            HEAD_DIM: gl.constexpr, NUM_WARPS: gl.constexpr):
+    """Raw Q K^T of keys [start, start + WIDTH) (issued async; waited for here), -inf where not
+    allowed: TEST 1 the window's first key (key >= pos - W + 1), 2 the diagonal (key <= pos), 3 both
+    and key >= 0 (near a sequence's start), 0 none."""
+    layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
+                                                     instr_shape=[16, WIDTH, 16])
+    k = k_smem.reshape([WIDTH, HEAD_DIM])
+    s = warpgroup_mma(q, k.permute((1, 0)), gl.zeros([ROWS, WIDTH], gl.float32, layout), use_acc=False,
+                      is_async=True)
+    s = warpgroup_mma_wait(0, deps=(s,))
+    rel = gl.convert_layout(pos, gl.SliceLayout(1, layout)) - start  # each row's position from `start`
+    cols = gl.arange(0, WIDTH, layout=gl.SliceLayout(0, layout))
+    if TEST == 1:
+        s = gl.where(cols[None, :] >= (rel - window + 1)[:, None], s, float("-inf"))
+    elif TEST == 2:
+        s = gl.where(cols[None, :] <= rel[:, None], s, float("-inf"))
+    elif TEST == 3:
+        # start >= 0 here, so 0 <= rel - col < W also keeps out keys below 0 and past the row.
+        allowed = (rel[:, None] - cols[None, :]).to(gl.uint32, bitcast=True) < window.to(gl.uint32)
+        s = gl.where(allowed, s, float("-inf"))
+    return s
+
+
+@gluon.jit
+def _window(q, k_edge, k_mid, k_tail, v_edge, v_mid, v_tail, v_bar, lo, pos, window, qk_scale,
+            CLAMPED: gl.constexpr, HALF: gl.constexpr, ROWS: gl.constexpr, HEAD_DIM: gl.constexpr,
+            NUM_WARPS: gl.constexpr):
+    """(acc, l, m) of the block over its three key pieces, from key `lo` (m in log2 units, scaled)."""
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
+                                                       instr_shape=[16, HEAD_DIM, 16])
+    p_operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    rows: gl.constexpr = gl.SliceLayout(1, o_layout)
+    if CLAMPED:
+        s_edge = _scores(q, k_edge, lo, pos, window, HALF, 3, ROWS, HEAD_DIM, NUM_WARPS)
+        s_mid = _scores(q, k_mid, lo + HALF, pos, window, HALF, 3, ROWS, HEAD_DIM, NUM_WARPS)
+        s_tail = _scores(q, k_tail, lo + 2 * HALF, pos, window, TAIL, 3, ROWS, HEAD_DIM, NUM_WARPS)
+    else:
+        s_edge = _scores(q, k_edge, lo, pos, window, HALF, 1, ROWS, HEAD_DIM, NUM_WARPS)
+        s_mid = _scores(q, k_mid, lo + HALF, pos, window, HALF, 0, ROWS, HEAD_DIM, NUM_WARPS)
+        s_tail = _scores(q, k_tail, lo + 2 * HALF, pos, window, TAIL, 2, ROWS, HEAD_DIM, NUM_WARPS)
+    half_rows: gl.constexpr = gl.SliceLayout(1, s_edge.type.layout)
+    tail_rows: gl.constexpr = gl.SliceLayout(1, s_tail.type.layout)
+    # qk_scale > 0 (the launcher's condition): the maximum of raw scores, scaled once per row, and
+    # each score's shift one FMA.
+    row_max = gl.maximum(gl.max(gl.maximum(s_edge, s_mid), 1), gl.convert_layout(gl.max(s_tail, 1), half_rows))
+    # The lowest finite float, not -inf, for a row with no allowed key: exp2 then gives 0, not NaN.
+    m = gl.maximum(row_max * qk_scale, FLOAT32_LOWEST)
+    m_tail = gl.convert_layout(m, tail_rows)
+    mbarrier.wait(v_bar, 0)
+    # Each piece's P goes to the tensor cores as soon as it exists: its fp32 scores die there.
+    p = gl.exp2(s_edge * qk_scale - m[:, None])
+    l_i = gl.sum(p, 1)
+    acc = warpgroup_mma(gl.convert_layout(p.to(q.dtype), p_operand), v_edge.reshape([HALF, HEAD_DIM]),
+                        gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout), use_acc=False, is_async=True)
+    p = gl.exp2(s_mid * qk_scale - m[:, None])
+    l_i += gl.sum(p, 1)
+    acc = warpgroup_mma(gl.convert_layout(p.to(q.dtype), p_operand), v_mid.reshape([HALF, HEAD_DIM]), acc,
+                        is_async=True)
+    p = gl.exp2(s_tail * qk_scale - m_tail[:, None])
+    l_i += gl.convert_layout(gl.sum(p, 1), half_rows)
+    acc = warpgroup_mma(gl.convert_layout(p.to(q.dtype), p_operand), v_tail.reshape([TAIL, HEAD_DIM]), acc,
+                        is_async=True)
+    acc = warpgroup_mma_wait(0, deps=(acc,))
+    return acc, gl.convert_layout(l_i, rows), gl.convert_layout(m, rows)
+
+
+@gluon.jit
+def _attention_fwd_window_tma_kernel(
+        q_desc, k_desc, v_desc, kt_desc, vt_desc, o_desc, Sinks, Lse,
+        qk_scale, seqlen_q, seqlen_k, window, stride_lb, stride_lh,
+        GROUP: gl.constexpr, HAS_SINKS: gl.constexpr, RETURN_LSE: gl.constexpr, HEAD_DIM: gl.constexpr,
+        TOKENS: gl.constexpr, HEADS: gl.constexpr, HALF: gl.constexpr, NUM_WARPS: gl.constexpr):
+    """One program: TOKENS query tokens of HEADS consecutive query heads of one kv head (grid: token
+    blocks, h_q // HEADS, batch), rows token-major. Descriptors over [b, s, h, d]: q and out with
+    [1, TOKENS, HEADS, d] blocks, k and v with [1, HALF, 1, d], kt and vt (the diagonal piece) with
+    [1, 16, 1, d]. Writes out (and the natural-log lse without the sink, when RETURN_LSE); a row
+    with no allowed key gets out 0 and lse +inf."""
+    ROWS: gl.constexpr = TOKENS * HEADS
+    dtype: gl.constexpr = q_desc.dtype
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
+                                                       instr_shape=[16, HEAD_DIM, 16])
+    rows_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
+    m0 = gl.program_id(0) * TOKENS
+    off_h = gl.program_id(1) * HEADS
+    off_b = gl.program_id(2)
+    off_hk = off_h // GROUP
+    p_first = seqlen_k - seqlen_q + m0  # the block's first query position
+    start = p_first - window + 1
+    lo = gl.maximum(start, 0)
+
+    q_smem = gl.allocate_shared_memory(dtype, [1, TOKENS, HEADS, HEAD_DIM], q_desc.layout)
+    k_edge = gl.allocate_shared_memory(dtype, [1, HALF, 1, HEAD_DIM], k_desc.layout)
+    k_mid = gl.allocate_shared_memory(dtype, [1, HALF, 1, HEAD_DIM], k_desc.layout)
+    k_tail = gl.allocate_shared_memory(dtype, [1, TAIL, 1, HEAD_DIM], kt_desc.layout)
+    v_edge = gl.allocate_shared_memory(dtype, [1, HALF, 1, HEAD_DIM], v_desc.layout)
+    v_mid = gl.allocate_shared_memory(dtype, [1, HALF, 1, HEAD_DIM], v_desc.layout)
+    v_tail = gl.allocate_shared_memory(dtype, [1, TAIL, 1, HEAD_DIM], vt_desc.layout)
+    qk_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    v_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(qk_bar, count=1)
+    mbarrier.init(v_bar, count=1)
+    fence_async_shared()
+    # Every copy at once: Q and K on one barrier (the scores need both), V on its own (it is read
+    # after the softmax, so its bytes land under the score products).
+    mbarrier.expect(qk_bar, q_desc.block_type.nbytes + 2 * k_desc.block_type.nbytes + kt_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [off_b, m0, off_h, 0], qk_bar, q_smem)
+    tma.async_copy_global_to_shared(k_desc, [off_b, lo, off_hk, 0], qk_bar, k_edge)
+    tma.async_copy_global_to_shared(k_desc, [off_b, lo + HALF, off_hk, 0], qk_bar, k_mid)
+    tma.async_copy_global_to_shared(kt_desc, [off_b, lo + 2 * HALF, off_hk, 0], qk_bar, k_tail)
+    mbarrier.expect(v_bar, 2 * v_desc.block_type.nbytes + vt_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(v_desc, [off_b, lo, off_hk, 0], v_bar, v_edge)
+    tma.async_copy_global_to_shared(v_desc, [off_b, lo + HALF, off_hk, 0], v_bar, v_mid)
+    tma.async_copy_global_to_shared(vt_desc, [off_b, lo + 2 * HALF, off_hk, 0], v_bar, v_tail)
+
+    r = gl.arange(0, ROWS, layout=rows_layout)
+    pos = p_first + r // HEADS  # each row's query position
+    q = q_smem.reshape([ROWS, HEAD_DIM])
+    mbarrier.wait(qk_bar, 0)
+    if start < 0:
+        acc, l_i, m_i = _window(q, k_edge, k_mid, k_tail, v_edge, v_mid, v_tail, v_bar, lo, pos, window, qk_scale,
+                                True, HALF, ROWS, HEAD_DIM, NUM_WARPS)
+    else:
+        acc, l_i, m_i = _window(q, k_edge, k_mid, k_tail, v_edge, v_mid, v_tail, v_bar, lo, pos, window, qk_scale,
+                                False, HALF, ROWS, HEAD_DIM, NUM_WARPS)
+    mbarrier.invalidate(qk_bar)
+    mbarrier.invalidate(v_bar)
+
+    empty = l_i == 0.0
+    denominator = gl.where(empty, 1.0, l_i)
+    if HAS_SINKS:
+        sink = gl.load(Sinks + off_h + r % HEADS) * LOG2E
+        # out_nosink * sigmoid(lse - sink) without a logarithm, as the tiled kernel's epilogue.
+        denominator += gl.exp2(sink - gl.where(empty, 0.0, m_i))
+    out = acc * gl.where(empty, 0.0, 1.0 / denominator)[:, None]
+    # Q is dead (the score products were waited for): its buffer stages the tile for one TMA store,
+    # which drops rows past the sequence.
+    q.store(out.to(dtype))
+    fence_async_shared()
+    gl.thread_barrier()
+    tma.async_copy_shared_to_global(o_desc, [off_b, m0, off_h, 0], q_smem)
+    if RETURN_LSE:
+        tok = m0 + r // HEADS
+        lse = (m_i + gl.log2(gl.where(empty, 1.0, l_i))) * LN2
+        lse_ptr = Lse + off_b.to(gl.int64) * stride_lb + (off_h + r % HEADS).to(gl.int64) * stride_lh + tok
+        gl.store(lse_ptr, gl.where(empty, float("inf"), lse), mask=tok < seqlen_q)
+    tma.store_wait(0)
+
+
+# ----------------------------------------------------------------------------- launcher
+def _descriptor(t: torch.Tensor, rows: int, heads: int) -> TensorDescriptor:
+    """A TMA descriptor over a [b, s, h, d] tensor whose blocks are `rows` rows of `heads` heads."""
+    d = t.shape[-1]
+    elem = gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16
+    layout = gl.NVMMASharedLayout.get_default_for([1, rows, heads, d], elem)
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, rows, heads, d], layout)
+
+
+def window_tma_served(args: Mapping, window: int | None, tokens: int) -> bool:
+    """Whether this kernel takes a causal-window call: padded (not varlen) fp16/bf16 inputs at d 64 or
+    128 that TMA can address, a positive scale, a window the no-loop form covers (32, 64 or 128 keys)
+    and at most 16 tokens a block."""
+    q, k, v = args["q"], args["k"], args["v"]
+    return (args.get("cu_seqlens_q") is None and window in (32, 64, 128) and tokens <= 16 and q.shape[-1] in (64, 128)
+            and q.dtype in (torch.float16, torch.bfloat16) and float(args["sm_scale"]) > 0
+            and all(tma_addressable(t) for t in (q, k, v)))
+
+
+def window_tma_forward(args: Mapping, window: int, tokens: int, heads: int, num_warps: int, keep_lse: bool,
+                       launch: Callable[..., Any] = triton_launch) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Allocate out (and lse, when returned or kept) and run this kernel on a call `window_tma_served`
+    accepts: blocks of `tokens` tokens x `heads` query heads (tokens * heads = 16 * num_warps rows)."""
+    q, k, v = args["q"], args["k"], args["v"]
+    sinks = args.get("sinks")
+    batch, s_q, h_q, d = q.shape
+    s_k, h_kv = k.shape[1], k.shape[2]
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = None
+    if keep_lse or args["return_lse"]:
+        lse = torch.empty((batch, h_q, s_q), dtype=torch.float32, device=q.device)
+    half = window // 2
+    launch(
+        _attention_fwd_window_tma_kernel, (triton.cdiv(s_q, tokens), h_q // heads, batch),
+        _descriptor(q, tokens, heads), _descriptor(k, half, 1), _descriptor(v, half, 1), _descriptor(k, 16, 1),
+        _descriptor(v, 16, 1), _descriptor(out, tokens, heads), sinks, lse if lse is not None else out,
+        float(args["sm_scale"]) * LOG2E.value, s_q, s_k, window, *(lse.stride()[:2] if lse is not None else (0, 0)),
+        GROUP=h_q // h_kv, HAS_SINKS=sinks is not None, RETURN_LSE=lse is not None, HEAD_DIM=d, TOKENS=tokens,
+        HEADS=heads, HALF=half, NUM_WARPS=num_warps, num_warps=num_warps)
+    return out, lse
