@@ -518,7 +518,8 @@ def test_strided_inputs():
 @pytest.mark.parametrize("op", [F, S])
 def test_dispatch_by_name_and_fallbacks(op, no_gluon, monkeypatch):
     """Forced by name, a padded call runs these kernels (forward and backward); windowed calls go to the
-    tiled variant through dispatch; varlen calls, forced to this variant, run the tiled forward and
+    tiled variant (sink_attention's to its short-window one, tests/test_attention_window_tma.py) through
+    dispatch; varlen calls, forced to this variant, run the tiled forward and
     backward (the Gluon launchers refuse)."""
     import registry
 
@@ -526,7 +527,8 @@ def test_dispatch_by_name_and_fallbacks(op, no_gluon, monkeypatch):
     args = _make(op, 1, 257, 257, 8, 2, 64, sinks="random", causal=True)
     assert forced.choice(**args).variant.name == NAMES[op][0]
     windowed = _make(op, 1, 257, 257, 8, 2, 64, sinks="random", causal=True, window=32)
-    assert registry.get(op).choice(**windowed).variant.name == NAMES[op][1]
+    window_variant = "sink_attention_window_tma" if op == S else NAMES[op][1]
+    assert registry.get(op).choice(**windowed).variant.name == window_variant
     packed = _packed(op)
     assert forced.choice(**packed).variant.name == NAMES[op][0]
     assert_close(forced(**packed), OPS[op].reference(**packed), TOLERANCE[DTYPE])

@@ -34,10 +34,10 @@ def test_configs_compile_without_spills(variant, what):
     unfit = [(r["arch"], r["key"], r["config"], r["kernel"], r["reason"]) for r in rows if not r["fits"]]
     assert proc.returncode == 0 and not unfit, unfit or proc.stderr[-2000:]
     assert rows and all(r["spills"] == 0 for r in rows), proc.stderr[-2000:]
-    # Every role's kernel was compiled, for every target.
+    # Every role's kernel was compiled, for every target (and any kernel a variant hands calls to).
     kernels = {kernel.fn.__name__ for kernel in variant.kernels.values()}
     for arch in {r["arch"] for r in rows}:
-        assert {r["kernel"] for r in rows if r["arch"] == arch} == kernels
+        assert kernels <= {r["kernel"] for r in rows if r["arch"] == arch}
     assert len({r["arch"] for r in rows}) == len(TARGETS[variant.vendor].split(","))
 
 

@@ -37,8 +37,12 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from kernels.base import CompileSpec
+from kernels.common.attention import attention_compile_specs, attention_forward, window_reason
 from kernels.common.launch import triton_launch
 from kernels.nvidia.attention_tma import LOG2E, tma_addressable
+from tuning.space import ConfigSpace
+from tuning_db.records import CallConfig, LaunchConfig
 
 LN2 = gl.constexpr(0.6931471805599453)
 FLOAT32_LOWEST = gl.constexpr(-3.4028234663852886e38)
@@ -71,7 +75,7 @@ def _scores(q, k_smem, start, pos, window, WIDTH: gl.constexpr, TEST: gl.constex
 
 
 @gluon.jit
-def _window(q, k_edge, k_mid, k_tail, v_edge, v_mid, v_tail, v_bar, lo, pos, window, qk_scale,
+def _window_products(q, k_edge, k_mid, k_tail, v_edge, v_mid, v_tail, v_bar, lo, pos, window, qk_scale,
             CLAMPED: gl.constexpr, HALF: gl.constexpr, ROWS: gl.constexpr, HEAD_DIM: gl.constexpr,
             NUM_WARPS: gl.constexpr):
     """(acc, l, m) of the block over its three key pieces, from key `lo` (m in log2 units, scaled)."""
@@ -166,11 +170,11 @@ def _attention_fwd_window_tma_kernel(
     q = q_smem.reshape([ROWS, HEAD_DIM])
     mbarrier.wait(qk_bar, 0)
     if start < 0:
-        acc, l_i, m_i = _window(q, k_edge, k_mid, k_tail, v_edge, v_mid, v_tail, v_bar, lo, pos, window, qk_scale,
-                                True, HALF, ROWS, HEAD_DIM, NUM_WARPS)
+        acc, l_i, m_i = _window_products(q, k_edge, k_mid, k_tail, v_edge, v_mid, v_tail, v_bar, lo, pos, window,
+                                         qk_scale, True, HALF, ROWS, HEAD_DIM, NUM_WARPS)
     else:
-        acc, l_i, m_i = _window(q, k_edge, k_mid, k_tail, v_edge, v_mid, v_tail, v_bar, lo, pos, window, qk_scale,
-                                False, HALF, ROWS, HEAD_DIM, NUM_WARPS)
+        acc, l_i, m_i = _window_products(q, k_edge, k_mid, k_tail, v_edge, v_mid, v_tail, v_bar, lo, pos, window,
+                                         qk_scale, False, HALF, ROWS, HEAD_DIM, NUM_WARPS)
     mbarrier.invalidate(qk_bar)
     mbarrier.invalidate(v_bar)
 
@@ -204,20 +208,35 @@ def _descriptor(t: torch.Tensor, rows: int, heads: int) -> TensorDescriptor:
     return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, rows, heads, d], layout)
 
 
-def window_tma_served(args: Mapping, window: int | None, tokens: int) -> bool:
-    """Whether this kernel takes a causal-window call: padded (not varlen) fp16/bf16 inputs at d 64 or
-    128 that TMA can address, a positive scale, a window the no-loop form covers (32, 64 or 128 keys)
-    and at most 16 tokens a block."""
-    q, k, v = args["q"], args["k"], args["v"]
-    return (args.get("cu_seqlens_q") is None and window in (32, 64, 128) and tokens <= 16 and q.shape[-1] in (64, 128)
-            and q.dtype in (torch.float16, torch.bfloat16) and float(args["sm_scale"]) > 0
-            and all(tma_addressable(t) for t in (q, k, v)))
+def _capped_window(args: Mapping) -> int | None:
+    """The window the kernels run: the call's, capped at s_k (a longer one allows what causal allows),
+    None without a causal window."""
+    if args["window"] is None or not args["causal"]:
+        return None
+    return min(args["window"], args["k"].shape[-3])
 
 
-def window_tma_forward(args: Mapping, window: int, tokens: int, heads: int, num_warps: int, keep_lse: bool,
-                       launch: Callable[..., Any] = triton_launch) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Allocate out (and lse, when returned or kept) and run this kernel on a call `window_tma_served`
-    accepts: blocks of `tokens` tokens x `heads` query heads (tokens * heads = 16 * num_warps rows)."""
+def window_tma_served(args: Mapping, config: LaunchConfig) -> bool:
+    """Whether this kernel takes a call: padded (not varlen) inputs TMA can address, a positive scale,
+    and a causal window the no-loop form covers at the config's tokens per block (`window_reason`).
+    The dtype, head dim and GQA group are the tuning key's (`AttentionWindowTmaHopper.supports`)."""
+    return (args["cu_seqlens_q"] is None and float(args["sm_scale"]) > 0
+            and window_reason(_capped_window(args), config.blocks["TOKENS"]) is None
+            and all(tma_addressable(args[name]) for name in ("q", "k", "v")))
+
+
+def tiled_equivalent(config: LaunchConfig) -> LaunchConfig:
+    """The tiled forward's config of the same form (no loop, the same rows and head packing), which
+    runs the calls this kernel does not take."""
+    blocks = config.blocks
+    return LaunchConfig(blocks={"BLOCK_M": blocks["TOKENS"] * blocks["HEADS"], "BLOCK_N": 32, "HEADS": blocks["HEADS"],
+                                "KEY_LOOPS": 2}, num_warps=config.num_warps, num_stages=2)
+
+
+def window_tma_forward(args: Mapping, config: LaunchConfig, keep_lse: bool, launch: Callable[..., Any] = triton_launch
+                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Allocate out (and lse, when returned or kept for a backward) and run this kernel on a call
+    `window_tma_served` accepts. No tensor value is read on the host."""
     q, k, v = args["q"], args["k"], args["v"]
     sinks = args.get("sinks")
     batch, s_q, h_q, d = q.shape
@@ -226,12 +245,128 @@ def window_tma_forward(args: Mapping, window: int, tokens: int, heads: int, num_
     lse = None
     if keep_lse or args["return_lse"]:
         lse = torch.empty((batch, h_q, s_q), dtype=torch.float32, device=q.device)
-    half = window // 2
+    window = _capped_window(args)
+    tokens, heads, half = config.blocks["TOKENS"], config.blocks["HEADS"], window // 2
     launch(
         _attention_fwd_window_tma_kernel, (triton.cdiv(s_q, tokens), h_q // heads, batch),
-        _descriptor(q, tokens, heads), _descriptor(k, half, 1), _descriptor(v, half, 1), _descriptor(k, 16, 1),
-        _descriptor(v, 16, 1), _descriptor(out, tokens, heads), sinks, lse if lse is not None else out,
+        _descriptor(q, tokens, heads), _descriptor(k, half, 1), _descriptor(v, half, 1), _descriptor(k, TAIL.value, 1),
+        _descriptor(v, TAIL.value, 1), _descriptor(out, tokens, heads), sinks, lse if lse is not None else out,
         float(args["sm_scale"]) * LOG2E.value, s_q, s_k, window, *(lse.stride()[:2] if lse is not None else (0, 0)),
         GROUP=h_q // h_kv, HAS_SINKS=sinks is not None, RETURN_LSE=lse is not None, HEAD_DIM=d, TOKENS=tokens,
-        HEADS=heads, HALF=half, NUM_WARPS=num_warps, num_warps=num_warps)
+        HEADS=heads, HALF=half, NUM_WARPS=config.num_warps, num_warps=config.num_warps,
+        maxnreg=config.blocks["MAX_REGS"])
     return out, lse
+
+
+# ----------------------------------------------------------------------------- the variants
+HEAD_DIMS = (64, 128)
+
+
+def window_tiles(config: LaunchConfig, key: Mapping) -> bool:
+    """Keep: 16 rows a warp (a warpgroup's wgmma takes 64), HEADS dividing the GQA group."""
+    blocks = config.blocks
+    return blocks["TOKENS"] * blocks["HEADS"] == 16 * config.num_warps and \
+        (key["h_q"] // key["h_kv"]) % blocks["HEADS"] == 0
+
+
+# TOKENS: query tokens per program (<= 16: the diagonal piece is one 16-key product); HEADS: query
+# heads of one kv head packed along the rows (token-major); MAX_REGS: ptxas's register cap per thread
+# (`maxnreg`; 96 fits five 4-warp CTAs of d 64 per SM, the shared memory's limit too, where ptxas
+# alone takes ~101-104; d 128 needs more than 128 without spilling).
+WINDOW_SPACE = ConfigSpace(
+    blocks={"TOKENS": (8, 16), "HEADS": (4, 8, 16), "MAX_REGS": (96, 128, 168)},
+    knobs={"num_warps": (4, 8)},
+    keep=window_tiles,
+    defaults={"*": {"TOKENS": 8, "HEADS": 8, "MAX_REGS": 96, "num_warps": 4}},
+)
+
+
+def shared_bytes(config: LaunchConfig, key: Mapping, elem: int = 2) -> int:
+    """Shared memory of one program: Q (reused for out), K and V of 2 * HALF + 16 keys each, two barriers."""
+    rows = config.blocks["TOKENS"] * config.blocks["HEADS"]
+    return elem * key["d"] * (rows + 2 * (min(key["window"], key["s_k"]) + TAIL.value)) + 16
+
+
+class AttentionWindowTmaHopper:
+    """This kernel's variant logic, mixed in before a tiled NVIDIA variant (sink_attention registers
+    one, kernels/nvidia/sink_attention.py, setting `name` and `tiled`, that tiled variant's class; its
+    only users so far are gpt-oss's window-128 layers, so flash_attention keeps the tiled kernel). Roles, kernels and spaces are the tiled
+    variant's but for the forward (this kernel, WINDOW_SPACE); calls it does not take (varlen, inputs
+    TMA cannot address, a window capped below 32 keys) run the tiled forward with `tiled_equivalent`.
+
+    Hopper only; causal windows of 32, 64 or 128 keys, head dims 64 and 128, fp16/bf16, a GQA group
+    of at least 4 (a block is at most 16 tokens and a warpgroup's 64 rows). Priority above the tiled
+    variant: the default where it runs and no tuned entry names another."""
+
+    priority = 10
+    runs_in_interpreter = False
+    tiled: type
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.kernels = {**cls.tiled.kernels, "fwd": _attention_fwd_window_tma_kernel}
+        cls.spaces = {**cls.tiled.spaces, "fwd": WINDOW_SPACE}
+
+    def supports(self, key: dict, device) -> bool:
+        group = key["h_q"] // key["h_kv"]
+        return (device.arch == "sm_90" and key["dtype"] in ("fp16", "bf16") and key["d"] in HEAD_DIMS
+                and key["causal"] and key["window"] in (32, 64, 128) and group % 4 == 0)
+
+    def role_default(self, role: str, key: dict, device) -> LaunchConfig:
+        if role != "fwd":
+            return super().role_default(role, key, device)
+        heads = 8 if (key["h_q"] // key["h_kv"]) % 8 == 0 else 4
+        return WINDOW_SPACE.make({"TOKENS": 64 // heads, "HEADS": heads, "MAX_REGS": 96 if key["d"] <= 64 else 168,
+                                  "num_warps": 4})
+
+    def prune_reason(self, role: str, config: LaunchConfig, key: dict, device) -> str | None:
+        if role != "fwd":
+            return super().prune_reason(role, config, key, device)
+        if set(config.blocks) != set(WINDOW_SPACE.blocks):
+            return f"blocks must be {sorted(WINDOW_SPACE.blocks)}, got {sorted(config.blocks)}"
+        if not window_tiles(config, key):
+            return f"TOKENS * HEADS must be 16 * num_warps and HEADS divide the GQA group, got {config}"
+        need = shared_bytes(config, key)
+        if need > device.shared_mem_bytes:
+            return f"needs ~{need} B of shared memory (> {device.shared_mem_bytes} B)"
+        return None
+
+    def run_forward(self, args: Mapping, config: LaunchConfig, keep_lse: bool,
+                    launch: Callable[..., Any] = triton_launch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if window_tma_served(args, config):
+            return window_tma_forward(args, config, keep_lse, launch)
+        return attention_forward(args, tiled_equivalent(config), keep_lse, launch)
+
+    def compile_specs(self, key: dict, config: CallConfig, dtype: str = "bf16") -> list[CompileSpec]:
+        """This forward (lse on, the heavier), the tiled forward its handed-over calls run, and the
+        tiled backward roles."""
+        elem = key.get("dtype", dtype)
+        specs = []
+        if "fwd" in config:
+            specs.append(forward_compile_spec(key, config["fwd"], elem))
+            specs += attention_compile_specs(key, CallConfig({"fwd": tiled_equivalent(config["fwd"])}), ("fwd",), elem)
+        tiled = tuple(r for r in self.roles if r in config and r != "fwd")
+        return specs + attention_compile_specs(key, config, tiled, elem)
+
+
+def _descriptor_type(elem: str, rows: int, heads: int, head_dim: int) -> str:
+    """The JIT's signature type of a `_descriptor(t, rows, heads)` argument."""
+    element = gl.bfloat16 if elem == "bf16" else gl.float16
+    layout = gl.NVMMASharedLayout.get_default_for([1, rows, heads, head_dim], element)
+    return f"tensordesc<{elem}[1, {rows}, {heads}, {head_dim}],{layout!r}>"
+
+
+def forward_compile_spec(key: Mapping, config: LaunchConfig, elem: str) -> CompileSpec:
+    """This forward as a call with this key launches it (RETURN_LSE on)."""
+    d, tokens, heads = int(key["d"]), config.blocks["TOKENS"], config.blocks["HEADS"]
+    half = min(key["window"], key["s_k"]) // 2
+    constexprs = {"GROUP": int(key["h_q"]) // int(key["h_kv"]), "HAS_SINKS": bool(key.get("sinks", False)),
+                  "RETURN_LSE": True, "HEAD_DIM": d, "TOKENS": tokens, "HEADS": heads, "HALF": half,
+                  "NUM_WARPS": config.num_warps}
+    rows, keys, tail = (_descriptor_type(elem, tokens, heads, d), _descriptor_type(elem, half, 1, d),
+                        _descriptor_type(elem, TAIL.value, 1, d))
+    signature = {"q_desc": rows, "k_desc": keys, "v_desc": keys, "kt_desc": tail, "vt_desc": tail, "o_desc": rows,
+                 "Sinks": "*fp32", "Lse": "*fp32", "qk_scale": "fp32", "seqlen_q": "i32", "seqlen_k": "i32",
+                 "window": "i32", "stride_lb": "i32", "stride_lh": "i32"}
+    return CompileSpec("fwd", _attention_fwd_window_tma_kernel, signature, constexprs,
+                       {"num_warps": config.num_warps, "maxnreg": config.blocks["MAX_REGS"]})

@@ -1,11 +1,14 @@
 """sink_attention on NVIDIA Hopper: the attention kernel family (kernels/common/attention.py) with
 its sink switch on, and flash_attention's NVIDIA spaces and defaults (a sink is O(rows) work next to
 the O(rows * keys) of the products, so the best tiles are the same); `sink_attention_warpspec` swaps
-in the Hopper Gluon forward and dK/dV kernels (kernels/nvidia/attention_warpspec.py, attention_warpspec_bwd.py)."""
+in the Hopper Gluon forward and dK/dV kernels (kernels/nvidia/attention_warpspec.py, attention_warpspec_bwd.py),
+`sink_attention_window_tma` the Gluon short-window forward whose K/V arrive by TMA
+(kernels/nvidia/attention_window.py; gpt-oss's window-128 layers)."""
 
 from kernels.base import Variant
 from kernels.common.attention import AttentionTiledBase
 from kernels.nvidia.attention_warpspec import AttentionWarpSpecHopper
+from kernels.nvidia.attention_window import AttentionWindowTmaHopper
 from kernels.nvidia.flash_attention import AttentionNvidia
 from registry.catalog import register
 
@@ -19,4 +22,10 @@ class SinkAttentionFlashNvidia(AttentionNvidia, AttentionTiledBase, Variant):
 @register
 class SinkAttentionWarpSpecHopper(AttentionWarpSpecHopper, SinkAttentionFlashNvidia):
     name = "sink_attention_warpspec"
+    tiled = SinkAttentionFlashNvidia
+
+
+@register
+class SinkAttentionWindowTmaHopper(AttentionWindowTmaHopper, SinkAttentionFlashNvidia):
+    name = "sink_attention_window_tma"
     tiled = SinkAttentionFlashNvidia
