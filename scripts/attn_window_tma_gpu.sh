@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# sink_attention_window_tma (kernels/nvidia/attention_window.py) on one NVIDIA H100/H200, in two steps
+# of at most 10 minutes each:
+#   scripts/attn_window_tma_gpu.sh tests   the GPU tests that run it, and the probe (kernel against the
+#                                          tiled no-loop forward and Flex + sink rescale, no tables)
+#   scripts/attn_window_tma_gpu.sh sweep   its forward, then its dK/dV and dQ roles (4 warps, the tiled
+#                                          winners' count) at the gpt-oss window keys (b1 h64/8 d64,
+#                                          window 128, s 8192 and 32768) into $OUT/window.db, tables
+#                                          exported to $OUT/tables, then benchmarks.attention's rows for
+#                                          those shapes through the registry with that database
+# (writes under $OUT, else ./.gpu-out). Without network: carry .whl/ (scripts/fetch_wheels.sh).
+set -euo pipefail
+source "$(dirname "$0")/gpu_common.sh"
+export KREG_TUNING_DB="sqlite:///$OUT/window.db"
+
+case "${1:-}" in
+tests)
+    background_tests test_attention_window_tma 300 tests/test_attention_window_tma.py
+    background_tests test_warpspec_dispatch 300 tests/test_attention_warpspec.py -k dispatch
+    report_tests
+    background_tests test_conformance 360 tests/test_conformance.py -k sink_attention
+    PYTHONPATH=".:${PYTHONPATH:-}" timeout 200 python3 scripts/attn_window_tma_probe.py 2>&1 | grep -v "Warning\|_warn_once"
+    report_tests
+    ;;
+sweep)
+    for roles in fwd bwd_dkv,bwd_dq; do
+        filter=()
+        [ "$roles" = fwd ] || filter=(--filter num_warps=4)
+        timeout 240 python3 -m tuning.sweep --device auto --op sink_attention --variant sink_attention_window_tma \
+            --shapes full:1,2 --roles "$roles" "${filter[@]}" --export "$OUT/tables" --no-progress 2>&1 \
+            | tee -a "$OUT/sweep.log" | tail -n 8 || true
+    done
+    timeout 200 python3 - <<'PY' 2>&1 | grep -v "Warning\|_warn_once"
+import torch
+
+import registry
+from benchmarks.attention import SINK, _bench_shape
+
+for index in (1, 2):
+    shape = SINK.presets["full"][index]
+    args = SINK.validate(**SINK.make_inputs(shape, device="cuda", dtype=torch.bfloat16, seed=0))
+    print("dispatch:", registry.get("sink_attention").choice(**args).variant.name, flush=True)
+    for m in _bench_shape(SINK, shape, torch.bfloat16):
+        err = "-" if m.rel_err is None else f"{m.rel_err:.1e}"
+        print(f"{m.op:24} {m.shape:40} {m.provider:18} {m.median_ms:8.4f} ms  rel err {err}", flush=True)
+PY
+    ;;
+*)
+    echo "usage: $0 tests|sweep" >&2
+    exit 2
+    ;;
+esac
