@@ -24,16 +24,18 @@ from registry.testing import relative_error
 from tuning.bench import rotating, time_gpu
 from tuning_db.records import LaunchConfig
 
-# (tokens, heads, num_warps, maxnreg or None)
-GLUON = [(16, 4, 4, None), (16, 4, 4, 96), (8, 8, 4, None), (8, 8, 4, 96), (16, 8, 8, None), (16, 8, 8, 96)]
+# (tokens, heads, num_warps, MAX_REGS)
+GLUON = [(16, 4, 4, 96), (16, 4, 4, 168), (8, 8, 4, 96), (8, 8, 4, 168), (16, 8, 8, 96)]
 TILED = [(64, 4), (64, 8)]  # the shipped no-loop entries: BLOCK_M 64 with HEADS 4 (s 8192), 8 (s 32768)
 
 
+def _config(cfg) -> LaunchConfig:
+    tokens, heads, warps, regs = cfg
+    return LaunchConfig(blocks={"TOKENS": tokens, "HEADS": heads, "MAX_REGS": regs}, num_warps=warps)
+
+
 def _gluon(args, cfg, keep_lse=False):
-    tokens, heads, warps, maxnreg = cfg
-    launch = (lambda k, grid, *a, **kw: k[grid](*a, **kw, maxnreg=maxnreg)) if maxnreg else \
-        (lambda k, grid, *a, **kw: k[grid](*a, **kw))
-    return window_tma_forward(args, args["window"], tokens, heads, warps, keep_lse, launch)
+    return window_tma_forward(args, _config(cfg), keep_lse)
 
 
 def _tiled(args, cfg, keep_lse=False):
@@ -52,7 +54,7 @@ def check(cfg) -> float:
         dict(b=1, s_q=1, s_k=1, h_q=8, h_kv=1, d=64, window=128),
         dict(b=1, s_q=1000, s_k=1000, h_q=16, h_kv=4, d=128, window=128),
     ]
-    tokens, heads, _, _ = cfg
+    heads = cfg[1]
     for case, sink_scale in itertools.product(cases, (1.0, 30.0)):
         group = case["h_q"] // case["h_kv"]
         if group % heads:
@@ -63,7 +65,7 @@ def check(cfg) -> float:
         v = torch.randn(case["b"], case["s_k"], case["h_kv"], case["d"], device="cuda", generator=g).bfloat16()
         sinks = torch.randn(case["h_q"], device="cuda", generator=g) * sink_scale
         args = SINK.validate(q=q, k=k, v=v, sinks=sinks, window=case["window"], causal=True, return_lse=True)
-        assert window_tma_served(args, case["window"], tokens), case
+        assert window_tma_served(args, _config(cfg)), case
         out, lse = _gluon(args, cfg, keep_lse=True)
         ref_out, ref_lse = SINK.reference(**args)
         finite = torch.isfinite(ref_lse)
@@ -92,7 +94,7 @@ def main() -> int:
                          time_gpu(rotating(lambda a, c=cfg: _tiled(a, c), sets)), None))
         for cfg in GLUON:
             err = relative_error(_gluon(sets[0], cfg)[0], ref)
-            rows.append((f"gluon tma tokens {cfg[0]} heads {cfg[1]} warps {cfg[2]} maxnreg {cfg[3]}",
+            rows.append((f"gluon tma tokens {cfg[0]} heads {cfg[1]} warps {cfg[2]} MAX_REGS {cfg[3]}",
                          time_gpu(rotating(lambda a, c=cfg: _gluon(a, c), sets)), err))
         for name, ms, err in rows:
             tail = "" if err is None else f"  vs tiled rel {err:.1e}"

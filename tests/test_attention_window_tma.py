@@ -249,7 +249,8 @@ def test_matches_reference(case):
 @pytest.mark.parametrize("d", [64, 128])
 def test_every_config_of_the_space_matches_reference(d):
     """Lengths no block divides with s_q < s_k, GQA 16 (so HEADS 16 is in the space), at every config
-    the sm_90 compile keeps (spilling ones are what a sweep drops untimed)."""
+    the sm_90 compile keeps (spilling ones are what a sweep drops untimed: at d 128 only MAX_REGS 168
+    fits, and one of its four tile shapes does not)."""
     from tuning.compile_check import compile_config
 
     variant = WINDOW[S]
@@ -265,7 +266,7 @@ def test_every_config_of_the_space_matches_reference(d):
         assert_close(variant.launch(args, default.replace("fwd", config)), expected, TOLERANCE[torch.bfloat16],
                      what=str(config))
         ran += 1
-    assert ran >= 4
+    assert ran >= (6 if d == 64 else 3)
 
 
 @hopper
