@@ -51,7 +51,7 @@ def check(cfg) -> float:
         dict(b=2, s_q=333, s_k=333, h_q=16, h_kv=2, d=64, window=128),
         dict(b=1, s_q=77, s_k=301, h_q=8, h_kv=2, d=64, window=64),
         dict(b=1, s_q=200, s_k=150, h_q=8, h_kv=1, d=128, window=32),
-        dict(b=1, s_q=1, s_k=1, h_q=8, h_kv=1, d=64, window=128),
+        dict(b=1, s_q=3, s_k=200, h_q=8, h_kv=1, d=64, window=128),
         dict(b=1, s_q=1000, s_k=1000, h_q=16, h_kv=4, d=128, window=128),
     ]
     heads = cfg[1]
