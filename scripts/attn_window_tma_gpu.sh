@@ -8,6 +8,7 @@
 #                                          window 128, s 8192 and 32768) into $OUT/window.db, tables
 #                                          exported to $OUT/tables, then benchmarks.attention's rows for
 #                                          those shapes through the registry with that database
+#   scripts/attn_window_tma_gpu.sh bench   the same rows with the shipped tables only (an empty database)
 # (writes under $OUT, else ./.gpu-out). Without network: carry .whl/ (scripts/fetch_wheels.sh).
 set -euo pipefail
 source "$(dirname "$0")/gpu_common.sh"
@@ -22,8 +23,12 @@ tests)
     PYTHONPATH=".:${PYTHONPATH:-}" timeout 200 python3 scripts/attn_window_tma_probe.py 2>&1 | grep -v "Warning\|_warn_once"
     report_tests
     ;;
-sweep)
+sweep|bench)
+    if [ "$1" = bench ]; then
+        export KREG_TUNING_DB="sqlite:///$OUT/empty.db"
+    fi
     for roles in fwd bwd_dkv,bwd_dq; do
+        [ "$1" = sweep ] || break
         filter=()
         [ "$roles" = fwd ] || filter=(--filter num_warps=4)
         timeout 240 python3 -m tuning.sweep --device auto --op sink_attention --variant sink_attention_window_tma \
@@ -31,22 +36,39 @@ sweep)
             | tee -a "$OUT/sweep.log" | tail -n 8 || true
     done
     timeout 200 python3 - <<'PY' 2>&1 | grep -v "Warning\|_warn_once"
+import time
+
 import torch
 
 import registry
 from benchmarks.attention import SINK, _bench_shape
 
+
+def host_us(call, args, n=200):
+    """Host time per eager call (no sync inside the loop): what a call costs before the GPU runs it."""
+    call(**args)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(n):
+        call(**args)
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / n * 1e6
+
+
 for index in (1, 2):
     shape = SINK.presets["full"][index]
     args = SINK.validate(**SINK.make_inputs(shape, device="cuda", dtype=torch.bfloat16, seed=0))
     print("dispatch:", registry.get("sink_attention").choice(**args).variant.name, flush=True)
+    for name in ("sink_attention_window_tma", "sink_attention_flash"):
+        print(f"host time per forward call, {name}: {host_us(registry.get('sink_attention', variant=name), args):.0f} us")
     for m in _bench_shape(SINK, shape, torch.bfloat16):
         err = "-" if m.rel_err is None else f"{m.rel_err:.1e}"
         print(f"{m.op:24} {m.shape:40} {m.provider:18} {m.median_ms:8.4f} ms  rel err {err}", flush=True)
 PY
     ;;
 *)
-    echo "usage: $0 tests|sweep" >&2
+    echo "usage: $0 tests|sweep|bench" >&2
     exit 2
     ;;
 esac

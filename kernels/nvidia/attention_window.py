@@ -21,6 +21,7 @@ kernel otherwise). Semantics: `registry.ops.sink_attention.reference`.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -200,11 +201,18 @@ def _attention_fwd_window_tma_kernel(
 
 
 # ----------------------------------------------------------------------------- launcher
+@functools.cache
+def _block_layout(rows: int, heads: int, head_dim: int, elem: str) -> gl.NVMMASharedLayout:
+    """The shared layout of a [1, rows, heads, head_dim] TMA block (cached: a launch builds six
+    descriptors, and building the layout was a third of their host time on an H100's host)."""
+    element = gl.bfloat16 if elem == "bf16" else gl.float16
+    return gl.NVMMASharedLayout.get_default_for([1, rows, heads, head_dim], element)
+
+
 def _descriptor(t: torch.Tensor, rows: int, heads: int) -> TensorDescriptor:
     """A TMA descriptor over a [b, s, h, d] tensor whose blocks are `rows` rows of `heads` heads."""
     d = t.shape[-1]
-    elem = gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16
-    layout = gl.NVMMASharedLayout.get_default_for([1, rows, heads, d], elem)
+    layout = _block_layout(rows, heads, d, "bf16" if t.dtype == torch.bfloat16 else "fp16")
     return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, rows, heads, d], layout)
 
 
@@ -288,11 +296,12 @@ def shared_bytes(config: LaunchConfig, key: Mapping, elem: int = 2) -> int:
 
 
 class AttentionWindowTmaHopper:
-    """This kernel's variant logic, mixed in before a tiled NVIDIA variant (sink_attention registers
-    one, kernels/nvidia/sink_attention.py, setting `name` and `tiled`, that tiled variant's class; its
-    only users so far are gpt-oss's window-128 layers, so flash_attention keeps the tiled kernel). Roles, kernels and spaces are the tiled
-    variant's but for the forward (this kernel, WINDOW_SPACE); calls it does not take (varlen, inputs
-    TMA cannot address, a window capped below 32 keys) run the tiled forward with `tiled_equivalent`.
+    """This kernel's variant logic, mixed in before a tiled NVIDIA variant: sink_attention registers
+    one (kernels/nvidia/sink_attention.py) setting `name` and `tiled` (that tiled variant's class); its
+    users are gpt-oss's window-128 layers, so flash_attention keeps the tiled kernel. Roles, kernels
+    and spaces are the tiled variant's but for the forward (this kernel, WINDOW_SPACE); calls it does
+    not take (varlen, inputs TMA cannot address, a window capped below 32 keys) run the tiled forward
+    with `tiled_equivalent`.
 
     Hopper only; causal windows of 32, 64 or 128 keys, head dims 64 and 128, fp16/bf16, a GQA group
     of at least 4 (a block is at most 16 tokens and a warpgroup's 64 rows). Priority above the tiled
@@ -351,9 +360,7 @@ class AttentionWindowTmaHopper:
 
 def _descriptor_type(elem: str, rows: int, heads: int, head_dim: int) -> str:
     """The JIT's signature type of a `_descriptor(t, rows, heads)` argument."""
-    element = gl.bfloat16 if elem == "bf16" else gl.float16
-    layout = gl.NVMMASharedLayout.get_default_for([1, rows, heads, head_dim], element)
-    return f"tensordesc<{elem}[1, {rows}, {heads}, {head_dim}],{layout!r}>"
+    return f"tensordesc<{elem}[1, {rows}, {heads}, {head_dim}],{_block_layout(rows, heads, head_dim, elem)!r}>"
 
 
 def forward_compile_spec(key: Mapping, config: LaunchConfig, elem: str) -> CompileSpec:
