@@ -18,6 +18,7 @@ case "${1:-}" in
 tests)
     background_tests test_attention_window_tma 300 tests/test_attention_window_tma.py
     background_tests test_warpspec_dispatch 300 tests/test_attention_warpspec.py -k dispatch
+    background_tests test_dispatch_cache 300 tests/test_dispatch_cache.py
     report_tests
     background_tests test_conformance 360 tests/test_conformance.py -k sink_attention
     PYTHONPATH=".:${PYTHONPATH:-}" timeout 200 python3 scripts/attn_window_tma_probe.py 2>&1 | grep -v "Warning\|_warn_once"

@@ -289,6 +289,40 @@ def test_records_hold_no_tensor(fake_device):
     assert alive() is None
 
 
+def _descriptor(rows: int = 16, dtype=torch.float16):
+    """A Gluon host TMA descriptor over a fresh [2, 64, 4, 64] tensor, blocks of `rows` rows of one head."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    t = torch.zeros(2, 64, 4, 64, dtype=dtype)
+    elem = gl.float16 if dtype == torch.float16 else gl.bfloat16
+    layout = gl.NVMMASharedLayout.get_default_for([1, rows, 1, 64], elem)
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, rows, 1, 64], layout)
+
+
+def test_descriptor_launches_are_recorded_by_their_mangled_type(fake_device):
+    """TMA descriptors (the Gluon kernels' arguments) take the recorded launch when Triton would mangle
+    them alike, whatever tensor they describe; another block shape or element type goes through
+    Triton; the record keeps neither a descriptor nor its tensor."""
+    cache, kernel = launch.LaunchCache(), _Kernel()
+    desc, y = _descriptor(), torch.randn(32, dtype=torch.float16)
+    for _ in range(3):
+        _launch(cache, kernel, desc, y)
+    assert len(kernel.through_triton) == 2 and kernel.compiled.direct[0][9] is desc
+    other = _descriptor()
+    _launch(cache, kernel, other, y)
+    assert len(kernel.compiled.direct) == 2 and kernel.compiled.direct[1][9] is other
+    for changed in (_descriptor(rows=32), _descriptor(dtype=torch.bfloat16)):
+        _launch(cache, kernel, changed, y)
+    assert len(kernel.through_triton) == 4 and len(kernel.compiled.direct) == 2
+    kernel.through_triton.clear()
+    kernel.compiled.direct.clear()
+    alive, alive_tensor = weakref.ref(other), weakref.ref(other.base)
+    del desc, other, changed
+    gc.collect()
+    assert alive() is None and alive_tensor() is None
+
+
 def test_interpreted_kernels_always_go_through_triton():
     """In the interpreter a launch returns no compiled kernel: nothing is ever recorded."""
     if HAS_GPU:

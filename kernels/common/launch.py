@@ -14,6 +14,8 @@ everything Triton 3.6 specializes on:
   always specialize as fp32, so their values are not compared;
 - each tensor's dtype, and that every tensor is 16-byte aligned (a launch with a misaligned tensor is
   never recorded); None where the recorded launch had None;
+- each TMA tensor descriptor's type as Triton mangles it (element type, block shape, shared layout:
+  all Triton 3.6 specializes a host descriptor on; the launcher encodes its tensor map every launch);
 - the current device (a compiled kernel is loaded per device).
 
 Anything else takes Triton's own path: a launch that matches no record, a kernel that is not a compiled
@@ -34,12 +36,18 @@ from typing import Any
 import torch
 import triton
 from triton import knobs
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
 from triton.runtime.driver import driver
+from triton.runtime.jit import mangle_type
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 # The launch protocol below (CompiledKernel.run's arguments, the launch hooks) is Triton 3.6's; another
 # version keeps Triton's own path.
 SUPPORTED = triton.__version__.startswith("3.6.")
 _dtype = attrgetter("dtype")
+# Host-side TMA descriptors (Triton's and Gluon's): passed through to the compiled launcher, which
+# encodes their tensor maps; a record keeps their mangled types, never the descriptors (or tensors).
+_DESCRIPTORS = (TensorDescriptor, GluonDescriptor)
 _data_ptr = torch.Tensor.data_ptr  # raises TypeError for anything but a tensor
 
 
@@ -52,7 +60,8 @@ class _Record:
     """What one launch of a kernel specialized on, and the compiled kernel it ran. Holds no tensor."""
 
     __slots__ = ("grid", "grid3", "kwargs", "kwarg_types", "arg_types", "split", "scalars", "exact", "exact_values",
-                 "tensors", "dtypes", "tail", "device", "compiled", "current_device", "current_stream")
+                 "tensors", "dtypes", "descriptors", "descriptor_types", "tail", "device", "compiled", "current_device",
+                 "current_stream")
 
     def matches(self, grid: tuple, args: tuple, kwargs: dict) -> bool:
         """Whether a launch specializes as the recorded one: the checks are maps and compares that run
@@ -64,6 +73,8 @@ class _Record:
         scalars = args[self.split:]
         # Floats specialize only as fp32: another value (a new sm_scale) still matches.
         if scalars != self.scalars and self.exact(scalars) != self.exact_values:
+            return False
+        if self.descriptor_types and tuple(map(mangle_type, self.descriptors(args))) != self.descriptor_types:
             return False
         tensors = self.tensors(args)
         # Every recorded tensor was 16-byte aligned: the OR of the addresses has its low bits clear.
@@ -78,13 +89,14 @@ def _record(kernel: Any, compiled: Any, grid: tuple, args: tuple, kwargs: dict) 
     if not 1 <= len(grid) <= 3 or not all(type(g) is int for g in grid):
         return None
     positions = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
-    split = positions[-1] + 1 if positions else 0
-    if any(args[i] is not None for i in range(split) if i not in positions):
+    descriptors = [i for i, a in enumerate(args) if isinstance(a, _DESCRIPTORS)]
+    split = max(positions + descriptors) + 1 if positions or descriptors else 0
+    if any(args[i] is not None for i in range(split) if i not in positions and i not in descriptors):
         return None  # a scalar among the tensors: it would not be compared
     if any(args[i].data_ptr() % 16 for i in positions):
         return None  # a misaligned pointer: rare enough to leave to Triton
-    if any(isinstance(value, torch.Tensor) for value in kwargs.values()):
-        return None  # a tensor by keyword: only positional tensors are compared
+    if any(isinstance(value, (torch.Tensor, *_DESCRIPTORS)) for value in kwargs.values()):
+        return None  # a tensor or descriptor by keyword: only positional ones are compared
     names = kernel.arg_names[len(args):]
     if any(name not in kwargs for name in names):
         return None  # a parameter left to its default
@@ -96,6 +108,8 @@ def _record(kernel: Any, compiled: Any, grid: tuple, args: tuple, kwargs: dict) 
     rec.exact_values = rec.exact(rec.scalars)
     rec.tensors = _picker(positions)
     rec.dtypes = tuple(args[i].dtype for i in positions)
+    rec.descriptors = _picker(descriptors)
+    rec.descriptor_types = tuple(mangle_type(args[i]) for i in descriptors)
     rec.tail = tuple(kwargs[name] for name in names)
     rec.current_device = driver.active.get_current_device
     rec.current_stream = driver.active.get_current_stream
