@@ -392,6 +392,31 @@ def test_views_after_cached_launches_take_tritons_path_and_are_right(name, trito
 
 
 @gpu
+@pytest.mark.parametrize("window", [None, 64])
+def test_cached_backward_launches_give_tritons_gradients(window, triton_runs):
+    """Under autograd the attention family's forward and backward kernels launch through the raw key's
+    cache too: after two steps a third runs no kernel through Triton, and its gradients are the bits of
+    the same call with every kernel launched by Triton (and match the reference's). window 64 with GQA 4
+    reaches sink_attention's TMA window variant on Hopper (descriptors recorded by type)."""
+    from registry.testing import GRAD_TOLERANCE, gradients, max_relative_error, reference_gradients
+
+    op = OPS["sink_attention"]
+    shape = {"b": 1, "s_q": 300, "s_k": 300, "h_q": 8, "h_kv": 2, "d": 64, "causal": True, "window": window}
+    args = op.validate(**op.make_inputs(shape, device=DEVICE, dtype=DTYPE, seed=4))
+    handle = registry.get("sink_attention")
+    for _ in range(2):
+        gradients(op, lambda a: handle(**a), args)
+    triton_runs.clear()
+    got, dout = gradients(op, lambda a: handle(**a), args)
+    assert not triton_runs, f"launched through Triton: {triton_runs}"
+    choice = handle.choice(**args)
+    direct, _ = gradients(op, lambda a: choice.variant.launch(a, choice.config), args, dout)
+    assert all(torch.equal(x, y) for x, y in zip(got, direct, strict=True))
+    err = max_relative_error([g.float() for g in got], reference_gradients(op, args, dout))
+    assert err <= GRAD_TOLERANCE[DTYPE], f"relative error {err:.3g}"
+
+
+@gpu
 def test_a_new_sm_scale_reuses_the_recorded_launches(triton_runs):
     handle = registry.get("decode")
     kw = _inputs("decode")

@@ -929,10 +929,10 @@ def attention_forward(args: Mapping, config: LaunchConfig, keep_lse: bool, launc
 
 
 def backward_pre(q: torch.Tensor, sinks: torch.Tensor | None, out: torch.Tensor, lse: torch.Tensor,
-                 dout: torch.Tensor, args: Mapping, config: LaunchConfig
+                 dout: torch.Tensor, args: Mapping, config: LaunchConfig, launch: Callable[..., Any] = triton_launch
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Run the pre kernel with `config` (the "bwd_pre" role's): (dout in q's dtype with a unit last
-    stride, lse made dense, delta, lse2, d sinks or None). delta and lse2 share lse's (dense) layout:
+    """Run the pre kernel with `config` (the "bwd_pre" role's) through `launch`: (dout in q's dtype with
+    a unit last stride, lse made dense, delta, lse2, d sinks or None). delta and lse2 share lse's (dense) layout:
     [b, h_q, s_q], or [h_q, total rows] for varlen calls."""
     varlen, batch, rows_q, _, _, _ = _geometry({**args, "q": q, "k": q})
     h_q, d = q.shape[-2], q.shape[-1]
@@ -947,8 +947,8 @@ def backward_pre(q: torch.Tensor, sinks: torch.Tensor | None, out: torch.Tensor,
     dsink_parts = None
     if sinks is not None:
         dsink_parts = torch.empty((h_q, pre_batch * pre_grid[0]), dtype=torch.float32, device=q.device)
-    _attention_bwd_pre_kernel[pre_grid](
-        out, dout, lse, sinks, delta, lse2, dsink_parts, rows_q,
+    launch(
+        _attention_bwd_pre_kernel, pre_grid, out, dout, lse, sinks, delta, lse2, dsink_parts, rows_q,
         *_strides(out, varlen), *_strides(dout, varlen), *_lse_strides(lse, varlen),
         HAS_SINKS=sinks is not None, HEAD_DIM=d, BLOCK_D=dot_block(d), BLOCK_M=config.blocks["BLOCK_M"],
         **config.knobs())
@@ -958,12 +958,13 @@ def backward_pre(q: torch.Tensor, sinks: torch.Tensor | None, out: torch.Tensor,
 
 
 def attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None, out: torch.Tensor,
-                       lse: torch.Tensor, dout: torch.Tensor, args: Mapping, config: CallConfig):
-    """Run the pre, dK/dV and dQ kernels; returns (dq, dk, dv, dsinks or None). `args` holds the
-    call's non-tensor arguments and cu_seqlens."""
+                       lse: torch.Tensor, dout: torch.Tensor, args: Mapping, config: CallConfig,
+                       launch: Callable[..., Any] = triton_launch):
+    """Run the pre, dK/dV and dQ kernels (through `launch`, as the forward); returns (dq, dk, dv, dsinks
+    or None). `args` holds the call's non-tensor arguments and cu_seqlens."""
     varlen, batch, _, _, _, span_k = _geometry({**args, "q": q, "k": k})
     h_kv = k.shape[-2]
-    dout, lse, delta, lse2, dsinks = backward_pre(q, sinks, out, lse, dout, args, config["bwd_pre"])
+    dout, lse, delta, lse2, dsinks = backward_pre(q, sinks, out, lse, dout, args, config["bwd_pre"], launch)
 
     # Varlen rows outside every sequence get no program: their gradients are the zeros allocated here.
     alloc = torch.zeros if varlen else torch.empty
@@ -971,11 +972,12 @@ def attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks:
     common, constexprs = _backward_arguments(q, k, v, dout, args)
     cu_q, cu_k = (args["cu_seqlens_q"], args["cu_seqlens_k"]) if varlen else (q, q)
     dkv = config["bwd_dkv"]
-    _attention_bwd_dkv_kernel[(cdiv(span_k, dkv.blocks["BLOCK_N"]), h_kv, batch)](
+    launch(
+        _attention_bwd_dkv_kernel, (cdiv(span_k, dkv.blocks["BLOCK_N"]), h_kv, batch),
         q, k, v, dout, lse2, delta, dk, dv, cu_q, cu_k, *common,
         *_strides(dk, varlen), *_strides(dv, varlen), *_lse_strides(lse, varlen),
         **constexprs, **dkv.blocks, **dkv.knobs())
-    dq = attention_backward_dq(q, k, v, dout, lse, lse2, delta, args, config["bwd_dq"], (common, constexprs))
+    dq = attention_backward_dq(q, k, v, dout, lse, lse2, delta, args, config["bwd_dq"], (common, constexprs), launch)
     return dq, dk, dv, dsinks
 
 
@@ -996,15 +998,17 @@ def _backward_arguments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout:
 
 def attention_backward_dq(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor,
                           lse2: torch.Tensor, delta: torch.Tensor, args: Mapping, config: LaunchConfig,
-                          arguments: tuple[tuple, dict] | None = None) -> torch.Tensor:
-    """dQ by the tiled dQ kernel with `config` (the "bwd_dq" role's), from what `backward_pre` returned
-    (dout, the dense lse, delta and lse2); `arguments`: `_backward_arguments`' result when the caller
-    already has it."""
+                          arguments: tuple[tuple, dict] | None = None, launch: Callable[..., Any] = triton_launch
+                          ) -> torch.Tensor:
+    """dQ by the tiled dQ kernel with `config` (the "bwd_dq" role's) through `launch`, from what
+    `backward_pre` returned (dout, the dense lse, delta and lse2); `arguments`: `_backward_arguments`'
+    result when the caller already has it."""
     varlen, batch, _, _, span_q, _ = _geometry({**args, "q": q, "k": k})
     dq = (torch.zeros if varlen else torch.empty)(q.shape, dtype=q.dtype, device=q.device)
     common, constexprs = arguments if arguments is not None else _backward_arguments(q, k, v, dout, args)
     cu_q, cu_k = (args["cu_seqlens_q"], args["cu_seqlens_k"]) if varlen else (q, q)
-    _attention_bwd_dq_kernel[(cdiv(span_q, config.blocks["BLOCK_M"]), q.shape[-2], batch)](
+    launch(
+        _attention_bwd_dq_kernel, (cdiv(span_q, config.blocks["BLOCK_M"]), q.shape[-2], batch),
         q, k, v, dout, lse2, delta, dq, cu_q, cu_k, *common, *_strides(dq, varlen), *_lse_strides(lse, varlen),
         **constexprs, **config.blocks, **config.knobs())
     return dq
@@ -1018,20 +1022,21 @@ class _AttentionFunction(torch.autograd.Function):
     anywhere, so gradients are bitwise reproducible."""
 
     @staticmethod
-    def forward(ctx, forward, backward, q, k, v, sinks, args: Mapping, config: CallConfig):
-        out, lse = forward(args, config["fwd"], keep_lse=True)
+    def forward(ctx, forward, backward, q, k, v, sinks, args: Mapping, config: CallConfig, launch):
+        out, lse = forward(args, config["fwd"], keep_lse=True, launch=launch)
         ctx.save_for_backward(q, k, v, sinks, out, lse)
         ctx.rest = {name: value for name, value in args.items() if name not in ("q", "k", "v", "sinks")}
         ctx.config = config
         ctx.backward = backward
+        ctx.launch = launch
         ctx.mark_non_differentiable(lse)
         return (out, lse) if args["return_lse"] else out
 
     @staticmethod
     def backward(ctx, dout, *_lse_grad):
         q, k, v, sinks, out, lse = ctx.saved_tensors
-        dq, dk, dv, dsinks = ctx.backward(q, k, v, sinks, out, lse, dout, ctx.rest, ctx.config)
-        return None, None, dq, dk, dv, dsinks, None, None
+        dq, dk, dv, dsinks = ctx.backward(q, k, v, sinks, out, lse, dout, ctx.rest, ctx.config, ctx.launch)
+        return None, None, dq, dk, dv, dsinks, None, None, None
 
 
 def attention_call(args: Mapping, config: CallConfig, launch: Callable[..., Any] = triton_launch,
@@ -1042,15 +1047,15 @@ def attention_call(args: Mapping, config: CallConfig, launch: Callable[..., Any]
 
     The forward runs with the "fwd" role's config; when grad is enabled and an input requires grad it
     runs under `_AttentionFunction`, whose backward launches the "bwd_pre", "bwd_dkv" and "bwd_dq"
-    roles' configs. `deterministic` needs nothing: no kernel here uses atomics. `launch` runs the
-    forward kernel of a call without autograd (a dispatch plan's `LaunchCache`, or Triton's launch);
+    roles' configs. `deterministic` needs nothing: no kernel here uses atomics. `launch` runs every
+    kernel of the call, forward and backward (a dispatch plan's `LaunchCache`, or Triton's launch);
     `forward` is the forward launcher (`attention_forward`'s signature) and `backward` the backward
     launcher (`attention_backward`'s): this module's kernels, or another variant's.
     """
     q, k, v = args["q"], args["k"], args["v"]
     sinks = args.get("sinks")
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, sinks)):
-        return _AttentionFunction.apply(forward, backward, q, k, v, sinks, args, config)
+        return _AttentionFunction.apply(forward, backward, q, k, v, sinks, args, config, launch)
     out, lse = forward(args, config["fwd"], keep_lse=False, launch=launch)
     return (out, lse) if args["return_lse"] else out
 

@@ -493,17 +493,18 @@ class AttentionWarpSpecHopper:
         return attention_forward(args, self.fallback_config(args), keep_lse, launch)
 
     def run_backward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None,
-                     out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor, args: Mapping, config: CallConfig
+                     out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor, args: Mapping, config: CallConfig,
+                     launch: Callable[..., Any] = triton_launch
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """The tiled pre kernel, then the warp-specialized dK/dV and dQ kernels, or for the calls the
         forward hands over, the tiled backward with the tiled variant's default dK/dV and dQ configs."""
         if _served(args, q, k, v):
-            return warpspec_backward(q, k, v, sinks, out, lse, dout, args, config)
+            return warpspec_backward(q, k, v, sinks, out, lse, dout, args, config, launch)
         call = {**args, "q": q, "k": k, "v": v, "sinks": sinks}  # the autograd path passes the rest only
         tiled = config
         for role in ("bwd_dkv", "bwd_dq"):
             tiled = tiled.replace(role, self.fallback_config(call, role))
-        return attention_backward(q, k, v, sinks, out, lse, dout, args, tiled)
+        return attention_backward(q, k, v, sinks, out, lse, dout, args, tiled, launch)
 
     def fallback_config(self, args: Mapping, role: str = "fwd") -> LaunchConfig:
         """The tiled variant's default config of `role` for the call's tuning key and device."""

@@ -36,7 +36,8 @@ compare gradients with the reference's autograd in bf16 (tests/test_attention_wa
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 import triton
@@ -52,6 +53,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from kernels.base import CompileSpec
 from kernels.common.attention import backward_pre
+from kernels.common.launch import triton_launch
 from kernels.nvidia.attention_tma import (
     LOG2E,
     PRODUCER_REGS,
@@ -407,16 +409,18 @@ def _attention_bwd_dq_ws_kernel(
 
 # ----------------------------------------------------------------------------- launchers
 def warpspec_dkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, lse2: torch.Tensor,
-                 delta: torch.Tensor, sm_scale: float, causal: bool, config: LaunchConfig
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+                 delta: torch.Tensor, sm_scale: float, causal: bool, config: LaunchConfig,
+                 launch: Callable[..., Any] = triton_launch) -> tuple[torch.Tensor, torch.Tensor]:
     """dK and dV of padded [b, s, h, d] inputs that TMA can address (dout included), from the pre
-    kernel's Lse2 and Delta ([b, h_q, s_q], rows contiguous). No tensor value is read on the host."""
+    kernel's Lse2 and Delta ([b, h_q, s_q], rows contiguous), launched through `launch`. No tensor
+    value is read on the host."""
     batch, s_q, h_q, _ = q.shape
     s_k, h_kv = k.shape[1], k.shape[2]
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     rows, keys = config.blocks["BLOCK_M"], config.blocks["BLOCK_N"]
-    _attention_bwd_dkv_ws_kernel[(triton.cdiv(s_k, 2 * keys), h_kv, batch)](
+    launch(
+        _attention_bwd_dkv_ws_kernel, (triton.cdiv(s_k, 2 * keys), h_kv, batch),
         descriptor(q, rows), descriptor(k, keys), descriptor(v, keys), descriptor(dout, rows),
         descriptor(dk, keys), descriptor(dv, keys), lse2, delta,
         sm_scale * LOG2E.value, sm_scale, s_q, s_k - s_q, lse2.stride(0), lse2.stride(1),
@@ -425,14 +429,17 @@ def warpspec_dkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.
 
 
 def warpspec_dq(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, lse2: torch.Tensor,
-                delta: torch.Tensor, sm_scale: float, causal: bool, config: LaunchConfig) -> torch.Tensor:
+                delta: torch.Tensor, sm_scale: float, causal: bool, config: LaunchConfig,
+                launch: Callable[..., Any] = triton_launch) -> torch.Tensor:
     """dQ of padded [b, s, h, d] inputs that TMA can address (dout included), from the pre kernel's
-    Lse2 and Delta ([b, h_q, s_q], rows contiguous). No tensor value is read on the host."""
+    Lse2 and Delta ([b, h_q, s_q], rows contiguous), launched through `launch`. No tensor value is read
+    on the host."""
     batch, s_q, h_q, _ = q.shape
     s_k, h_kv = k.shape[1], k.shape[2]
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     rows, keys = config.blocks["BLOCK_M"], config.blocks["BLOCK_N"]
-    _attention_bwd_dq_ws_kernel[(triton.cdiv(s_q, 2 * rows), h_q, batch)](
+    launch(
+        _attention_bwd_dq_ws_kernel, (triton.cdiv(s_q, 2 * rows), h_q, batch),
         descriptor(q, rows), descriptor(k, keys), descriptor(v, keys), descriptor(dout, rows),
         descriptor(dq, rows), lse2, delta, sm_scale * LOG2E.value, sm_scale, s_q, s_k, lse2.stride(0), lse2.stride(1),
         GROUP=h_q // h_kv, IS_CAUSAL=causal, HEAD_DIM=q.shape[-1], **config.blocks, num_warps=4)
@@ -440,16 +447,17 @@ def warpspec_dq(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.T
 
 
 def warpspec_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None,
-                      out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor, args: Mapping, config: CallConfig
+                      out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor, args: Mapping, config: CallConfig,
+                      launch: Callable[..., Any] = triton_launch
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The backward of a padded call whose q, k and v TMA can address: the tiled pre kernel (Delta,
-    Lse2, d sinks), this file's dK/dV and dQ kernels. Returns (dq, dk, dv, dsinks)."""
-    dout, lse, delta, lse2, dsinks = backward_pre(q, sinks, out, lse, dout, args, config["bwd_pre"])
+    Lse2, d sinks), this file's dK/dV and dQ kernels, all through `launch`. Returns (dq, dk, dv, dsinks)."""
+    dout, lse, delta, lse2, dsinks = backward_pre(q, sinks, out, lse, dout, args, config["bwd_pre"], launch)
     if not tma_addressable(dout):  # an expanded or oddly strided incoming gradient
         dout = dout.contiguous()
     sm_scale, causal = float(args["sm_scale"]), bool(args["causal"])
-    dk, dv = warpspec_dkv(q, k, v, dout, lse2, delta, sm_scale, causal, config["bwd_dkv"])
-    dq = warpspec_dq(q, k, v, dout, lse2, delta, sm_scale, causal, config["bwd_dq"])
+    dk, dv = warpspec_dkv(q, k, v, dout, lse2, delta, sm_scale, causal, config["bwd_dkv"], launch)
+    dq = warpspec_dq(q, k, v, dout, lse2, delta, sm_scale, causal, config["bwd_dq"], launch)
     return dq, dk, dv, dsinks
 
 
