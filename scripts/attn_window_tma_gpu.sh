@@ -20,6 +20,7 @@ tests)
     background_tests test_warpspec_dispatch 300 tests/test_attention_warpspec.py -k dispatch
     background_tests test_dispatch_cache 300 tests/test_dispatch_cache.py
     report_tests
+    TEST_RUNS=()
     background_tests test_conformance 360 tests/test_conformance.py -k sink_attention
     PYTHONPATH=".:${PYTHONPATH:-}" timeout 200 python3 scripts/attn_window_tma_probe.py 2>&1 | grep -v "Warning\|_warn_once"
     report_tests

@@ -143,14 +143,15 @@ DTYPE = torch.bfloat16 if HAS_GPU else INTERPRETER_DTYPE
 
 
 def _make(op: str, b, s_q, s_k, h_q, h_kv, d, window, *, sinks=None, seed=0, dtype=None, return_lse=True) -> dict:
-    """Validated causal window arguments; sinks None or one value per head (repeated over the heads)."""
+    """Validated causal window arguments; sinks None (random, around 3), "none" (no sinks) or one value
+    per head (repeated over the heads)."""
     gen = torch.Generator().manual_seed(seed)
     dtype = dtype or DTYPE
     q = random_normal((b, s_q, h_q, d), device=DEVICE, dtype=dtype, generator=gen)
     k = random_normal((b, s_k, h_kv, d), device=DEVICE, dtype=dtype, generator=gen)
     v = random_normal((b, s_k, h_kv, d), device=DEVICE, dtype=dtype, generator=gen)
     extra = {}
-    if op == S:
+    if op == S and sinks != "none":
         if sinks is None:
             sinks = random_normal((h_q,), device=DEVICE, dtype=torch.float32, generator=gen, scale=2.0) + 3.0
         else:
@@ -233,6 +234,7 @@ CASES = {
     "w32-999-gqa8-d128": (S, 1, 999, 999, 16, 2, 128, 32, None, True, None),
     "w64-1-gqa4-d64": (S, 3, 1, 1, 4, 1, 64, 64, None, True, None),
     "w128-capped-at-100-gqa8-d64": (S, 1, 100, 100, 8, 1, 64, 128, None, True, None),
+    "w128-no-sinks-gqa8-d64": (S, 2, 500, 500, 8, 1, 64, 128, "none", True, None),
 }
 
 

@@ -1,9 +1,10 @@
 """What the attention family's Hopper Gluon kernels share (kernels/nvidia/attention_warpspec.py, the
-forward; kernels/nvidia/attention_warpspec_bwd.py, the dK/dV and dQ backward): TMA descriptors over
-[b, s, h, d] tensors with blocks of rows of one head, the check that TMA can address a tensor at all,
-the JIT signature type of such a descriptor (for offline compiles), and the warp roles' common
-pieces (the producer's register budget, a warpgroup's arrival on an mbarrier, the query tile a
-program owns and the key tiles its rows may see)."""
+forward; kernels/nvidia/attention_warpspec_bwd.py, the dK/dV and dQ backward; attention_window.py, the
+short-window forward): TMA descriptors over [b, s, h, d] tensors with blocks of rows of one head, the
+check that TMA can address a tensor at all, the JIT signature type of such a descriptor (for offline
+compiles), the outputs a forward allocates, and the warp roles' common pieces (the producer's register
+budget, a warpgroup's arrival on an mbarrier, the query tile a program owns and the key tiles its rows
+may see)."""
 
 from __future__ import annotations
 
@@ -75,6 +76,15 @@ def descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
 def descriptor_type(elem: str, rows: int, head_dim: int) -> str:
     """The JIT's signature type of a `descriptor` argument (what `triton.runtime.jit.mangle_type` gives)."""
     return f"tensordesc<{elem}[1, {rows}, 1, {head_dim}],{_block_layout(rows, head_dim, elem)!r}>"
+
+
+def padded_outputs(q: torch.Tensor, keep_lse: bool, return_lse: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """out like a padded [b, s, h, d] q, and lse [b, h, s] in fp32 when it is returned or kept for a
+    backward (None otherwise): what the Gluon forwards write."""
+    batch, s_q, h_q, _ = q.shape
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty((batch, h_q, s_q), dtype=torch.float32, device=q.device) if keep_lse or return_lse else None
+    return out, lse
 
 
 def tma_addressable(t: torch.Tensor) -> bool:

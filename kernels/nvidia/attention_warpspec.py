@@ -63,6 +63,7 @@ from kernels.nvidia.attention_tma import (
     descriptor,
     descriptor_type,
     key_tiles,
+    padded_outputs,
     query_tile,
     release,
     tma_addressable,
@@ -357,10 +358,7 @@ def warpspec_forward(args: Mapping, config: LaunchConfig, keep_lse: bool, launch
     sinks = args.get("sinks")
     batch, s_q, h_q, d = q.shape
     s_k, h_kv = k.shape[1], k.shape[2]
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    lse = None
-    if keep_lse or args["return_lse"]:
-        lse = torch.empty((batch, h_q, s_q), dtype=torch.float32, device=q.device)
+    out, lse = padded_outputs(q, keep_lse, args["return_lse"])
     rows, keys = config.blocks["BLOCK_M"], config.blocks["BLOCK_N"]
     launch(
         _attention_fwd_ws_kernel, (triton.cdiv(s_q, config.blocks["CONSUMERS"] * rows), h_q, batch),

@@ -41,7 +41,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from kernels.base import CompileSpec
 from kernels.common.attention import attention_compile_specs, attention_forward, window_reason
 from kernels.common.launch import triton_launch
-from kernels.nvidia.attention_tma import LOG2E, tma_addressable
+from kernels.nvidia.attention_tma import LOG2E, padded_outputs, tma_addressable
 from tuning.space import ConfigSpace
 from tuning_db.records import CallConfig, LaunchConfig
 
@@ -249,10 +249,7 @@ def window_tma_forward(args: Mapping, config: LaunchConfig, keep_lse: bool, laun
     sinks = args.get("sinks")
     batch, s_q, h_q, d = q.shape
     s_k, h_kv = k.shape[1], k.shape[2]
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    lse = None
-    if keep_lse or args["return_lse"]:
-        lse = torch.empty((batch, h_q, s_q), dtype=torch.float32, device=q.device)
+    out, lse = padded_outputs(q, keep_lse, args["return_lse"])
     window = _capped_window(args)
     tokens, heads, half = config.blocks["TOKENS"], config.blocks["HEADS"], window // 2
     launch(
