@@ -843,7 +843,7 @@ def window_reason(window: int | None, tokens: int) -> str | None:
     run a window of `window` keys over blocks of `tokens` tokens (None when it can): the window must be
     a power of two from 32 to 128 (its halves are products of their own; 256 would hold 136 scores a
     thread) and the block's tokens at most 16 (its diagonal is one 16-key product)."""
-    if window is None or window not in (32, 64, 128):
+    if window not in (32, 64, 128):
         return f"KEY_LOOPS=2 needs a window of 32, 64 or 128 keys, got {window}"
     if tokens > 16:
         return f"KEY_LOOPS=2 needs at most 16 tokens per block (BLOCK_M // HEADS), got {tokens}"

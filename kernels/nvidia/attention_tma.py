@@ -50,10 +50,12 @@ def key_tiles(m0, rows, seqlen_q, seqlen_k, IS_CAUSAL: gl.constexpr, BLOCK_N: gl
 
 
 @functools.cache
-def _block_layout(rows: int, head_dim: int, elem: str) -> gl.NVMMASharedLayout:
-    """The shared layout of one [1, rows, 1, head_dim] TMA block (128-byte swizzle at d 64 and 128);
-    cached, since every call builds several descriptors."""
-    return gl.NVMMASharedLayout.get_default_for([1, rows, 1, head_dim], gl.bfloat16 if elem == "bf16" else gl.float16)
+def _block_layout(rows: int, head_dim: int, elem: str, heads: int = 1) -> gl.NVMMASharedLayout:
+    """The shared layout of one [1, rows, heads, head_dim] TMA block (128-byte swizzle at d 64 and 128);
+    cached, since every call builds several descriptors (building it was most of a descriptor's host
+    time)."""
+    element = gl.bfloat16 if elem == "bf16" else gl.float16
+    return gl.NVMMASharedLayout.get_default_for([1, rows, heads, head_dim], element)
 
 
 def _strides(t: torch.Tensor) -> list[int]:
@@ -66,16 +68,17 @@ def _strides(t: torch.Tensor) -> list[int]:
     return strides
 
 
-def descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
-    """A TMA descriptor over a [b, s, h, d] tensor whose blocks are `rows` rows of one head."""
+def descriptor(t: torch.Tensor, rows: int, heads: int = 1) -> TensorDescriptor:
+    """A TMA descriptor over a [b, s, h, d] tensor whose blocks are `rows` rows of `heads` consecutive
+    heads (token-major)."""
     d = t.shape[-1]
-    layout = _block_layout(rows, d, _ELEMENT_NAMES[t.dtype])
-    return TensorDescriptor(t, list(t.shape), _strides(t), [1, rows, 1, d], layout)
+    layout = _block_layout(rows, d, _ELEMENT_NAMES[t.dtype], heads)
+    return TensorDescriptor(t, list(t.shape), _strides(t), [1, rows, heads, d], layout)
 
 
-def descriptor_type(elem: str, rows: int, head_dim: int) -> str:
+def descriptor_type(elem: str, rows: int, head_dim: int, heads: int = 1) -> str:
     """The JIT's signature type of a `descriptor` argument (what `triton.runtime.jit.mangle_type` gives)."""
-    return f"tensordesc<{elem}[1, {rows}, 1, {head_dim}],{_block_layout(rows, head_dim, elem)!r}>"
+    return f"tensordesc<{elem}[1, {rows}, {heads}, {head_dim}],{_block_layout(rows, head_dim, elem, heads)!r}>"
 
 
 def padded_outputs(q: torch.Tensor, keep_lse: bool, return_lse: bool) -> tuple[torch.Tensor, torch.Tensor | None]:

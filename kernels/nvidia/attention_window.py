@@ -21,7 +21,6 @@ kernel otherwise). Semantics: `registry.ops.sink_attention.reference`.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -36,12 +35,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from kernels.base import CompileSpec
 from kernels.common.attention import attention_compile_specs, attention_forward, window_reason
 from kernels.common.launch import triton_launch
-from kernels.nvidia.attention_tma import LOG2E, padded_outputs, tma_addressable
+from kernels.nvidia.attention_tma import LOG2E, descriptor, descriptor_type, padded_outputs, tma_addressable
 from tuning.space import ConfigSpace
 from tuning_db.records import CallConfig, LaunchConfig
 
@@ -201,21 +199,6 @@ def _attention_fwd_window_tma_kernel(
 
 
 # ----------------------------------------------------------------------------- launcher
-@functools.cache
-def _block_layout(rows: int, heads: int, head_dim: int, elem: str) -> gl.NVMMASharedLayout:
-    """The shared layout of a [1, rows, heads, head_dim] TMA block (cached: a launch builds six
-    descriptors, and building the layout was a third of their host time on an H100's host)."""
-    element = gl.bfloat16 if elem == "bf16" else gl.float16
-    return gl.NVMMASharedLayout.get_default_for([1, rows, heads, head_dim], element)
-
-
-def _descriptor(t: torch.Tensor, rows: int, heads: int) -> TensorDescriptor:
-    """A TMA descriptor over a [b, s, h, d] tensor whose blocks are `rows` rows of `heads` heads."""
-    d = t.shape[-1]
-    layout = _block_layout(rows, heads, d, "bf16" if t.dtype == torch.bfloat16 else "fp16")
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, rows, heads, d], layout)
-
-
 def _capped_window(args: Mapping) -> int | None:
     """The window the kernels run: the call's, capped at s_k (a longer one allows what causal allows),
     None without a causal window."""
@@ -254,8 +237,8 @@ def window_tma_forward(args: Mapping, config: LaunchConfig, keep_lse: bool, laun
     tokens, heads, half = config.blocks["TOKENS"], config.blocks["HEADS"], window // 2
     launch(
         _attention_fwd_window_tma_kernel, (triton.cdiv(s_q, tokens), h_q // heads, batch),
-        _descriptor(q, tokens, heads), _descriptor(k, half, 1), _descriptor(v, half, 1), _descriptor(k, TAIL.value, 1),
-        _descriptor(v, TAIL.value, 1), _descriptor(out, tokens, heads), sinks, lse if lse is not None else out,
+        descriptor(q, tokens, heads), descriptor(k, half), descriptor(v, half), descriptor(k, TAIL.value),
+        descriptor(v, TAIL.value), descriptor(out, tokens, heads), sinks, lse if lse is not None else out,
         float(args["sm_scale"]) * LOG2E.value, s_q, s_k, window, *(lse.stride()[:2] if lse is not None else (0, 0)),
         GROUP=h_q // h_kv, HAS_SINKS=sinks is not None, RETURN_LSE=lse is not None, HEAD_DIM=d, TOKENS=tokens,
         HEADS=heads, HALF=half, NUM_WARPS=config.num_warps, num_warps=config.num_warps,
@@ -355,11 +338,6 @@ class AttentionWindowTmaHopper:
         return specs + attention_compile_specs(key, config, tiled, elem)
 
 
-def _descriptor_type(elem: str, rows: int, heads: int, head_dim: int) -> str:
-    """The JIT's signature type of a `_descriptor(t, rows, heads)` argument."""
-    return f"tensordesc<{elem}[1, {rows}, {heads}, {head_dim}],{_block_layout(rows, heads, head_dim, elem)!r}>"
-
-
 def forward_compile_spec(key: Mapping, config: LaunchConfig, elem: str) -> CompileSpec:
     """This forward as a call with this key launches it (RETURN_LSE on)."""
     d, tokens, heads = int(key["d"]), config.blocks["TOKENS"], config.blocks["HEADS"]
@@ -367,8 +345,8 @@ def forward_compile_spec(key: Mapping, config: LaunchConfig, elem: str) -> Compi
     constexprs = {"GROUP": int(key["h_q"]) // int(key["h_kv"]), "HAS_SINKS": bool(key.get("sinks", False)),
                   "RETURN_LSE": True, "HEAD_DIM": d, "TOKENS": tokens, "HEADS": heads, "HALF": half,
                   "NUM_WARPS": config.num_warps}
-    rows, keys, tail = (_descriptor_type(elem, tokens, heads, d), _descriptor_type(elem, half, 1, d),
-                        _descriptor_type(elem, TAIL.value, 1, d))
+    rows, keys, tail = (descriptor_type(elem, tokens, d, heads), descriptor_type(elem, half, d),
+                        descriptor_type(elem, TAIL.value, d))
     signature = {"q_desc": rows, "k_desc": keys, "v_desc": keys, "kt_desc": tail, "vt_desc": tail, "o_desc": rows,
                  "Sinks": "*fp32", "Lse": "*fp32", "qk_scale": "fp32", "seqlen_q": "i32", "seqlen_k": "i32",
                  "window": "i32", "stride_lb": "i32", "stride_lh": "i32"}
