@@ -67,7 +67,7 @@ def _configs(variant, args):
     return out
 
 
-def _check(args, splits=(None, 3, 7)):
+def _check(args, splits=(None, 1, 7)):
     expected = OP.reference(**args)
     for variant in VARIANTS:
         for config in _configs(variant, args):
@@ -101,7 +101,7 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
 def test_decode_matches_reference(case, device):
     b, s_q, h_q, h_kv, d, lens, capacity, block_size, window = CASES[case]
-    splits = (1, 2, 4, 64) if case == "one-split-each-way" else (None, 3, 7)
+    splits = (1, 2, 4, 64) if case == "one-split-each-way" else (None, 1, 7)
     _check(_inputs(device, b=b, s_q=s_q, h_q=h_q, h_kv=h_kv, d=d, lens=lens, capacity=capacity,
                    block_size=block_size, window=window, seed=sum(map(ord, case))), splits)
 
@@ -112,9 +112,13 @@ def test_sinks_of_any_size(device, sink):
     sinks = torch.tensor([30.0, -30.0, 0.5, 4.0]) if sink == "mixed" else sink
     args = _inputs(device, b=2, s_q=2, h_q=4, h_kv=2, d=64, lens=[45, 0], capacity=48, block_size=16,
                    sinks=sinks, seed=3)
-    _check(args, splits=(None, 4))
-    out, lse = VARIANTS[0].launch(args, VARIANTS[0].default_config(dict(OP.tuning_key(args)), INFO))
-    assert torch.all(out[1] == 0) and torch.all(lse[1] == math.inf)
+    _check(args, splits=(None, 1, 4))
+    config = VARIANTS[0].default_config(dict(OP.tuning_key(args)), INFO)
+    for splits in (1, 4):
+        out, lse = VARIANTS[0].launch({**args, "num_splits": splits}, config)
+        assert torch.all(out[1] == 0) and torch.all(lse[1] == math.inf)
+        # Without the lse (one split: the split kernel stores out alone) the output is the same.
+        assert torch.equal(VARIANTS[0].launch({**args, "num_splits": splits, "return_lse": False}, config), out)
 
 
 def test_invalid_block_ids_in_use_are_masked_and_entries_past_the_length_never_read(device):
@@ -213,16 +217,18 @@ def test_split_space_keeps_whole_heads_and_one_warp_per_head_or_more():
 
 
 def test_split_count_depends_on_shapes_only():
-    """num_splits comes from the device and shapes (no cache_seqlens value), is capped by the key tiles
-    of the longest range a sequence can need, and a window shrinks that range (plus a tile less one
-    key when tiles are aligned to pages)."""
+    """num_splits comes from the device and shapes (no cache_seqlens value), fills whole waves of SMs
+    where it can, is capped by the key tiles of the longest range a sequence can need, and a window
+    shrinks that range (plus a tile less one key when tiles are aligned to pages)."""
     from kernels.common.decode import MAX_SPLITS, choose_splits, key_range
 
     one_long = choose_splits(1 * 8, key_range(131072, 1, None), 132, 64, 2)
     assert one_long == 33  # 2 waves of 132 SMs over 8 programs
     assert choose_splits(1, key_range(131072, 1, None), 132, 64, 2) == MAX_SPLITS  # all 8 heads in one: 264 wanted
-    assert choose_splits(32 * 8, 8192, 132, 64, 2) == 2
-    assert choose_splits(32 * 2, 8192, 132, 64, 2) == 5  # four kv heads per program: a quarter of the programs
+    assert choose_splits(32 * 8, 8192, 132, 64, 2) == 1  # 256 programs fill 2 waves as well as 512 fill 4
+    assert choose_splits(32 * 2, 8192, 132, 64, 2) == 4  # 256 programs, not 320: 2.4 waves take 3
+    assert choose_splits(8 * 8, 32768, 132, 64, 1) == 2  # 128 programs in one wave, not 192 in two
+    assert choose_splits(1 * 8, 131072, 132, 64, 1) == 16
     assert choose_splits(128 * 8, 8192, 132, 64, 2) == 1
     assert choose_splits(1, 1 << 20, 132, 16, 4) == MAX_SPLITS
     assert choose_splits(8, key_range(131072, 1, 128), 132, 64, 2) == 2  # a window of 128: two tiles

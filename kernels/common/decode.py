@@ -14,9 +14,13 @@ A call is two kernels, two roles:
   the partials by their lse, applies the sink once (`L' = logaddexp(L, sink)`), and writes the
   output in the input dtype and the lse without the sink (+inf, and out 0, for a row with no key).
 
+A call of one split (large batches) needs no merge: the split kernel applies the sink and writes the
+outputs itself, and no combine is launched.
+
 `num_splits` comes from shapes and the device only (never from cache_seqlens values, so no host sync
-and CUDA-graph capture works): about WAVES programs per SM, at most one split per key tile of the
-longest range a sequence could need (its capacity, or the window plus s_q - 1). Paged caches gather
+and CUDA-graph capture works): about WAVES programs per SM, rounded to fill the last wave of SMs as
+well as it can, at most one split per key tile of the longest range a sequence could need (its
+capacity, or the window plus s_q - 1). Paged caches gather
 keys through the block table: one entry per key tile when a page holds whole tiles (block_size >=
 BLOCK_N, fixed at compile time; a window's first tile is then aligned down to a page-aligned
 multiple of BLOCK_N), else one per key; a block id outside [0, num_blocks) masks its keys, and table
@@ -83,7 +87,7 @@ def _dot_keys(a, b, TRANS_B: tl.constexpr):
 
 @triton.jit
 def _decode_split_kernel(
-    Q, K, V, SEQLENS, TABLE, O_PART, LSE_PART,
+    Q, K, V, SEQLENS, TABLE, O_PART, LSE_PART, SINK,
     qk_scale, window, capacity, num_blocks, s_q, group, h_kv, split_len,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_kn, stride_kh,
@@ -93,7 +97,7 @@ def _decode_split_kernel(
     stride_lb, stride_ls, stride_lh,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     KV_HEADS: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    PDL: tl.constexpr,
+    FINAL: tl.constexpr, HAS_SINK: tl.constexpr, RETURN_LSE: tl.constexpr, PDL: tl.constexpr,
 ):
     """One program: split `program_id(1)` of the keys of one sequence for KV_HEADS consecutive kv
     heads (`h_kv % KV_HEADS == 0`), each with all its `s_q * group` query rows (row r of kv head j:
@@ -105,7 +109,14 @@ def _decode_split_kernel(
     = sm_scale * log2(e)); writes the partial output (normalized by its own row sum) and the partial
     lse in natural log, -inf for an empty partial. A paged cache whose pages hold whole key tiles
     (PAGE >= BLOCK_N, tiles starting at multiples of BLOCK_N) reads one table entry per tile; with
-    smaller pages, one per key."""
+    smaller pages, one per key.
+
+    FINAL (one split: nothing to merge) writes the call's own outputs instead, as the combine would:
+    O_PART and LSE_PART are then `out` and `lse` (split stride 0), the sink applied (HAS_SINK), the lse
+    stored only with RETURN_LSE. With PDL the combine's launch is allowed at once: its programs wait
+    for this whole grid's writes (`gdc_wait`), so they only take the SM slots the split leaves."""
+    if PDL:
+        gdc_launch_dependents()
     b = tl.program_id(0) // (h_kv // KV_HEADS)
     kv0 = (tl.program_id(0) % (h_kv // KV_HEADS)) * KV_HEADS
     split = tl.program_id(1)
@@ -180,13 +191,30 @@ def _decode_split_kernel(
     empty = l_i == 0.0
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * LN2)
     out = acc / tl.expand_dims(tl.where(empty, 1.0, l_i), -1)
+    if FINAL:
+        if HAS_SINK:
+            sink = tl.load(SINK + _per_head_rows(head, group, KV_HEADS), mask=row_ok, other=0.0)
+            out = out * tl.expand_dims(_sink_scale(lse, empty, sink), -1)
+        lse = tl.where(empty, float("inf"), lse)
     o_rows = _per_head_rows(token * stride_os + head * stride_oh, group * stride_oh, KV_HEADS)
-    tl.store(O_PART + b.to(tl.int64) * stride_ob + split * stride_op + tl.expand_dims(o_rows, -1) + offs_d, out,
-             mask=row_ok[:, None] & d_ok[None, :])
-    lse_rows = _per_head_rows(token * stride_ls + head * stride_lh, group * stride_lh, KV_HEADS)
-    tl.store(LSE_PART + b.to(tl.int64) * stride_lb + split + lse_rows, lse, mask=row_ok)
-    if PDL:
-        gdc_launch_dependents()  # the combine may start launching; it waits for this grid's writes
+    tl.store(O_PART + b.to(tl.int64) * stride_ob + split * stride_op + tl.expand_dims(o_rows, -1) + offs_d,
+             out.to(O_PART.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    if RETURN_LSE or not FINAL:
+        lse_rows = _per_head_rows(token * stride_ls + head * stride_lh, group * stride_lh, KV_HEADS)
+        tl.store(LSE_PART + b.to(tl.int64) * stride_lb + split + lse_rows, lse, mask=row_ok)
+
+
+@triton.jit
+def _sink_scale(lse, empty, sink):
+    """exp(L - logaddexp(L, sink)), the factor a sink leaves on outputs normalized over their keys
+    (lse L in natural log); 0 for an empty row (its output is 0 whatever the sink) and for a sink of
+    +inf."""
+    finite = tl.where(empty, sink, lse)
+    hi = tl.maximum(finite, sink)
+    hi_safe = tl.where((hi == float("inf")) | (hi == float("-inf")), 0.0, hi)
+    total = tl.math.exp2((finite - hi_safe) * LOG2E) + tl.math.exp2((sink - hi_safe) * LOG2E)
+    scale = tl.math.exp2((finite - hi_safe) * LOG2E) / total
+    return tl.where(empty | (hi == float("inf")), 0.0, scale)
 
 
 @triton.jit
@@ -197,17 +225,18 @@ def _decode_combine_kernel(
     stride_lb, stride_ls, stride_lh,
     stride_outb, stride_outs, stride_outh,
     stride_rb, stride_rh, stride_rs,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr, SPLITS: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr,
     CHUNK: tl.constexpr, HAS_SINK: tl.constexpr, RETURN_LSE: tl.constexpr, PDL: tl.constexpr,
 ):
     """One program: ROWS (sequence, token, head) rows. L = logsumexp of the partial lse over the
     splits, L' = logaddexp(L, sink[h]) (or L), out = sum_s exp(lse_s - L') * o_s; the returned lse is L,
     +inf with out 0 where every split was empty (whatever the sink).
 
-    Every split's lse is read as one [ROWS, SPLITS] tile (SPLITS: num_splits rounded up to a power of
-    two), and the partial outputs CHUNK splits at a time, so a long list of splits costs a few wide
-    loads, not a chain of dependent ones. With PDL (Hopper's programmatic dependent launch) it is
-    launched while the split grid drains and waits here for its writes."""
+    The splits are merged online, CHUNK at a time (a running max of the lse rescales the sums, as in
+    flash attention), so each chunk's lse and partial outputs are two independent loads: with CHUNK
+    at least num_splits the whole merge waits on memory once. With PDL (Hopper's programmatic
+    dependent launch) it is launched once every split program has started, and waits here for the
+    split grid's writes."""
     if PDL:
         gdc_wait()
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
@@ -216,39 +245,34 @@ def _decode_combine_kernel(
     token = (r // h_q) % s_q
     head = r % h_q
     lse_row = LSE_PART + b * stride_lb + token * stride_ls + head * stride_lh
-    offs_s = tl.arange(0, SPLITS)
-    lse_all = tl.load(lse_row[:, None] + offs_s[None, :], mask=row_ok[:, None] & (offs_s[None, :] < num_splits),
-                      other=float("-inf"))
-    m = tl.max(lse_all, 1)
-    shift = tl.where(m == float("-inf"), 0.0, m)
-    total = tl.sum(tl.math.exp2((lse_all - shift[:, None]) * LOG2E), 1)
-    empty = total == 0.0
-    lse = tl.where(empty, float("-inf"), shift + tl.log(tl.where(empty, 1.0, total)))
-    lse_out = lse
-    if HAS_SINK:
-        # logaddexp(L, sink); an empty row's weights are 0 anyway (any finite stand-in for L will do),
-        # and a sink of +inf makes every weight 0.
-        sink = tl.load(SINK + head, mask=row_ok, other=0.0)
-        finite = tl.where(empty, sink, lse)
-        hi = tl.maximum(finite, sink)
-        hi_safe = tl.where((hi == float("inf")) | (hi == float("-inf")), 0.0, hi)
-        lse_out = tl.where(hi == float("inf"), float("inf"),
-                           hi_safe + tl.log(tl.exp(finite - hi_safe) + tl.exp(sink - hi_safe)))
-    lse_out = tl.where(empty, 0.0, lse_out)
+    o_row = O_PART + b * stride_ob + token * stride_os + head * stride_oh
     offs_d = tl.arange(0, BLOCK_D)
     offs_c = tl.arange(0, CHUNK)
     d_ok = offs_d < HEAD_DIM
-    o_row = O_PART + b * stride_ob + token * stride_os + head * stride_oh
+    m = tl.full([ROWS], float("-inf"), tl.float32)
+    total = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
     for s0 in range(0, num_splits, CHUNK):
         split = s0 + offs_c
         split_ok = row_ok[:, None] & (split[None, :] < num_splits)
-        weight = tl.math.exp2((tl.load(lse_row[:, None] + split[None, :], mask=split_ok, other=float("-inf"))
-                               - lse_out[:, None]) * LOG2E)
-        weight = tl.where(empty[:, None], 0.0, weight)
+        lse_c = tl.load(lse_row[:, None] + split[None, :], mask=split_ok, other=float("-inf"))
         o = tl.load(o_row[:, None, None] + split[None, :, None] * stride_op + offs_d[None, None, :],
                     mask=split_ok[:, :, None] & d_ok[None, None, :], other=0.0)
-        acc += tl.sum(weight[:, :, None] * o, 1)
+        m_new = tl.maximum(m, tl.max(lse_c, 1))
+        # Rows with no non-empty split so far keep m = -inf: shift by 0 so the weights are 0, not NaN.
+        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        rescale = tl.math.exp2((m - shift) * LOG2E)
+        weight = tl.math.exp2((lse_c - shift[:, None]) * LOG2E)
+        total = total * rescale + tl.sum(weight, 1)
+        acc = acc * rescale[:, None] + tl.sum(weight[:, :, None] * o, 1)
+        m = m_new
+    empty = total == 0.0
+    lse = tl.where(empty, float("-inf"), m + tl.log(tl.where(empty, 1.0, total)))
+    # acc holds sum_s exp(lse_s - m) * o_s: dividing by total normalizes it over every split's keys.
+    scale = tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, total))
+    if HAS_SINK:
+        scale *= _sink_scale(lse, empty, tl.load(SINK + head, mask=row_ok, other=0.0))
+    acc = acc * scale[:, None]
     out_ptr = OUT + b[:, None] * stride_outb + token[:, None] * stride_outs + head[:, None] * stride_outh \
         + offs_d[None, :]
     tl.store(out_ptr, acc.to(OUT.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
@@ -276,11 +300,20 @@ def key_range(capacity: int, s_q: int, window: int | None, align: int = 1) -> in
 
 
 def choose_splits(programs: int, reach: int, num_sms: int, block_n: int, waves: int) -> int:
-    """About `waves` split programs per SM over the `programs` (sequence, kv heads) pairs, never more
-    splits than key tiles in the `reach` keys a sequence may need, at most MAX_SPLITS. Shapes and the
-    device only: no cache_seqlens value is read."""
-    wanted = -(-waves * num_sms // programs)
-    return max(1, min(wanted, cdiv(reach, block_n), MAX_SPLITS))
+    """The split count for `programs` (sequence, kv heads) pairs: about `waves` split programs per SM,
+    rounded down or up to whichever fills its last wave of SMs better (ties: fewer splits). Equal-length
+    programs finish together, so a partly filled last wave costs a whole one: 192 programs on 132 SMs
+    take as long as 264. Never more splits than key tiles in the `reach` keys a sequence may need, at
+    most MAX_SPLITS. Shapes and the device only: no cache_seqlens value is read."""
+    cap = max(1, min(cdiv(reach, block_n), MAX_SPLITS))
+    wanted = waves * num_sms / programs
+
+    def filled(splits: int) -> float:
+        total = programs * splits
+        return total / (cdiv(total, num_sms) * num_sms)
+
+    options = {min(cap, max(1, math.floor(wanted))), min(cap, max(1, math.ceil(wanted)))}
+    return max(sorted(options), key=filled)
 
 
 @functools.cache
@@ -346,19 +379,8 @@ def decode_forward(args: dict, plan: DecodePlan, launch: Callable[..., Any] = tr
     device_index = q.get_device()
     splits = args["num_splits"] or choose_splits(programs, reach, _sm_count(device_index), block_n, plan.waves)
     split_len = cdiv(cdiv(reach, splits), block_n) * block_n
-    o_part = torch.empty((b, s_q, h_q, splits, d), device=q.device, dtype=torch.float32)
-    lse_part = torch.empty((b, s_q, h_q, splits), device=q.device, dtype=torch.float32)
     block_d = dot_block(d)
     pdl = programmatic_launch(device_index)
-    launch(
-        _decode_split_kernel, (programs, splits),
-        q, k_cache, v_cache, args["cache_seqlens"], table if paged else args["cache_seqlens"], o_part, lse_part,
-        float(args["sm_scale"]) * LOG2E.value, window or 0, capacity, k_cache.shape[0], s_q, group, h_kv, split_len,
-        *q_strides, *k_cache.stride()[:3], *v_cache.stride()[:3], table.stride(0) if paged else 0,
-        *o_part.stride()[:4], *lse_part.stride()[:3],
-        HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=rows_block(s_q, group), BLOCK_N=block_n, KV_HEADS=kv_heads,
-        PAGED=paged, PAGE=page, HAS_WINDOW=window is not None, PDL=pdl, **plan.split_knobs,
-    )
     out = torch.empty(q.shape, device=q.device, dtype=q.dtype)
     lse = None
     if args["return_lse"]:
@@ -367,13 +389,35 @@ def decode_forward(args: dict, plan: DecodePlan, launch: Callable[..., Any] = tr
     out_strides = (so[0], 0, so[1]) if one_token else so[:3]
     lse_strides = (sl[0], sl[1], 0) if one_token else sl
     sinks = args["sinks"]
+    final = splits == 1
+    if final:
+        # Nothing to merge: the split program writes out and lse (laid out [b, h, s]) itself.
+        o_part, o_strides = out, (*out_strides, 0)
+        lse_part, lse_part_strides = (lse if lse is not None else out), (lse_strides[0], lse_strides[2], lse_strides[1])
+    else:
+        o_part = torch.empty((b, s_q, h_q, splits, d), device=q.device, dtype=torch.float32)
+        lse_part = torch.empty((b, s_q, h_q, splits), device=q.device, dtype=torch.float32)
+        o_strides, lse_part_strides = o_part.stride()[:4], lse_part.stride()[:3]
+    launch(
+        _decode_split_kernel, (programs, splits),
+        q, k_cache, v_cache, args["cache_seqlens"], table if paged else args["cache_seqlens"], o_part, lse_part,
+        sinks if sinks is not None else lse_part,
+        float(args["sm_scale"]) * LOG2E.value, window or 0, capacity, k_cache.shape[0], s_q, group, h_kv, split_len,
+        *q_strides, *k_cache.stride()[:3], *v_cache.stride()[:3], table.stride(0) if paged else 0,
+        *o_strides, *lse_part_strides,
+        HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=rows_block(s_q, group), BLOCK_N=block_n, KV_HEADS=kv_heads,
+        PAGED=paged, PAGE=page, HAS_WINDOW=window is not None, FINAL=final, HAS_SINK=sinks is not None,
+        RETURN_LSE=lse is not None, PDL=pdl and not final, **plan.split_knobs,
+    )
+    if final:
+        return (out, lse) if lse is not None else out
     rows, per_program = b * s_q * h_q, plan.rows
     launch(
         _decode_combine_kernel, (cdiv(rows, per_program),),
         o_part, lse_part, sinks if sinks is not None else lse_part, out, lse if lse is not None else lse_part,
         rows, s_q, h_q, splits,
-        *o_part.stride()[:4], *lse_part.stride()[:3], *out_strides, *lse_strides,
-        HEAD_DIM=d, BLOCK_D=block_d, ROWS=per_program, SPLITS=next_pow2(splits), CHUNK=plan.chunk,
+        *o_strides, *lse_part_strides, *out_strides, *lse_strides,
+        HEAD_DIM=d, BLOCK_D=block_d, ROWS=per_program, CHUNK=min(plan.chunk, next_pow2(splits)),
         HAS_SINK=sinks is not None, RETURN_LSE=lse is not None, PDL=pdl, **({"launch_pdl": True} if pdl else {}),
         **plan.combine_knobs,
     )
@@ -390,11 +434,12 @@ def decode_compile_specs(key: dict, config: CallConfig, dtype: str = "fp16", pdl
     names = _decode_split_kernel.arg_names
     floats = ("qk_scale",)
     pointers = {"Q": elem, "K": elem, "V": elem, "SEQLENS": "*i32", "TABLE": "*i32", "O_PART": "*fp32",
-                "LSE_PART": "*fp32"}
+                "LSE_PART": "*fp32", "SINK": "*fp32"}
     constexprs = {"HEAD_DIM": key["d"], "BLOCK_D": dot_block(key["d"]), "BLOCK_M": rows_block(key["s_q"], group),
                   "BLOCK_N": split["BLOCK_N"], "KV_HEADS": heads_per_program(key["h_kv"], split["KV_HEADS"]),
                   "PAGED": bool(key["paged"]), "PAGE": key["block_size"] or 1,
-                  "HAS_WINDOW": key["window"] is not None, "PDL": pdl}
+                  "HAS_WINDOW": key["window"] is not None, "FINAL": False, "HAS_SINK": True, "RETURN_LSE": True,
+                  "PDL": pdl}
     signature = {n: pointers.get(n, "fp32" if n in floats else "i32") for n in names if n not in constexprs}
     split_spec = CompileSpec("split", _decode_split_kernel, signature, constexprs,
                              values={"s_q": key["s_q"], "group": group, "h_kv": key["h_kv"]})
@@ -402,7 +447,7 @@ def decode_compile_specs(key: dict, config: CallConfig, dtype: str = "fp16", pdl
     pointers = {"O_PART": "*fp32", "LSE_PART": "*fp32", "SINK": "*fp32", "OUT": elem, "LSE": "*fp32"}
     combine = config["combine"].blocks
     constexprs = {"HEAD_DIM": key["d"], "BLOCK_D": dot_block(key["d"]), "ROWS": combine["ROWS"],
-                  "SPLITS": MAX_SPLITS, "CHUNK": combine["CHUNK"], "HAS_SINK": True, "RETURN_LSE": True,
+                  "CHUNK": combine["CHUNK"], "HAS_SINK": True, "RETURN_LSE": True,
                   "PDL": pdl}
     signature = {n: pointers.get(n, "i32") for n in names if n not in constexprs}
     combine_spec = CompileSpec("combine", _decode_combine_kernel, signature, constexprs,
@@ -432,11 +477,19 @@ def key_rows_between(low: int, high: int) -> Keep:
     return key_rows
 
 
-# The combine kernel is a few hundred bytes per row on either vendor: one space for both.
+def combine_tile_fits(config: LaunchConfig, key: Mapping) -> bool:
+    """A `keep` predicate for the combine space: a chunk's partial outputs, ROWS * CHUNK * d fp32
+    values, are at most 128 per thread of 32-lane warps (a larger tile only spills)."""
+    return config.blocks["ROWS"] * config.blocks["CHUNK"] * dot_block(key["d"]) <= 128 * 32 * config.num_warps
+
+
+# The combine kernel is a few hundred bytes per row on either vendor: one space for both. CHUNK is cut to
+# the call's split count (rounded up to a power of two), so a wide CHUNK merges few splits in one load.
 COMBINE_SPACE = ConfigSpace(
-    blocks={"ROWS": (1, 2, 4), "CHUNK": (4, 8, 16)},
+    blocks={"ROWS": (1, 2, 4), "CHUNK": (4, 8, 16, 32, 64)},
     knobs={"num_warps": (1, 2, 4)},
-    defaults={"*": {"ROWS": 1, "CHUNK": 8, "num_warps": 2}},
+    keep=combine_tile_fits,
+    defaults={"*": {"ROWS": 1, "CHUNK": 32, "num_warps": 2}},
     interpreter=({"ROWS": 2, "CHUNK": 4}, {"ROWS": 1, "CHUNK": 8}),
 )
 
