@@ -216,6 +216,22 @@ def test_split_space_keeps_whole_heads_and_one_warp_per_head_or_more():
                 assert c.blocks["KV_HEADS"] == 1 or c.num_warps <= c.blocks["KV_HEADS"]
 
 
+def test_combine_space_keeps_chunks_that_fit_in_registers():
+    """A combine config's chunk of partial outputs, ROWS * CHUNK * d fp32 values, is at most 128 per
+    thread of 32-lane warps: wide chunks come with more warps, and at d 128 ROWS 4 x CHUNK 64 never."""
+    from registry.device import preset
+
+    key = dict(OP.tuning_key(OP.validate(**OP.make_inputs(OP.presets["targets"][0], device="meta",
+                                                          dtype=torch.bfloat16, seed=0))))
+    for variant in load_all()["decode"]:
+        target = preset("h200" if variant.vendor == "nvidia" else "mi300x")
+        for d in (64, 128):
+            configs = variant.space({**key, "d": d}, target)["combine"]
+            assert configs and all(c.blocks["ROWS"] * c.blocks["CHUNK"] * d <= 4096 * c.num_warps for c in configs)
+            assert (1, 64) in {(c.blocks["ROWS"], c.blocks["CHUNK"]) for c in configs}
+            assert ((4, 64) in {(c.blocks["ROWS"], c.blocks["CHUNK"]) for c in configs}) == (d == 64)
+
+
 def test_split_count_depends_on_shapes_only():
     """num_splits comes from the device and shapes (no cache_seqlens value), fills whole waves of SMs
     where it can, is capped by the key tiles of the longest range a sequence can need, and a window
