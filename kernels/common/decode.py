@@ -426,8 +426,9 @@ def decode_forward(args: dict, plan: DecodePlan, launch: Callable[..., Any] = tr
 
 # ----------------------------------------------------------------------------- offline compiles
 def decode_compile_specs(key: dict, config: CallConfig, dtype: str = "fp16", pdl: bool = False) -> list[CompileSpec]:
-    """Both kernels as a call with this key launches them (with sinks and lse, the heavier combine;
-    `pdl`: with the programmatic-dependent-launch instructions NVIDIA's Hopper build carries)."""
+    """The kernels a call with this key may launch, with sinks and lse: the split kernel writing
+    partials, the combine, and the split kernel of a one-split call writing the outputs itself (`pdl`:
+    with the programmatic-dependent-launch instructions NVIDIA's Hopper build carries)."""
     elem = f"*{key.get('dtype', dtype)}"
     group = key["h_q"] // key["h_kv"]
     split = config["split"].blocks
@@ -441,8 +442,10 @@ def decode_compile_specs(key: dict, config: CallConfig, dtype: str = "fp16", pdl
                   "HAS_WINDOW": key["window"] is not None, "FINAL": False, "HAS_SINK": True, "RETURN_LSE": True,
                   "PDL": pdl}
     signature = {n: pointers.get(n, "fp32" if n in floats else "i32") for n in names if n not in constexprs}
-    split_spec = CompileSpec("split", _decode_split_kernel, signature, constexprs,
-                             values={"s_q": key["s_q"], "group": group, "h_kv": key["h_kv"]})
+    values = {"s_q": key["s_q"], "group": group, "h_kv": key["h_kv"]}
+    split_spec = CompileSpec("split", _decode_split_kernel, signature, constexprs, values=values)
+    final_spec = CompileSpec("split", _decode_split_kernel, {**signature, "O_PART": elem},
+                             {**constexprs, "FINAL": True, "PDL": False}, values=values)
     names = _decode_combine_kernel.arg_names
     pointers = {"O_PART": "*fp32", "LSE_PART": "*fp32", "SINK": "*fp32", "OUT": elem, "LSE": "*fp32"}
     combine = config["combine"].blocks
@@ -452,7 +455,7 @@ def decode_compile_specs(key: dict, config: CallConfig, dtype: str = "fp16", pdl
     signature = {n: pointers.get(n, "i32") for n in names if n not in constexprs}
     combine_spec = CompileSpec("combine", _decode_combine_kernel, signature, constexprs,
                                values={"s_q": key["s_q"], "h_q": key["h_q"]})
-    return [split_spec, combine_spec]
+    return [split_spec, combine_spec, final_spec]
 
 
 # ----------------------------------------------------------------------------- the variant
