@@ -211,7 +211,10 @@ def forward_rows(shapes: list[tuple], kinds: list[str], dtype: torch.dtype = tor
 def main(argv: list[str] | None = None) -> int:
     """`python -m benchmarks.attention [--variants tiled,warpspec] [--shape 0,1,2,3,4]`: forward rows per
     variant kind beside SDPA, with each row's ratio to SDPA; `--configs '{"fwd": [{...}]}' [--explore
-    warpspec]`: explore forward configs of one kind at the same shapes (benchmarks.common.explore)."""
+    warpspec]`: explore forward configs of one kind at the same shapes (benchmarks.common.explore);
+    `--preset sink_attention:1,2`: the variant dispatch picks and the full benchmark's rows (forward,
+    forward+backward, the peer) at those indices of the op's full preset, through the registry (as
+    `benchmarks.run` times them)."""
     parser = argparse.ArgumentParser(prog="python -m benchmarks.attention")
     parser.add_argument("--variants", default="tiled,warpspec", help=f"comma-separated kinds among {list(KINDS)}")
     parser.add_argument("--shape", default=",".join(str(i) for i in range(len(FORWARD_SHAPES))),
@@ -219,6 +222,9 @@ def main(argv: list[str] | None = None) -> int:
                         "; ".join(f"{i} {_shape_name(s)}" for i, (_, s) in enumerate(FORWARD_SHAPES)))
     parser.add_argument("--configs", default=None, help="JSON: role -> list of LaunchConfig dicts to explore")
     parser.add_argument("--explore", default="warpspec", help="the kind whose configs --configs explores")
+    parser.add_argument("--preset", default=None, metavar="OP:I,J",
+                        help="the full benchmark's rows at these indices of the op's full preset (sink_attention or "
+                             "flash_attention), through the registry")
     parser.add_argument("--csv", default=None, help="where to write the long-format rows")
     opts = parser.parse_args(argv)
     kinds = opts.variants.split(",")
@@ -226,9 +232,27 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"--variants/--explore: expected kinds among {list(KINDS)}, got {unknown}")
     shapes = [FORWARD_SHAPES[int(i)] for i in opts.shape.split(",")]
+    ops = {o.name: o for o in (SINK, FLASH)}
+    if opts.preset is not None:
+        name, _, indices = opts.preset.partition(":")
+        if name not in ops or not indices:
+            parser.error(f"--preset: expected OP:I,J with OP among {list(ops)}, got {opts.preset!r}")
     if not torch.cuda.is_available():
         print("benchmarks need a CUDA or ROCm GPU; none is present", file=sys.stderr)
         return 2
+    if opts.preset is not None:
+        op = ops[name]
+        for index in (int(i) for i in indices.split(",")):
+            shape = op.presets["full"][index]
+            choice = registry.get(name).choice(**op.validate(**op.make_inputs(shape, device=DEVICE,
+                                                                             dtype=torch.bfloat16, seed=0)))
+            print(f"{_shape_name(shape)}: dispatch {choice.variant.name if choice.variant else 'reference'} "
+                  f"({choice.source})", flush=True)
+            for m in _bench_shape(op, shape, torch.bfloat16):
+                err = "-" if m.rel_err is None else f"{m.rel_err:.1e}"
+                print(f"{m.op:24} {m.shape:40} {m.provider:18} {m.median_ms:8.4f} ms  rel err {err}", flush=True)
+            torch.cuda.empty_cache()
+        return 0
     if opts.configs is not None:
         for op, shape in shapes:
             for m in explore(op, shape, json.loads(opts.configs), name=_shape_name(shape), unit="TFLOP/s",

@@ -22,13 +22,4 @@ timeout 200 python3 -m tuning.sweep --device auto --op sink_attention --variant 
     | tee "$OUT/sweep.log" | tail -n 12 || true
 
 # (c) The benchmark's rows for the window shapes, through the registry (the database above first).
-timeout 200 python3 - <<'PY' 2>&1 | grep -v "Warning\|_warn_once"
-import torch
-
-from benchmarks.attention import SINK, _bench_shape
-
-for index in (1, 2):
-    for m in _bench_shape(SINK, SINK.presets["full"][index], torch.bfloat16):
-        err = "-" if m.rel_err is None else f"{m.rel_err:.1e}"
-        print(f"{m.op:24} {m.shape:40} {m.provider:18} {m.median_ms:8.4f} ms  rel err {err}", flush=True)
-PY
+timeout 200 python3 -m benchmarks.attention --preset sink_attention:1,2 2>&1 | grep -v "Warning\|_warn_once"

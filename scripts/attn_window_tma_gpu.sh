@@ -37,37 +37,24 @@ sweep|bench)
             --shapes full:1,2 --roles "$roles" "${filter[@]}" --export "$OUT/tables" --no-progress 2>&1 \
             | tee -a "$OUT/sweep.log" | tail -n 8 || true
     done
-    timeout 200 python3 - <<'PY' 2>&1 | grep -v "Warning\|_warn_once"
-import time
+    # Host time per eager forward call (no sync inside the loop): what a call costs before the GPU runs it.
+    timeout 100 python3 - <<'PY' 2>&1 | grep -v "Warning\|_warn_once"
+import statistics
 
 import torch
 
 import registry
-from benchmarks.attention import SINK, _bench_shape
-
-
-def host_us(call, args, n=200):
-    """Host time per eager call (no sync inside the loop): what a call costs before the GPU runs it."""
-    call(**args)
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(n):
-        call(**args)
-    elapsed = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return elapsed / n * 1e6
-
+from benchmarks.attention import SINK
+from benchmarks.common import host_us
 
 for index in (1, 2):
-    shape = SINK.presets["full"][index]
-    args = SINK.validate(**SINK.make_inputs(shape, device="cuda", dtype=torch.bfloat16, seed=0))
-    print("dispatch:", registry.get("sink_attention").choice(**args).variant.name, flush=True)
-    for name in ("sink_attention_window_tma", "sink_attention_flash"):
-        print(f"host time per forward call, {name}: {host_us(registry.get('sink_attention', variant=name), args):.0f} us")
-    for m in _bench_shape(SINK, shape, torch.bfloat16):
-        err = "-" if m.rel_err is None else f"{m.rel_err:.1e}"
-        print(f"{m.op:24} {m.shape:40} {m.provider:18} {m.median_ms:8.4f} ms  rel err {err}", flush=True)
+    args = SINK.validate(**SINK.make_inputs(SINK.presets["full"][index], device="cuda", dtype=torch.bfloat16, seed=0))
+    calls = {name: (lambda handle=registry.get("sink_attention", variant=name): handle(**args))
+             for name in ("sink_attention_window_tma", "sink_attention_flash")}
+    for name, samples in host_us(calls, iters=200, repeats=3).items():
+        print(f"full:{index} host time per forward call, {name}: {statistics.median(samples):.0f} us")
 PY
+    timeout 200 python3 -m benchmarks.attention --preset sink_attention:1,2 2>&1 | grep -v "Warning\|_warn_once"
     ;;
 *)
     echo "usage: $0 tests|sweep|bench" >&2

@@ -8,7 +8,7 @@
 set -euo pipefail
 source "$(dirname "$0")/gpu_common.sh"
 export KREG_TUNING_DB="sqlite:///$OUT/d64.db"
-export SHAPES="${SHAPES:-15}"
+SHAPES="${SHAPES:-15}"
 
 for roles in fwd bwd_dkv,bwd_dq; do
     filter=()
@@ -17,19 +17,4 @@ for roles in fwd bwd_dkv,bwd_dq; do
         --shapes "full:$SHAPES" --roles "$roles" "${filter[@]}" --export "$OUT/tables" --no-progress 2>&1 \
         | tee -a "$OUT/sweep.log" | grep -v "^│  " | tail -n 6 || true
 done
-timeout 150 python3 - <<'PY' 2>&1 | grep -v "Warning\|_warn_once"
-import os
-
-import torch
-
-import registry
-from benchmarks.attention import FLASH, _bench_shape
-
-for index in (int(i) for i in os.environ["SHAPES"].split(",")):
-    shape = FLASH.presets["full"][index]
-    args = FLASH.validate(**FLASH.make_inputs(shape, device="cuda", dtype=torch.bfloat16, seed=0))
-    print("dispatch:", registry.get("flash_attention").choice(**args).variant.name, flush=True)
-    for m in _bench_shape(FLASH, shape, torch.bfloat16):
-        err = "-" if m.rel_err is None else f"{m.rel_err:.1e}"
-        print(f"{m.op:24} {m.shape:40} {m.provider:18} {m.median_ms:8.4f} ms  rel err {err}", flush=True)
-PY
+timeout 150 python3 -m benchmarks.attention --preset "flash_attention:$SHAPES" 2>&1 | grep -v "Warning\|_warn_once"

@@ -109,7 +109,7 @@ def test_gsa_causal_topk_indices_are_distinct_causal_keys():
 
 def test_attention_forward_tool_without_a_gpu_and_its_arguments(capsys):
     """`python -m benchmarks.attention`: its variant kinds name registered variants of each op, a wrong
-    kind is an argument error, and without a GPU it says so."""
+    kind or --preset is an argument error, and without a GPU it says so."""
     from benchmarks import attention
     from registry.catalog import load_all
 
@@ -122,3 +122,8 @@ def test_attention_forward_tool_without_a_gpu_and_its_arguments(capsys):
     assert "expected kinds" in capsys.readouterr().err
     assert attention.main(["--shape", "0"]) == 2
     assert "need a CUDA or ROCm GPU" in capsys.readouterr().err
+    for bad in ("decode:0", "sink_attention"):
+        with pytest.raises(SystemExit):
+            attention.main(["--preset", bad])
+        assert "--preset: expected OP:I,J" in capsys.readouterr().err
+    assert attention.main(["--preset", "sink_attention:1,2"]) == 2
