@@ -850,6 +850,14 @@ def window_reason(window: int | None, tokens: int) -> str | None:
     return None
 
 
+def causal_window(args: Mapping, rows_k: int) -> int | None:
+    """The causal window a call's forward runs, capped at its `rows_k` keys (as `_masks` caps it); None
+    without a window or without causal masking. What `forward_loops` and the short-window kernels judge."""
+    if args["window"] is None or not args["causal"]:
+        return None
+    return min(args["window"], rows_k)
+
+
 def forward_loops(config: LaunchConfig, window: int | None, tokens: int) -> tuple[int, int]:
     """(KEY_LOOPS, WINDOW_HALF) the forward runs a config with, for a causal window of `window` keys (None
     without one) over blocks of `tokens` tokens: KEY_LOOPS 2 where `window_reason` allows it (a config
@@ -914,8 +922,7 @@ def attention_forward(args: Mapping, config: LaunchConfig, keep_lse: bool, launc
     cu_q, cu_k = (args["cu_seqlens_q"], args["cu_seqlens_k"]) if varlen else (q, q)  # q: unused placeholder
     block_m, block_n = config.blocks["BLOCK_M"], config.blocks["BLOCK_N"]
     heads = packed_heads(config, h_q // h_kv)
-    loops, half = forward_loops(config, window if masks["HAS_WINDOW"] and masks["IS_CAUSAL"] else None,
-                                block_m // heads)
+    loops, half = forward_loops(config, causal_window(args, rows_k), block_m // heads)
     launch(
         _attention_fwd_kernel, (cdiv(span_q, block_m // heads), h_q // heads, batch),
         q, k, v, sinks, out, lse if lse is not None else out, cu_q, cu_k,

@@ -37,7 +37,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from kernels.base import CompileSpec
-from kernels.common.attention import attention_compile_specs, attention_forward, window_reason
+from kernels.common.attention import attention_compile_specs, attention_forward, causal_window, window_reason
 from kernels.common.launch import triton_launch
 from kernels.nvidia.attention_tma import LOG2E, descriptor, descriptor_type, padded_outputs, tma_addressable
 from tuning.space import ConfigSpace
@@ -199,20 +199,12 @@ def _attention_fwd_window_tma_kernel(
 
 
 # ----------------------------------------------------------------------------- launcher
-def _capped_window(args: Mapping) -> int | None:
-    """The window the kernels run: the call's, capped at s_k (a longer one allows what causal allows),
-    None without a causal window."""
-    if args["window"] is None or not args["causal"]:
-        return None
-    return min(args["window"], args["k"].shape[-3])
-
-
 def window_tma_served(args: Mapping, config: LaunchConfig) -> bool:
     """Whether this kernel takes a call: padded (not varlen) inputs TMA can address, a positive scale,
     and a causal window the no-loop form covers at the config's tokens per block (`window_reason`).
     The dtype, head dim and GQA group are the tuning key's (`AttentionWindowTmaHopper.supports`)."""
     return (args["cu_seqlens_q"] is None and float(args["sm_scale"]) > 0
-            and window_reason(_capped_window(args), config.blocks["TOKENS"]) is None
+            and window_reason(causal_window(args, args["k"].shape[1]), config.blocks["TOKENS"]) is None
             and all(tma_addressable(args[name]) for name in ("q", "k", "v")))
 
 
@@ -233,7 +225,7 @@ def window_tma_forward(args: Mapping, config: LaunchConfig, keep_lse: bool, laun
     batch, s_q, h_q, d = q.shape
     s_k, h_kv = k.shape[1], k.shape[2]
     out, lse = padded_outputs(q, keep_lse, args["return_lse"])
-    window = _capped_window(args)
+    window = causal_window(args, s_k)
     tokens, heads, half = config.blocks["TOKENS"], config.blocks["HEADS"], window // 2
     launch(
         _attention_fwd_window_tma_kernel, (triton.cdiv(s_q, tokens), h_q // heads, batch),
