@@ -75,8 +75,8 @@ def _scores(q, k_smem, start, pos, window, WIDTH: gl.constexpr, TEST: gl.constex
 
 @gluon.jit
 def _window_products(q, k_edge, k_mid, k_tail, v_edge, v_mid, v_tail, v_bar, lo, pos, window, qk_scale,
-            CLAMPED: gl.constexpr, HALF: gl.constexpr, ROWS: gl.constexpr, HEAD_DIM: gl.constexpr,
-            NUM_WARPS: gl.constexpr):
+                     CLAMPED: gl.constexpr, HALF: gl.constexpr, ROWS: gl.constexpr, HEAD_DIM: gl.constexpr,
+                     NUM_WARPS: gl.constexpr):
     """(acc, l, m) of the block over its three key pieces, from key `lo` (m in log2 units, scaled)."""
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
                                                        instr_shape=[16, HEAD_DIM, 16])
