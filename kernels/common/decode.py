@@ -299,6 +299,7 @@ def key_range(capacity: int, s_q: int, window: int | None, align: int = 1) -> in
     return capacity if window is None else min(capacity, window + s_q - 1 + align - 1)
 
 
+@functools.cache  # on every call's host path; a serving process sees few distinct shapes
 def choose_splits(programs: int, reach: int, num_sms: int, block_n: int, waves: int) -> int:
     """The split count for `programs` (sequence, kv heads) pairs: about `waves` split programs per SM,
     rounded down or up to whichever fills its last wave of SMs better (ties: fewer splits). Equal-length
