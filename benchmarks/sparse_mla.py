@@ -52,9 +52,9 @@ def _name(s: dict) -> str:
 
 
 def _backward_kernels() -> list:
-    """Every backward kernel a sparse_mla call may launch (both paths)."""
-    variant = next(v for v in registry.variants("sparse_mla") if v.name == "sparse_mla_headblock")
-    return [k for role, k in variant.kernels.items() if role.startswith("bwd")]
+    """Every backward kernel a sparse_mla call may launch (both paths, every variant)."""
+    kernels = [k for v in registry.variants("sparse_mla") for role, k in v.kernels.items() if role.startswith("bwd")]
+    return list(dict.fromkeys(kernels))
 
 
 def _backwards(shape: dict, call, args: dict, small: dict, flops: float) -> list[Measurement]:

@@ -205,7 +205,7 @@ def test_deterministic_path_is_taken_when_asked(variant, device, monkeypatch):
     calls = []
     passes = kernel_module._deterministic_passes
     monkeypatch.setattr(kernel_module, "_deterministic_passes", lambda *a: calls.append(1) or passes(*a))
-    args = _inputs(device, seed=15, s_q=2, s_kv=20, h_q=16, h_kv=1, d_qk=48, d_v=32, topk=16)
+    args = _inputs(device, seed=15, s_q=2, s_kv=20, h_q=16, h_kv=1, d_qk=96, d_v=64, topk=16)
     config = _configs(variant, args)[0]
 
     def backward(**extra):

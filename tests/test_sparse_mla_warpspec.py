@@ -1,6 +1,7 @@
-"""The Hopper Gluon variant of sparse_mla (kernels/nvidia/sparse_mla.py): where it runs, its
-config space, dispatch's choice of the head-block kernel for kv layouts it cannot copy from; on an
-sm_90 GPU, every config of its space against the reference. (The shared correctness tests in
+"""The Hopper Gluon variant of sparse_mla (kernels/nvidia/sparse_mla.py and its backward,
+sparse_mla_warpspec_bwd.py): where it runs, its config spaces, dispatch's choice of the head-block
+kernel for kv layouts it cannot copy from; on an sm_90 GPU, every config of its forward and fused
+backward spaces against the reference. (The shared correctness tests in
 test_sparse_mla_kernel.py run it on sm_90 too; its offline sm_90 compiles are in
 test_shipped_and_default_configs.py.)"""
 
@@ -52,11 +53,13 @@ def test_registry_prefers_it_on_hopper_and_never_on_cpu():
 
 
 def test_space_and_pruning():
-    """Fixed tiles (32-slot blocks, four stages: what fits beside Q), so the forward's space is the
-    producer's warps and the follower's registers; everything fits at the V3.2 dims, and the
-    shared-memory estimate says what the compiler allocates, give or take the alignment of the small
-    buffers. The backward roles are the head-block variant's, capped by the group's heads."""
+    """Fixed tiles (forward: 32-slot blocks, four stages, what fits beside Q; fused backward: 32-slot
+    tiles, two stages, what fits beside [Q; dO]), so each space is the producer's warps and the second
+    warpgroup's registers; everything fits at the V3.2 dims, and the shared-memory estimates say what
+    the compiler allocates, give or take the alignment of the small buffers. The other backward roles
+    are the head-block variant's, capped by the group's heads."""
     from kernels.nvidia.sparse_mla import shared_bytes
+    from kernels.nvidia.sparse_mla_warpspec_bwd import shared_bytes as bwd_shared_bytes
 
     target = preset("h200")
     space = WARPSPEC.space(V32, target)["fwd"]
@@ -67,8 +70,14 @@ def test_space_and_pruning():
     assert all(WARPSPEC.prune_reason("fwd", c, V32, target) is None for c in space)
     assert WARPSPEC.default_config(V32, target)["fwd"] in space
     assert 230_000 < shared_bytes(512, 64) <= target.shared_mem_bytes
+    fused = WARPSPEC.space(V32, target)["bwd_fused"]
+    assert {(c.blocks["PRODUCER_WARPS"], c.blocks["GRADIENT_REGS"]) for c in fused} == {
+        (p, r) for p in (2, 4) for r in (208, 216, 224)}
+    assert all(WARPSPEC.prune_reason("bwd_fused", c, V32, target) is None for c in fused)
+    assert WARPSPEC.default_config(V32, target)["bwd_fused"] in fused
+    assert 220_000 < bwd_shared_bytes(512, 64) <= target.shared_mem_bytes
     small = {**V32, "h_q": 16}
-    for role in ("bwd_pre", "bwd_fused", "bwd_dq", "bwd_dkv"):
+    for role in ("bwd_pre", "bwd_dq", "bwd_dkv"):
         assert {c.blocks["BLOCK_H"] for c in WARPSPEC.space(small, target)[role]} == {16}
         assert WARPSPEC.default_config(small, target)[role].blocks["BLOCK_H"] == 16
 
@@ -87,9 +96,11 @@ def test_configs_of_the_earlier_kernel_still_launch():
     assert spec.constexprs["FOLLOWER_REGS"] == default["fwd"].blocks["FOLLOWER_REGS"]
 
 
-def test_backward_is_the_head_block_variants():
+def test_backward_is_the_head_block_variants_but_the_fused_pass():
     assert WARPSPEC.roles == HEADBLOCK_NVIDIA.roles
-    for role in (r for r in WARPSPEC.roles if r.startswith("bwd")):
+    assert WARPSPEC.kernels["bwd_fused"] is not HEADBLOCK_NVIDIA.kernels["bwd_fused"]
+    assert WARPSPEC.run_fused is not HEADBLOCK_NVIDIA.run_fused
+    for role in (r for r in WARPSPEC.roles if r.startswith("bwd") and r != "bwd_fused"):
         assert WARPSPEC.kernels[role] is HEADBLOCK_NVIDIA.kernels[role]
         assert WARPSPEC.spaces[role] is HEADBLOCK_NVIDIA.spaces[role]
         assert WARPSPEC.default_config(V32, preset("h200"))[role] == HEADBLOCK_NVIDIA.default_config(
@@ -146,3 +157,32 @@ def test_unaligned_kv_runs_the_head_block_kernel():
     handle = registry.get("sparse_mla")
     assert handle.choice(**args).variant.name == "sparse_mla_headblock"
     assert_close(handle(**args), reference(**args), TOLERANCE[torch.bfloat16])
+
+
+@hopper
+def test_every_fused_backward_config_matches_reference():
+    """The Gluon fused backward pass against the reference's autograd in bf16, every config of its
+    space: top-k 203 (no multiple of the 32-slot tile), invalid indices of every kind, duplicates, an
+    all-invalid row, a row cut short by topk_length, a partial head block (80 heads a group: 64 + 16),
+    two kv groups, a sink, two batch rows; then the V3.2 dims at h_q 128 through the registry."""
+    import registry
+    from registry.ops import OPS
+    from registry.testing import GRAD_TOLERANCE, gradient_error
+
+    args = _args(3, b=2, s_q=5, s_kv=300, h_q=160, h_kv=2, d_qk=576, d_v=512, topk=203, sink=True, topk_length=True)
+    idx = args["indices"].clone()
+    idx[0, 0, 0, :8] = torch.tensor([-1, 300, 2**31 - 1, -(2**31), 7, 7, 7, 299], dtype=torch.int32)
+    idx[1, 2, 1] = -1
+    args["indices"] = idx
+    key = {**V32, "h_q": 160, "h_kv": 2}
+    default = WARPSPEC.default_config(key, preset("h200"))
+    for config in WARPSPEC.space(key, preset("h200"))["bwd_fused"]:
+        if WARPSPEC.prune_reason("bwd_fused", config, key, preset("h200")) is None:
+            call = default.replace("bwd_fused", config)
+            err = gradient_error(OPS["sparse_mla"], lambda a, c=call: WARPSPEC.launch(a, c), args)
+            assert err <= GRAD_TOLERANCE[torch.bfloat16], (str(config), err)
+    v32 = _args(4, s_q=8, s_kv=4096, h_q=128, h_kv=1, d_qk=576, d_v=512, topk=2048)
+    handle = registry.get("sparse_mla")
+    assert handle.choice(**v32).variant.name == "sparse_mla_warpspec"
+    err = gradient_error(OPS["sparse_mla"], lambda a: handle(**a), v32)
+    assert err <= GRAD_TOLERANCE[torch.bfloat16], err

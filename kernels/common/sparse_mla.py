@@ -607,9 +607,11 @@ WORKSPACE_BYTES = 512 * 2**20
 
 
 def _backward(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, out, lse, dout, config: CallConfig,
-              deterministic: bool):
-    """The backward on batched-layout tensors: the pre pass, then the fused pass, or with
-    `deterministic` the dq, dkv and sum passes (no atomics); returns (dq, dkv, dsink)."""
+              deterministic: bool, run_fused=None):
+    """The backward on batched-layout tensors: the pre pass, then the fused pass (`run_fused`, the
+    head-block kernel's `_fused_pass` unless a variant brings its own), or with `deterministic` the dq,
+    dkv and sum passes (no atomics); returns (dq, dkv, dsink)."""
+    run_fused = run_fused or _fused_pass
     b, s_q, h_q, d_qk = q.shape
     h_kv = kv.shape[2]
     heads_per_group = h_q // h_kv
@@ -636,18 +638,28 @@ def _backward(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, out, lse, d
     if deterministic:
         _deterministic_passes(q, kv, indices, sm_scale, topk_length, dout, delta, shift, dq, dkv, config, dims)
     else:
-        blocks = fused_blocks(config["bwd_fused"], heads_per_group, block_dv)
-        grid, head_blocks = _grid(s_q, h_q, h_kv, b, blocks["BLOCK_H"])
         with nvtx_range("sparse_mla/bwd_fused_kernel"):
-            _sparse_mla_bwd_fused_kernel[grid](
-                q, kv, indices, topk_length, dout, delta, shift, dq, dkv,
-                kv.shape[1], indices.shape[-1], heads_per_group, head_blocks, sm_scale,
-                *_strides(q, 3), *_strides(kv, 3), *_strides(indices, 3), *_strides(topk_length, 2),
-                *_strides(dout, 3), *_strides(lse, 2), *_strides(dq, 3), *_strides(dkv, 3),
-                **dims, ROWS_I32=_rows_fit_int32(kv, dkv), **blocks, **config["bwd_fused"].knobs(),
-            )
+            run_fused(q, kv, indices, sm_scale, topk_length, dout, delta, shift, dq, dkv, config["bwd_fused"], dims)
     dsink = None if dsink_rows is None else dsink_rows.sum((0, 1))
     return dq, dkv.to(kv.dtype), dsink
+
+
+def _fused_pass(q, kv, indices, sm_scale, topk_length, dout, delta, shift, dq, dkv, config: LaunchConfig,
+                dims: dict) -> None:
+    """The head-block fused pass: dq written, every selected row's dkv added to the zeroed fp32 dkv.
+    Delta and the shift are laid out like lse; `dims` holds the kernels' dimension constexprs."""
+    b, s_q, h_q, _ = q.shape
+    h_kv = kv.shape[2]
+    heads_per_group = h_q // h_kv
+    blocks = fused_blocks(config, heads_per_group, dims["BLOCK_DV"])
+    grid, head_blocks = _grid(s_q, h_q, h_kv, b, blocks["BLOCK_H"])
+    _sparse_mla_bwd_fused_kernel[grid](
+        q, kv, indices, topk_length, dout, delta, shift, dq, dkv,
+        kv.shape[1], indices.shape[-1], heads_per_group, head_blocks, sm_scale,
+        *_strides(q, 3), *_strides(kv, 3), *_strides(indices, 3), *_strides(topk_length, 2),
+        *_strides(dout, 3), *_strides(delta, 2), *_strides(dq, 3), *_strides(dkv, 3),
+        **dims, ROWS_I32=_rows_fit_int32(kv, dkv), **blocks, **config.knobs(),
+    )
 
 
 def _deterministic_passes(q, kv, indices, sm_scale, topk_length, dout, delta, shift, dq, dkv, config: CallConfig,
@@ -716,8 +728,9 @@ class _SparseMLAFunction(torch.autograd.Function):
     torch.use_deterministic_algorithms) it takes the passes without atomics."""
 
     @staticmethod
-    def forward(ctx, run_forward, q, kv, indices, sm_scale, d_v, attn_sink, topk_length, config: CallConfig,
+    def forward(ctx, launchers, q, kv, indices, sm_scale, d_v, attn_sink, topk_length, config: CallConfig,
                 deterministic: bool):
+        run_forward, ctx.run_fused = launchers
         out, max_logits, lse = run_forward(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, config["fwd"])
         ctx.save_for_backward(q, kv, indices, attn_sink, topk_length, out, lse)
         ctx.sm_scale, ctx.d_v, ctx.config, ctx.deterministic = sm_scale, d_v, config, deterministic
@@ -729,16 +742,17 @@ class _SparseMLAFunction(torch.autograd.Function):
         q, kv, indices, attn_sink, topk_length, out, lse = ctx.saved_tensors
         deterministic = ctx.deterministic or torch.are_deterministic_algorithms_enabled()
         dq, dkv, dsink = _backward(q, kv, indices, ctx.sm_scale, ctx.d_v, attn_sink, topk_length, out, lse,
-                                   dout, ctx.config, deterministic)
+                                   dout, ctx.config, deterministic, ctx.run_fused)
         return None, dq, dkv, None, None, None, dsink, None, None, None
 
 
-def sparse_mla_forward(args: dict, config: CallConfig, run_forward=_forward) -> SparseMLAOutput:
+def sparse_mla_forward(args: dict, config: CallConfig, run_forward=_forward, run_fused=_fused_pass
+                       ) -> SparseMLAOutput:
     """Launch sparse MLA on validated arguments (registry.ops.sparse_mla's dict) with the "fwd" role's
     config; a backward, when autograd asks for one, runs the "bwd_pre" and "bwd_fused" roles (or, when
     deterministic, "bwd_pre", "bwd_dq", "bwd_dkv" and "bwd_sum"). `run_forward` is the forward launcher
-    (batched-layout tensors in, (out, max_logits, lse) out): this module's head-block kernel, or another
-    variant's kernel that shares this backward."""
+    (batched-layout tensors in, (out, max_logits, lse) out) and `run_fused` the fused backward pass's
+    (see `_fused_pass`): this module's head-block kernels, or another variant's."""
     q, kv, indices = args["q"], args["kv"], args["indices"]
     batched = q.dim() == 4
     qb, kvb, ib = _batched(q, batched), _batched(kv, batched), _batched(indices, batched)
@@ -747,8 +761,8 @@ def sparse_mla_forward(args: dict, config: CallConfig, run_forward=_forward) -> 
     wants_grad = torch.is_grad_enabled() and (q.requires_grad or kv.requires_grad
                                               or (sink is not None and sink.requires_grad))
     if wants_grad:
-        out, max_logits, lse = _SparseMLAFunction.apply(run_forward, qb, kvb, ib, args["sm_scale"], args["d_v"],
-                                                        sink, lengths, config, args["deterministic"])
+        out, max_logits, lse = _SparseMLAFunction.apply((run_forward, run_fused), qb, kvb, ib, args["sm_scale"],
+                                                        args["d_v"], sink, lengths, config, args["deterministic"])
     else:
         out, max_logits, lse = run_forward(qb, kvb, ib, args["sm_scale"], args["d_v"], sink, lengths, config["fwd"])
     if not batched:
@@ -813,19 +827,21 @@ def heads_fit_group(config: LaunchConfig, key: dict) -> bool:
 
 
 class SparseMLALaunch:
-    """`launch` and `bind` of every sparse_mla variant: its forward launcher (`run_forward`, see
-    sparse_mla_forward) and this module's backward. The deterministic backward's roles are gated and
-    timed under `deterministic=True` (`role_arguments`), the only calls that run them."""
+    """`launch` and `bind` of every sparse_mla variant: its forward launcher (`run_forward`) and fused
+    backward pass (`run_fused`, see sparse_mla_forward) around this module's backward. The deterministic
+    backward's roles are gated and timed under `deterministic=True` (`role_arguments`), the only calls
+    that run them."""
 
     run_forward = staticmethod(_forward)
+    run_fused = staticmethod(_fused_pass)
     role_arguments = {role: {"deterministic": True} for role in ("bwd_dq", "bwd_dkv", "bwd_sum")}
 
     def launch(self, args: dict, config: CallConfig) -> SparseMLAOutput:
-        return sparse_mla_forward(args, config, self.run_forward)
+        return sparse_mla_forward(args, config, self.run_forward, self.run_fused)
 
     def bind(self, config: CallConfig):
-        run_forward = self.run_forward
-        return lambda args: sparse_mla_forward(args, config, run_forward)
+        run_forward, run_fused = self.run_forward, self.run_fused
+        return lambda args: sparse_mla_forward(args, config, run_forward, run_fused)
 
     def backward(self, args: dict, config: CallConfig, outputs: tuple, grad: torch.Tensor) -> dict:
         """The backward passes on the forward's saved out and lse (what `_SparseMLAFunction` runs)."""
@@ -835,7 +851,7 @@ class SparseMLALaunch:
             for t in (args["q"], args["kv"], args["indices"], args["topk_length"], outputs[0], outputs[2], grad))
         deterministic = args["deterministic"] or torch.are_deterministic_algorithms_enabled()
         dq, dkv, dsink = _backward(q, kv, indices, args["sm_scale"], args["d_v"], args["attn_sink"], lengths, out,
-                                   lse, dout, config, deterministic)
+                                   lse, dout, config, deterministic, self.run_fused)
         if not batched:
             dq, dkv = dq[0], dkv[0]
         return {"q": dq, "kv": dkv, "attn_sink": dsink}

@@ -12,8 +12,8 @@ the V3.2 shape, its warps waiting at CTA barriers around layout conversions and 
 
 - a producer partition (PRODUCER_WARPS warps, few registers) gathers each BLOCK_TOPK-slot block of
   selected latent rows with cp.async into a ring of NUM_STAGES shared-memory stages, with each slot's
-  bias (0, or -inf for an invalid index or a slot past topk_length), and signals an mbarrier per stage;
-  invalid slots are zero-filled, never read;
+  row index (-1 for an invalid index or a slot past topk_length, whose scores become -inf), and signals
+  an mbarrier per stage; invalid slots are zero-filled, never read (kernels/nvidia/sparse_mla_gather.py);
 - two consumer warpgroups take the blocks in pairs: warpgroup 0 (the leader) block 2j, warpgroup 1
   (the follower) block 2j + 1, each its scores over all d_qk dims (Q stays in shared memory). The
   leader shifts by its own running maximum and starts its product at once; the follower starts from
@@ -40,7 +40,6 @@ import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
-    async_copy,
     fence_async_shared,
     mbarrier,
     warpgroup_mma,
@@ -61,6 +60,10 @@ from kernels.common.sparse_mla import (
     heads_fit_group,
     sparse_mla_compile_specs,
 )
+from kernels.nvidia.sparse_mla_gather import COLS, PRODUCER_REGS, _gather_blocks, _query_slots, _rows_to_shared
+from kernels.nvidia.sparse_mla_warpspec_bwd import _sparse_mla_bwd_ws_kernel, fused_pass_ws
+from kernels.nvidia.sparse_mla_warpspec_bwd import compile_spec as bwd_compile_spec
+from kernels.nvidia.sparse_mla_warpspec_bwd import shared_bytes as bwd_shared_bytes
 from registry.catalog import register
 from tuning.space import ConfigSpace
 from tuning_db.records import CallConfig, LaunchConfig
@@ -126,63 +129,11 @@ class SparseMLAHeadBlockNvidia(SparseMLAHeadBlockBase, Variant):
 LN2 = gl.constexpr(0.6931471805599453)
 # Kernels can only read globals that are constexprs (Python code reads `.value`).
 BLOCK_H = gl.constexpr(64)  # heads per program: wgmma's M for one warpgroup; both warpgroups share them
-COLS = gl.constexpr(64)  # columns per copy chunk and width of the rope-tail tiles (128 bytes: one swizzle row)
-PRODUCER_REGS = gl.constexpr(56)  # registers per producer thread
 BLOCK_TOPK = gl.constexpr(32)  # slots per block: each warpgroup's scores are one 64 x 32 x d_qk wgmma
 NUM_STAGES = gl.constexpr(4)  # Q (72 KB at d_qk 576) + four 36 KB stages fill Hopper's 227 KB
 
 
 # ----------------------------------------------------------------------------- Gluon kernel
-@gluon.jit
-def _query_slots(IDX, TOPK_LEN, topk, t, g, b, stride_ib, stride_is, stride_ih, stride_lb, stride_ls,
-                 HAS_TOPK_LEN: gl.constexpr):
-    """(slots to visit, the index row) of query t of kv group g of batch row b (b as int64)."""
-    n_slots = topk
-    if HAS_TOPK_LEN:
-        n_slots = gl.minimum(gl.load(TOPK_LEN + b * stride_lb + t.to(gl.int64) * stride_ls), topk)
-    return n_slots, IDX + b * stride_ib + t.to(gl.int64) * stride_is + g.to(gl.int64) * stride_ih
-
-
-@gluon.jit
-def _gather_blocks(KV, IDX, TOPK_LEN, k_main, k_tail, slot_bias, ready, free,
-                   s_kv, topk, heads_per_group, head_blocks,
-                   stride_kvb, stride_kvs, stride_kvh, stride_ib, stride_is, stride_ih, stride_lb, stride_ls,
-                   D_V: gl.constexpr, D_TAIL: gl.constexpr, HAS_TOPK_LEN: gl.constexpr, PRODUCER_WARPS: gl.constexpr):
-    """Producer: top-k block i into stage i % NUM_STAGES, with its slots' bias, in whole pairs of blocks
-    (an odd last block gets an all-invalid partner). A stage's `ready` completes when every producer
-    thread's copies have landed (no-increment arrivals) and the bias is written (one arrival)."""
-    # 8 contiguous 16-bit values (one 16-byte cp.async) per thread, 8 threads per 64-column row chunk.
-    chunk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [PRODUCER_WARPS, 1], [1, 0])
-    t = gl.program_id(0)
-    g = gl.program_id(1) // head_blocks
-    b = gl.program_id(2).to(gl.int64)
-    n_slots, idx_row = _query_slots(IDX, TOPK_LEN, topk, t, g, b, stride_ib, stride_is, stride_ih, stride_lb,
-                                    stride_ls, HAS_TOPK_LEN)
-    kv_base = KV + b * stride_kvb + g.to(gl.int64) * stride_kvh
-    offs_t = gl.arange(0, BLOCK_TOPK, layout=gl.SliceLayout(1, chunk))
-    offs_c = gl.arange(0, COLS, layout=gl.SliceLayout(0, chunk))
-    for i in range(gl.cdiv(n_slots, 2 * BLOCK_TOPK) * 2):
-        stage = i % NUM_STAGES
-        # Barriers start in phase 0, so the first pass over the ring finds every stage free.
-        mbarrier.wait(free.index(stage), ((i // NUM_STAGES) & 1) ^ 1)
-        slots = i * BLOCK_TOPK + offs_t
-        idx = gl.load(idx_row + slots, mask=slots < n_slots, other=-1)
-        # Any index outside [0, s_kv) is invalid: its copy is masked (zero-filled), row 0 stands in.
-        valid = (idx >= 0) & (idx < s_kv)
-        rows = kv_base + gl.where(valid, idx, 0).to(gl.int64) * stride_kvs
-        dest = k_main.index(stage)
-        for c in gl.static_range(D_V // COLS):
-            async_copy.async_copy_global_to_shared(dest.slice(c * COLS, COLS, dim=1),
-                                                   rows[:, None] + (c * COLS + offs_c)[None, :], mask=valid[:, None])
-        if D_TAIL > 0:
-            async_copy.async_copy_global_to_shared(k_tail.index(stage), rows[:, None] + (D_V + offs_c)[None, :],
-                                                   mask=valid[:, None] & (offs_c < D_TAIL)[None, :])
-        async_copy.mbarrier_arrive(ready.index(stage), increment_count=False)
-        slot_bias.index(stage).store(gl.where(valid, 0.0, float("-inf")))
-        gl.thread_barrier()
-        mbarrier.arrive(ready.index(stage), count=1)
-
-
 @gluon.jit
 def _publish_and_exponentiate(s, m_i, m_new, l_i, m_smem, published):
     """Hand this side's new row maximum to the peer (m_smem, then one arrival on `published`) and take
@@ -205,10 +156,9 @@ def _attend_half(common, own, peer, SIDE: gl.constexpr, D_V: gl.constexpr, D_TAI
     log2(e)); writes out, and (the leader) max_logits and the natural-log lse like the head-block kernel
     (a row with no valid slot: out 0, max_logits -inf, lse +inf). Bars: 0 Q loaded, 1 the leader's
     maximum, 2 the follower's (the pair's), 3 the leader's P, 4 the follower's, 5 + s side s's row sums.
-    The slot bias makes the consumers independent of the indices: with per-thread index loads here,
-    LLVM hoists their addresses above the partitions' register hand-off and ptxas spills them."""
+    The producer's slot rows make the consumers independent of the index tensor (sparse_mla_gather.py)."""
     # The arguments both sides share, then (P, row maxima, row sums) of this side and of the peer's.
-    (Q, IDX, SINK, TOPK_LEN, OUT, MAX_LOGITS, LSE, q_main, q_tail, k_main, k_tail, slot_bias, ready, free, bars,
+    (Q, IDX, SINK, TOPK_LEN, OUT, MAX_LOGITS, LSE, q_main, q_tail, k_main, k_tail, slot_rows, ready, free, bars,
      s_kv, topk, heads_per_group, head_blocks, qk_scale,
      stride_qb, stride_qs, stride_qh, stride_ib, stride_is, stride_ih, stride_lb, stride_ls,
      stride_ob, stride_os, stride_oh, stride_mb, stride_ms) = common
@@ -231,19 +181,8 @@ def _attend_half(common, own, peer, SIDE: gl.constexpr, D_V: gl.constexpr, D_TAI
         # the registers its loop needs); heads past the group read 0 and are never stored.
         q_load: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
         offs_hq = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, q_load))
-        offs_cq = gl.arange(0, COLS, layout=gl.SliceLayout(0, q_load))
-        q_ok = (offs_hq < heads_per_group)[:, None]
-        q_row = (Q + b * stride_qb + t.to(gl.int64) * stride_qs
-                 + (g * heads_per_group + offs_hq)[:, None].to(gl.int64) * stride_qh)
-        for c in gl.static_range(D_V // COLS):
-            async_copy.async_copy_global_to_shared(q_main.slice(c * COLS, COLS, dim=1),
-                                                   q_row + (c * COLS + offs_cq)[None, :], mask=q_ok)
-        if D_TAIL > 0:
-            async_copy.async_copy_global_to_shared(q_tail, q_row + (D_V + offs_cq)[None, :],
-                                                   mask=q_ok & (offs_cq < D_TAIL)[None, :])
-        async_copy.commit_group()
-        async_copy.wait_group(0)
-        fence_async_shared()
+        _rows_to_shared(q_main, q_tail, Q, b, t, g * heads_per_group + offs_hq, offs_hq < heads_per_group,
+                        stride_qb, stride_qs, stride_qh, D_V, D_TAIL, q_load)
         gl.thread_barrier()
         mbarrier.arrive(bars.index(0), count=1)
     else:
@@ -267,7 +206,8 @@ def _attend_half(common, own, peer, SIDE: gl.constexpr, D_V: gl.constexpr, D_TAI
         if D_TAIL > 0:
             s = warpgroup_mma(q_tail, k_tail.index(stage).permute((1, 0)), s, is_async=True)
         s = warpgroup_mma_wait(0, deps=(s,))
-        s = s * qk_scale + slot_bias.index(stage).load(gl.SliceLayout(0, s_layout))[None, :]
+        rows = slot_rows.index(stage).load(gl.SliceLayout(0, s_layout))
+        s = s * qk_scale + gl.where(rows >= 0, 0.0, float("-inf"))[None, :]
         own_v = k_main.index(stage).slice(SIDE * (D_V // 2), D_V // 2, dim=1)
         peer_v = k_main.index(peer_stage).slice(SIDE * (D_V // 2), D_V // 2, dim=1)
         if SIDE == 0:
@@ -356,7 +296,7 @@ def _sparse_mla_fwd_ws_kernel(
     PRODUCER_WARPS: gl.constexpr, FOLLOWER_REGS: gl.constexpr,
 ):
     """One program: 64 heads of one kv group of one query (of one batch row); grid as the head-block
-    kernel's. Shared memory: Q, the stages of gathered rows and their slot biases, each side's P, the
+    kernel's. Shared memory: Q, the stages of gathered rows and their slot rows, each side's P, the
     swapped row maxima and sums, the barriers. FOLLOWER_REGS: registers per follower thread (the
     leader, the default partition, gets what the follower and the producer leave)."""
     dtype: gl.constexpr = Q.dtype.element_ty
@@ -377,7 +317,7 @@ def _sparse_mla_fwd_ws_kernel(
     m_side1 = gl.allocate_shared_memory(gl.float32, [BLOCK_H], vec)
     l_side0 = gl.allocate_shared_memory(gl.float32, [BLOCK_H], vec)
     l_side1 = gl.allocate_shared_memory(gl.float32, [BLOCK_H], vec)
-    slot_bias = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_TOPK], vec)
+    slot_rows = gl.allocate_shared_memory(gl.int32, [NUM_STAGES, BLOCK_TOPK], vec)
     ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     free = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     bars = gl.allocate_shared_memory(gl.int64, [7, 1], mbarrier.MBarrierLayout())
@@ -386,7 +326,7 @@ def _sparse_mla_fwd_ws_kernel(
         mbarrier.init(free.index(s), count=2)
     for i in gl.static_range(7):
         mbarrier.init(bars.index(i), count=1)
-    common = (Q, IDX, SINK, TOPK_LEN, OUT, MAX_LOGITS, LSE, q_main, q_tail, k_main, k_tail, slot_bias, ready, free,
+    common = (Q, IDX, SINK, TOPK_LEN, OUT, MAX_LOGITS, LSE, q_main, q_tail, k_main, k_tail, slot_rows, ready, free,
               bars, s_kv, topk, heads_per_group, head_blocks, qk_scale,
               stride_qb, stride_qs, stride_qh, stride_ib, stride_is, stride_ih, stride_lb, stride_ls,
               stride_ob, stride_os, stride_oh, stride_mb, stride_ms)
@@ -395,10 +335,10 @@ def _sparse_mla_fwd_ws_kernel(
     gl.warp_specialize([
         (_attend_half, (common, side0, side1, 0, D_V, D_TAIL, HAS_SINK, HAS_TOPK_LEN)),
         (_attend_half, (common, side1, side0, 1, D_V, D_TAIL, HAS_SINK, HAS_TOPK_LEN)),
-        (_gather_blocks, (KV, IDX, TOPK_LEN, k_main, k_tail, slot_bias, ready, free,
-                          s_kv, topk, heads_per_group, head_blocks,
+        (_gather_blocks, (KV, IDX, TOPK_LEN, k_main, k_tail, slot_rows, ready, free,
+                          s_kv, topk, head_blocks,
                           stride_kvb, stride_kvs, stride_kvh, stride_ib, stride_is, stride_ih, stride_lb, stride_ls,
-                          D_V, D_TAIL, HAS_TOPK_LEN, PRODUCER_WARPS)),
+                          D_V, D_TAIL, HAS_TOPK_LEN, PRODUCER_WARPS, 2)),
     ], [4, PRODUCER_WARPS], [FOLLOWER_REGS, PRODUCER_REGS])
 
 
@@ -413,7 +353,7 @@ def _forward_ws(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, config: L
 
 # ----------------------------------------------------------------------------- the variant
 def shared_bytes(d_v: int, d_tail: int) -> int:
-    """Shared memory of one program: Q, the stages of gathered rows and their slot biases, each side's P
+    """Shared memory of one program: Q, the stages of gathered rows and their slot rows, each side's P
     (16-bit), the row maxima and sums, the barriers."""
     heads, row, slots, stages = BLOCK_H.value, d_v + (COLS.value if d_tail else 0), BLOCK_TOPK.value, NUM_STAGES.value
     return (2 * (heads * row + stages * slots * row + 2 * heads * slots) + 4 * (stages * slots + 4 * heads)
@@ -422,21 +362,25 @@ def shared_bytes(d_v: int, d_tail: int) -> int:
 
 @register
 class SparseMLAWarpSpecializedHopper(SparseMLAHeadBlockNvidia):
-    """Hopper only (wgmma, setmaxnreg); d_v a power of two in [64, 512] (each warpgroup's half of the
-    accumulator is one wgmma of N = d_v / 2 <= 256), a rope tail of at most 64 dims in 8-dim steps
-    (whole 16-byte copies), kv rows aligned to 16 elements. Higher priority than the head-block kernel:
-    it is the default where it runs. Its backward roles are the head-block variant's (same kernels,
-    same spaces).
+    """Hopper only (wgmma, setmaxnreg); d_v a power of two in [64, 512] (each warpgroup's half of an
+    accumulator, the forward's out and the backward's dQ, is one wgmma of N = d_v / 2 <= 256), a rope
+    tail of at most 64 dims in 8-dim steps (whole 16-byte copies), kv rows aligned to 16 elements.
+    Higher priority than the head-block kernel: it is the default where it runs. Its fused backward
+    pass is its own (kernels/nvidia/sparse_mla_warpspec_bwd.py); the pre pass and the deterministic
+    passes are the head-block variant's (same kernels, same spaces).
 
-    The tiles are fixed (BLOCK_TOPK 32, NUM_STAGES 4: what fits beside Q); the forward's space is the
-    producer's warps and the follower's registers (the leader gets the rest), the splits that compile
-    without spills on sm_90 (fewer follower registers spill in the follower, more in the leader)."""
+    The tiles are fixed (forward: BLOCK_TOPK 32, NUM_STAGES 4, what fits beside Q; backward: 32 slots,
+    two stages, what fits beside [Q; dO]); the spaces are the producer's warps and the registers of the
+    second warpgroup (the default partition gets the rest), the splits that compile without spills on
+    sm_90 (fewer registers spill in that warpgroup, more in the default one)."""
 
     name = "sparse_mla_warpspec"
     priority = 10
     runs_in_interpreter = False
     run_forward = staticmethod(_forward_ws)
-    kernels = {**SparseMLAHeadBlockNvidia.kernels, "fwd": _sparse_mla_fwd_ws_kernel}
+    run_fused = staticmethod(fused_pass_ws)
+    kernels = {**SparseMLAHeadBlockNvidia.kernels, "fwd": _sparse_mla_fwd_ws_kernel,
+               "bwd_fused": _sparse_mla_bwd_ws_kernel}
     spaces = {
         **SparseMLAHeadBlockNvidia.spaces,
         # The default: the fastest of the space on the H200 at the V3.2 shape (benchmarks/NOTES.md).
@@ -444,6 +388,11 @@ class SparseMLAWarpSpecializedHopper(SparseMLAHeadBlockNvidia):
             blocks={"PRODUCER_WARPS": (2, 4), "FOLLOWER_REGS": (200, 208)},
             knobs={"num_warps": (4,)},
             defaults={"*": {"PRODUCER_WARPS": 4, "FOLLOWER_REGS": 208, "num_warps": 4}},
+        ),
+        "bwd_fused": ConfigSpace(
+            blocks={"PRODUCER_WARPS": (2, 4), "GRADIENT_REGS": (208, 216, 224)},
+            knobs={"num_warps": (4,)},
+            defaults={"*": {"PRODUCER_WARPS": 4, "GRADIENT_REGS": 216, "num_warps": 4}},
         ),
     }
 
@@ -453,20 +402,21 @@ class SparseMLAWarpSpecializedHopper(SparseMLAHeadBlockNvidia):
                 and 64 <= d_v <= 512 and d_v & (d_v - 1) == 0 and 0 <= tail <= COLS.value and tail % 8 == 0)
 
     def role_default(self, role: str, key: dict, device) -> LaunchConfig:
-        if role == "fwd":  # no head block to cap: the tile is fixed
-            return self.spaces["fwd"].default(device)
+        if role in ("fwd", "bwd_fused"):  # no head block to cap: the tile is fixed
+            return self.spaces[role].default(device)
         return super().role_default(role, key, device)
 
     def prune_reason(self, role: str, config: LaunchConfig, key: dict, device) -> str | None:
-        if role != "fwd":
+        if role not in ("fwd", "bwd_fused"):
             return super().prune_reason(role, config, key, device)
-        need = shared_bytes(key["d_v"], key["d_qk"] - key["d_v"])
+        need = (shared_bytes if role == "fwd" else bwd_shared_bytes)(key["d_v"], key["d_qk"] - key["d_v"])
         if need > device.shared_mem_bytes:
             return f"needs {need} B of shared memory (> {device.shared_mem_bytes})"
         return None
 
     def compile_specs(self, key: dict, config: CallConfig, dtype: str = "bf16") -> list[CompileSpec]:
-        """This forward (with sink and topk_length) and the head-block variant's backward kernels."""
+        """This forward (with sink and topk_length) and fused backward pass, and the head-block
+        variant's other backward kernels."""
         fn = _sparse_mla_fwd_ws_kernel
         constexprs = {"D_V": key["d_v"], "D_TAIL": key["d_qk"] - key["d_v"], "HAS_SINK": True, "HAS_TOPK_LEN": True,
                       **config["fwd"].blocks}
@@ -479,4 +429,6 @@ class SparseMLAWarpSpecializedHopper(SparseMLAHeadBlockNvidia):
                   "head_blocks": triton.cdiv(heads_per_group, BLOCK_H.value)}
         forward = CompileSpec("fwd", fn, _compile_signature(names, pointers, ("qk_scale",)), constexprs,
                               {"num_warps": 4}, values)
-        return [forward, *sparse_mla_compile_specs(key, config, self.roles[1:], dtype)]
+        others = tuple(r for r in self.roles if r not in ("fwd", "bwd_fused"))
+        return [forward, bwd_compile_spec(key, config["bwd_fused"], dtype),
+                *sparse_mla_compile_specs(key, config, others, dtype)]

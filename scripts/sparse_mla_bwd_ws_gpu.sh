@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Issue 14: the warp-specialized Gluon fused backward (kernels/nvidia/sparse_mla_warpspec_bwd.py) on an
+# sm_90 GPU: its tests first (alone on the GPU), then the backward benchmark at the V3.2 shapes (s_q
+# 4096, h_q 128 and 64), the head-block kernel's fused pass at the same shapes for the comparison in
+# one process, the Gluon backward's other configs, and the forward (whose producer it shares).
+# Logs in $OUT. `TESTS=0` skips the tests, `EXPLORE=0` the config rows.
+set -euo pipefail
+source "$(dirname "$0")/gpu_common.sh"
+
+if [ "${TESTS:-1}" = 1 ]; then
+    background_tests warpspec 300 tests/test_sparse_mla_warpspec.py
+    report_tests
+    TEST_RUNS=()
+    background_tests kernel 420 tests/test_sparse_mla_kernel.py -k warpspec
+    report_tests
+fi
+timeout 240 python3 -m benchmarks.sparse_mla --backward --shape 0,4 2>&1 | tee "$OUT/bwd.log"
+if [ "${EXPLORE:-1}" = 1 ]; then
+    timeout 200 python3 -m benchmarks.sparse_mla --variant sparse_mla_headblock --shape 0,4 --configs \
+        '{"bwd_fused": [{"blocks": {"BLOCK_H": 64, "BLOCK_TOPK": 16, "D_SPLIT": 4}, "num_warps": 8, "num_stages": 3}]}' \
+        2>&1 | tee "$OUT/headblock.log"
+    timeout 240 python3 -m benchmarks.sparse_mla --shape 0,4 --configs \
+        '{"bwd_fused": [{"blocks": {"PRODUCER_WARPS": 4, "GRADIENT_REGS": 208}, "num_warps": 4},
+                        {"blocks": {"PRODUCER_WARPS": 2, "GRADIENT_REGS": 216}, "num_warps": 4}],
+          "fwd": [{"blocks": {"PRODUCER_WARPS": 4, "FOLLOWER_REGS": 208}, "num_warps": 4}]}' \
+        2>&1 | tee "$OUT/explore.log"
+fi
