@@ -3,7 +3,9 @@
 # sm_90 GPU: its tests first (alone on the GPU), then the backward benchmark at the V3.2 shapes (s_q
 # 4096, h_q 128 and 64), the head-block kernel's fused pass at the same shapes for the comparison in
 # one process, the Gluon backward's other configs, and the forward (whose producer it shares).
-# Logs in $OUT. `TESTS=0` skips the tests, `EXPLORE=0` the config rows.
+# Logs in $OUT. `TESTS=0` skips the tests, `EXPLORE=0` the config rows, `BENCH=0` the registry's
+# backward rows. BASELINE=dir (carried; files laid out as in kernels/nvidia/) times the config rows
+# again with those files in place of the current ones, in the same run.
 set -euo pipefail
 source "$(dirname "$0")/gpu_common.sh"
 
@@ -14,14 +16,29 @@ if [ "${TESTS:-1}" = 1 ]; then
     background_tests kernel 420 tests/test_sparse_mla_kernel.py -k warpspec
     report_tests
 fi
-timeout 240 python3 -m benchmarks.sparse_mla --backward --shape 0,4 2>&1 | tee "$OUT/bwd.log"
+if [ "${BENCH:-1}" = 1 ]; then
+    timeout 240 python3 -m benchmarks.sparse_mla --backward --shape 0,4 2>&1 | tee "$OUT/bwd.log"
+fi
+explore() {  # log name: the Gluon kernels' configs at both shapes
+    timeout 240 python3 -m benchmarks.sparse_mla --shape 0,4 --configs \
+        '{"bwd_fused": [{"blocks": {"PRODUCER_WARPS": 4, "GRADIENT_REGS": 208}, "num_warps": 4},
+                        {"blocks": {"PRODUCER_WARPS": 2, "GRADIENT_REGS": 216}, "num_warps": 4}],
+          "fwd": [{"blocks": {"PRODUCER_WARPS": 4, "FOLLOWER_REGS": 208}, "num_warps": 4},
+                  {"blocks": {"PRODUCER_WARPS": 4, "FOLLOWER_REGS": 200}, "num_warps": 4}]}' \
+        2>&1 | grep -v Warning | tee "$OUT/$1.log"
+}
 if [ "${EXPLORE:-1}" = 1 ]; then
     timeout 200 python3 -m benchmarks.sparse_mla --variant sparse_mla_headblock --shape 0,4 --configs \
         '{"bwd_fused": [{"blocks": {"BLOCK_H": 64, "BLOCK_TOPK": 16, "D_SPLIT": 4}, "num_warps": 8, "num_stages": 3}]}' \
         2>&1 | tee "$OUT/headblock.log"
-    timeout 240 python3 -m benchmarks.sparse_mla --shape 0,4 --configs \
-        '{"bwd_fused": [{"blocks": {"PRODUCER_WARPS": 4, "GRADIENT_REGS": 208}, "num_warps": 4},
-                        {"blocks": {"PRODUCER_WARPS": 2, "GRADIENT_REGS": 216}, "num_warps": 4}],
-          "fwd": [{"blocks": {"PRODUCER_WARPS": 4, "FOLLOWER_REGS": 208}, "num_warps": 4}]}' \
-        2>&1 | tee "$OUT/explore.log"
+    explore explore
+fi
+if [ -n "${BASELINE:-}" ]; then
+    mkdir -p "$OUT/current"
+    for f in "$BASELINE"/*.py; do
+        cp "kernels/nvidia/$(basename "$f")" "$OUT/current/"
+        cp "$f" "kernels/nvidia/"
+    done
+    explore explore_baseline
+    cp "$OUT"/current/*.py kernels/nvidia/
 fi
