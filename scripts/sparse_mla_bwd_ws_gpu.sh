@@ -5,7 +5,9 @@
 # one process, the Gluon backward's other configs, and the forward (whose producer it shares).
 # Logs in $OUT. `TESTS=0` skips the tests, `EXPLORE=0` the config rows, `BENCH=0` the registry's
 # backward rows. BASELINE=dir (carried; files laid out as in kernels/nvidia/) times the config rows
-# again with those files in place of the current ones, in the same run.
+# again with those files in place of the current ones, in the same run. SWEEP=full:0,1,4 (preset
+# shapes) sweeps the Gluon pass's role (`bwd_fused`) there after the tests, the other roles at their
+# best known configs, into $OUT/sweep.db and $OUT/tables, and stops.
 set -euo pipefail
 source "$(dirname "$0")/gpu_common.sh"
 
@@ -15,6 +17,12 @@ if [ "${TESTS:-1}" = 1 ]; then
     TEST_RUNS=()
     background_tests kernel 420 tests/test_sparse_mla_kernel.py -k warpspec
     report_tests
+fi
+if [ -n "${SWEEP:-}" ]; then
+    timeout 420 python3 -m tuning.sweep --device auto --op sparse_mla --variant sparse_mla_warpspec \
+        --shapes "$SWEEP" --roles bwd_fused --db "sqlite:///$OUT/sweep.db" --export "$OUT/tables" \
+        --no-progress --max-minutes 6 2>&1 | tail -n 30 | tee "$OUT/sweep.log"
+    exit 0
 fi
 if [ "${BENCH:-1}" = 1 ]; then
     timeout 240 python3 -m benchmarks.sparse_mla --backward --shape 0,4 2>&1 | tee "$OUT/bwd.log"

@@ -60,7 +60,14 @@ from kernels.common.sparse_mla import (
     heads_fit_group,
     sparse_mla_compile_specs,
 )
-from kernels.nvidia.sparse_mla_gather import COLS, PRODUCER_REGS, _gather_blocks, _query_slots, _rows_to_shared
+from kernels.nvidia.sparse_mla_gather import (
+    COLS,
+    PRODUCER_REGS,
+    _allocate_ring,
+    _gather_blocks,
+    _query_slots,
+    _rows_to_shared,
+)
 from kernels.nvidia.sparse_mla_warpspec_bwd import _sparse_mla_bwd_ws_kernel, fused_pass_ws
 from kernels.nvidia.sparse_mla_warpspec_bwd import compile_spec as bwd_compile_spec
 from kernels.nvidia.sparse_mla_warpspec_bwd import shared_bytes as bwd_shared_bytes
@@ -317,13 +324,8 @@ def _sparse_mla_fwd_ws_kernel(
     m_side1 = gl.allocate_shared_memory(gl.float32, [BLOCK_H], vec)
     l_side0 = gl.allocate_shared_memory(gl.float32, [BLOCK_H], vec)
     l_side1 = gl.allocate_shared_memory(gl.float32, [BLOCK_H], vec)
-    slot_rows = gl.allocate_shared_memory(gl.int32, [NUM_STAGES, BLOCK_TOPK], vec)
-    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    free = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    slot_rows, ready, free = _allocate_ring(NUM_STAGES, BLOCK_TOPK, PRODUCER_WARPS)
     bars = gl.allocate_shared_memory(gl.int64, [7, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(NUM_STAGES):
-        mbarrier.init(ready.index(s), count=PRODUCER_WARPS * 32 + 1)
-        mbarrier.init(free.index(s), count=2)
     for i in gl.static_range(7):
         mbarrier.init(bars.index(i), count=1)
     common = (Q, IDX, SINK, TOPK_LEN, OUT, MAX_LOGITS, LSE, q_main, q_tail, k_main, k_tail, slot_rows, ready, free,

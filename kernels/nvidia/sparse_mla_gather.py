@@ -31,6 +31,21 @@ def _query_slots(IDX, TOPK_LEN, topk, t, g, b, stride_ib, stride_is, stride_ih, 
 
 
 @gluon.jit
+def _allocate_ring(NUM_STAGES: gl.constexpr, BLOCK_TOPK: gl.constexpr, PRODUCER_WARPS: gl.constexpr):
+    """The producer's ring bookkeeping, initialized: each stage's slot rows, its `ready` barrier (every
+    producer thread's copies plus one arrival for the rows) and its `free` barrier (one arrival from
+    each of the two consumer warpgroups)."""
+    vec: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    slot_rows = gl.allocate_shared_memory(gl.int32, [NUM_STAGES, BLOCK_TOPK], vec)
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    free = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(NUM_STAGES):
+        mbarrier.init(ready.index(s), count=PRODUCER_WARPS * 32 + 1)
+        mbarrier.init(free.index(s), count=2)
+    return slot_rows, ready, free
+
+
+@gluon.jit
 def _gather_blocks(KV, IDX, TOPK_LEN, k_main, k_tail, slot_rows, ready, free,
                    s_kv, topk, head_blocks,
                    stride_kvb, stride_kvs, stride_kvh, stride_ib, stride_is, stride_ih, stride_lb, stride_ls,

@@ -43,7 +43,14 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from kernels.base import CompileSpec
 from kernels.common.sparse_mla import _compile_signature, _grid, _strides
-from kernels.nvidia.sparse_mla_gather import COLS, PRODUCER_REGS, _gather_blocks, _query_slots, _rows_to_shared
+from kernels.nvidia.sparse_mla_gather import (
+    COLS,
+    PRODUCER_REGS,
+    _allocate_ring,
+    _gather_blocks,
+    _query_slots,
+    _rows_to_shared,
+)
 from tuning_db.records import LaunchConfig
 
 # Kernels can only read globals that are constexprs (Python code reads `.value`).
@@ -257,7 +264,6 @@ def _sparse_mla_bwd_ws_kernel(
     dtype: gl.constexpr = Q.dtype.element_ty
     swizzled: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     w_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([2 * BLOCK_H, BWD_TOPK], dtype)
-    vec: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     z = gl.allocate_shared_memory(dtype, [1, 2 * BLOCK_H, D_V], swizzled)
     k_main = gl.allocate_shared_memory(dtype, [BWD_STAGES, BWD_TOPK, D_V], swizzled)
     if D_TAIL > 0:
@@ -267,13 +273,8 @@ def _sparse_mla_bwd_ws_kernel(
         q_tail = z
         k_tail = k_main
     w = gl.allocate_shared_memory(dtype, [1, 2 * BLOCK_H, BWD_TOPK], w_layout)
-    slot_rows = gl.allocate_shared_memory(gl.int32, [BWD_STAGES, BWD_TOPK], vec)
-    ready = gl.allocate_shared_memory(gl.int64, [BWD_STAGES, 1], mbarrier.MBarrierLayout())
-    free = gl.allocate_shared_memory(gl.int64, [BWD_STAGES, 1], mbarrier.MBarrierLayout())
+    slot_rows, ready, free = _allocate_ring(BWD_STAGES, BWD_TOPK, PRODUCER_WARPS)
     bars = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(BWD_STAGES):
-        mbarrier.init(ready.index(s), count=PRODUCER_WARPS * 32 + 1)
-        mbarrier.init(free.index(s), count=2)
     mbarrier.init(bars.index(0), count=2)
     mbarrier.init(bars.index(1), count=1)
     mbarrier.init(bars.index(2), count=1)
