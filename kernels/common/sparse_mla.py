@@ -607,11 +607,10 @@ WORKSPACE_BYTES = 512 * 2**20
 
 
 def _backward(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, out, lse, dout, config: CallConfig,
-              deterministic: bool, run_fused=None):
-    """The backward on batched-layout tensors: the pre pass, then the fused pass (`run_fused`, the
-    head-block kernel's `_fused_pass` unless a variant brings its own), or with `deterministic` the dq,
-    dkv and sum passes (no atomics); returns (dq, dkv, dsink)."""
-    run_fused = run_fused or _fused_pass
+              deterministic: bool, run_fused):
+    """The backward on batched-layout tensors: the pre pass, then the fused pass (`run_fused`: the
+    head-block kernel's `_fused_pass` or a variant's own), or with `deterministic` the dq, dkv and sum
+    passes (no atomics); returns (dq, dkv, dsink)."""
     b, s_q, h_q, d_qk = q.shape
     h_kv = kv.shape[2]
     heads_per_group = h_q // h_kv
