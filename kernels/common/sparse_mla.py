@@ -745,8 +745,7 @@ class _SparseMLAFunction(torch.autograd.Function):
         return None, dq, dkv, None, None, None, dsink, None, None, None
 
 
-def sparse_mla_forward(args: dict, config: CallConfig, run_forward=_forward, run_fused=_fused_pass
-                       ) -> SparseMLAOutput:
+def sparse_mla_forward(args: dict, config: CallConfig, run_forward, run_fused) -> SparseMLAOutput:
     """Launch sparse MLA on validated arguments (registry.ops.sparse_mla's dict) with the "fwd" role's
     config; a backward, when autograd asks for one, runs the "bwd_pre" and "bwd_fused" roles (or, when
     deterministic, "bwd_pre", "bwd_dq", "bwd_dkv" and "bwd_sum"). `run_forward` is the forward launcher

@@ -65,6 +65,7 @@ from kernels.nvidia.sparse_mla_gather import (
     PRODUCER_REGS,
     _allocate_ring,
     _gather_blocks,
+    _program_coords,
     _query_slots,
     _rows_to_shared,
 )
@@ -178,10 +179,7 @@ def _attend_half(common, own, peer, SIDE: gl.constexpr, D_V: gl.constexpr, D_TAI
     p_operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
     o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
-    t = gl.program_id(0)
-    g = gl.program_id(1) // head_blocks
-    hb = gl.program_id(1) % head_blocks
-    b = gl.program_id(2).to(gl.int64)
+    t, g, hb, b = _program_coords(head_blocks)
 
     if SIDE == 0:
         # Q once, into shared memory with cp.async (through registers it would cost this warpgroup

@@ -21,6 +21,14 @@ PRODUCER_REGS = gl.constexpr(56)  # registers per producer thread
 
 
 @gluon.jit
+def _program_coords(head_blocks):
+    """(query t, kv group g, head block hb, batch row b as int64) of this program, in the grid of
+    kernels.common.sparse_mla._grid."""
+    return (gl.program_id(0), gl.program_id(1) // head_blocks, gl.program_id(1) % head_blocks,
+            gl.program_id(2).to(gl.int64))
+
+
+@gluon.jit
 def _query_slots(IDX, TOPK_LEN, topk, t, g, b, stride_ib, stride_is, stride_ih, stride_lb, stride_ls,
                  HAS_TOPK_LEN: gl.constexpr):
     """(slots to visit, the index row) of query t of kv group g of batch row b (b as int64)."""
@@ -59,9 +67,7 @@ def _gather_blocks(KV, IDX, TOPK_LEN, k_main, k_tail, slot_rows, ready, free,
     BLOCK_TOPK: gl.constexpr = k_main.shape[1]
     # 8 contiguous 16-bit values (one 16-byte cp.async) per thread, 8 threads per 64-column row chunk.
     chunk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [PRODUCER_WARPS, 1], [1, 0])
-    t = gl.program_id(0)
-    g = gl.program_id(1) // head_blocks
-    b = gl.program_id(2).to(gl.int64)
+    t, g, _, b = _program_coords(head_blocks)
     n_slots, idx_row = _query_slots(IDX, TOPK_LEN, topk, t, g, b, stride_ib, stride_is, stride_ih, stride_lb,
                                     stride_ls, HAS_TOPK_LEN)
     kv_base = KV + b * stride_kvb + g.to(gl.int64) * stride_kvh

@@ -44,12 +44,13 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from kernels.base import CompileSpec
-from kernels.common.sparse_mla import _compile_signature, _grid, _strides
+from kernels.common.sparse_mla import LOG2E, _compile_signature, _grid, _strides
 from kernels.nvidia.sparse_mla_gather import (
     COLS,
     PRODUCER_REGS,
     _allocate_ring,
     _gather_blocks,
+    _program_coords,
     _query_slots,
     _rows_to_shared,
 )
@@ -132,10 +133,7 @@ def _backward_side(common, SIDE: gl.constexpr, D_V: gl.constexpr, D_TAIL: gl.con
                                                           instr_shape=[16, COLS, 16])
     slots_of: gl.constexpr = gl.SliceLayout(0, s_layout)
     heads_of: gl.constexpr = gl.SliceLayout(1, s_layout)
-    t = gl.program_id(0)
-    g = gl.program_id(1) // head_blocks
-    hb = gl.program_id(1) % head_blocks
-    b = gl.program_id(2).to(gl.int64)
+    t, g, hb, b = _program_coords(head_blocks)
 
     # This side's rows into shared memory: Q and its tail (score side) or dO (gradient side), rows
     # 0-63 and 64-127 of z; heads past the group read 0 (their P is 0: shift +inf) and are never stored.
@@ -304,7 +302,7 @@ def fused_pass_ws(q, kv, indices, sm_scale, topk_length, dout, delta, shift, dq,
     grid, head_blocks = _grid(s_q, h_q, h_kv, b, BLOCK_H.value)
     _sparse_mla_bwd_ws_kernel[grid](
         q, kv, indices, topk_length, dout, delta, shift, dq, dkv,
-        kv.shape[1], indices.shape[-1], h_q // h_kv, head_blocks, sm_scale * 1.4426950408889634, sm_scale,
+        kv.shape[1], indices.shape[-1], h_q // h_kv, head_blocks, sm_scale * LOG2E.value, sm_scale,
         *_strides(q, 3), *_strides(kv, 3), *_strides(indices, 3), *_strides(topk_length, 2),
         *_strides(dout, 3), *_strides(delta, 2), *_strides(dq, 3), *_strides(dkv, 3),
         D_V=dims["D_V"], D_TAIL=dims["D_TAIL"], HAS_TOPK_LEN=dims["HAS_TOPK_LEN"], **config.blocks, num_warps=4,
