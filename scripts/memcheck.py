@@ -3,6 +3,7 @@ in every layout (packed varlen too), with hostile integer inputs (indices, lengt
 tables: both int32 ends, -1, sizes and sizes + 1, all-invalid rows), forward and, for differentiable
 ops, backward. Run it under
 `compute-sanitizer --tool memcheck` (scripts/memcheck.sh): any read or write outside a tensor fails.
+Op names as arguments (`scripts/memcheck.sh sparse_mla`) check only those ops.
 
 Calls the contract rejects are skipped (a clear error is the guarantee there); everything else must
 run to completion.
@@ -36,8 +37,11 @@ def _cases(op, shape: dict):
 
 def main() -> int:
     vendor = detect().vendor
+    only = set(sys.argv[1:])
     runs = skipped = 0
     for op_name, variants in sorted(load_all().items()):
+        if only and op_name not in only:
+            continue
         op = OPS[op_name]
         for variant in (v for v in variants if v.vendor == vendor):
             handle = dispatch.get(op_name, vendor=vendor, variant=variant.name)

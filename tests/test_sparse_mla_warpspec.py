@@ -53,8 +53,8 @@ def test_registry_prefers_it_on_hopper_and_never_on_cpu():
 
 
 def test_space_and_pruning():
-    """Fixed tiles (forward: 32-slot blocks, four stages, what fits beside Q; fused backward: 32-slot
-    tiles, two stages, what fits beside [Q; dO]), so each space is the producer's warps and the second
+    """Fixed tiles (forward: two buffers of one 64-slot block each, what fits beside Q; fused backward:
+    32-slot tiles, two stages, what fits beside [Q; dO]), so each space is the producer's warps and the second
     warpgroup's registers; everything fits at the V3.2 dims, and the shared-memory estimates say what
     the compiler allocates, give or take the alignment of the small buffers. The other backward roles
     are the head-block variant's, capped by the group's heads."""
@@ -63,9 +63,9 @@ def test_space_and_pruning():
 
     target = preset("h200")
     space = WARPSPEC.space(V32, target)["fwd"]
-    assert len(space) == len(set(space)) == 4
-    assert {(c.blocks["PRODUCER_WARPS"], c.blocks["FOLLOWER_REGS"]) for c in space} == {(2, 200), (2, 208),
-                                                                                         (4, 200), (4, 208)}
+    assert len(space) == len(set(space)) == 5
+    assert {(c.blocks["PRODUCER_WARPS"], c.blocks["FOLLOWER_REGS"]) for c in space} == {
+        (4, r) for r in (200, 208, 216, 224, 232)}
     assert {c.num_warps for c in space} == {4}
     assert all(WARPSPEC.prune_reason("fwd", c, V32, target) is None for c in space)
     assert WARPSPEC.default_config(V32, target)["fwd"] in space
@@ -86,14 +86,15 @@ def test_configs_of_the_earlier_kernel_still_launch():
     """A config tuned before the knobs existed (stale, still used: docs/architecture.md) is completed
     with the defaults for what it lacks, and loses the blocks the kernel no longer has; its own knobs
     win where it has them; the backward roles it never had take their defaults."""
-    old = CallConfig(LaunchConfig(blocks={"BLOCK_H": 64, "BLOCK_TOPK": 64, "PRODUCER_WARPS": 2},
+    old = CallConfig(LaunchConfig(blocks={"BLOCK_H": 64, "BLOCK_TOPK": 64, "FOLLOWER_REGS": 200},
                                   num_warps=8, num_stages=2))
     default = WARPSPEC.default_config(V32, preset("h200"))
+    assert default["fwd"].blocks["FOLLOWER_REGS"] != 200
     completed = WARPSPEC.complete(old, V32, preset("h200"))
-    assert completed["fwd"].blocks == {**default["fwd"].blocks, "PRODUCER_WARPS": 2}
+    assert completed["fwd"].blocks == {**default["fwd"].blocks, "FOLLOWER_REGS": 200}
     assert all(completed[role] == default[role] for role in WARPSPEC.roles if role != "fwd")
     spec = WARPSPEC.compile_specs(V32, completed)[0]
-    assert spec.constexprs["FOLLOWER_REGS"] == default["fwd"].blocks["FOLLOWER_REGS"]
+    assert spec.constexprs["PRODUCER_WARPS"] == default["fwd"].blocks["PRODUCER_WARPS"]
 
 
 def test_backward_is_the_head_block_variants_but_the_fused_pass():

@@ -1,9 +1,10 @@
-"""What the two warp-specialized sparse_mla kernels for Hopper share: the producer partition that
-gathers the selected latent rows into a ring of shared-memory stages, and the cp.async copy of a
-program's rows of Q (or dO) into shared memory. The forward is in kernels/nvidia/sparse_mla.py, the
-backward in kernels/nvidia/sparse_mla_warpspec_bwd.py.
+"""What the two warp-specialized sparse_mla kernels for Hopper share: the program's grid coordinates,
+its query's slot count and index row, and the cp.async of a program's rows of Q (or dO) into shared
+memory; and the backward's producer partition, which gathers the selected latent rows into a ring of
+shared-memory stages. The forward is in kernels/nvidia/sparse_mla.py (its producer fills two buffers
+half by half, its own), the backward in kernels/nvidia/sparse_mla_warpspec_bwd.py.
 
-The producer writes each slot's row index beside the rows (-1 for an invalid index or a slot past
+Both producers write each slot's row index beside the rows (-1 for an invalid index or a slot past
 topk_length): the consumers mask their scores and address their dkv atomics with it, never reading
 the index tensor themselves (with per-thread index loads in a consumer, LLVM hoists their addresses
 above the partitions' register hand-off and ptxas spills them).
