@@ -380,11 +380,14 @@ def _block_slot_rows(idx_row, n_slots, s_kv, block, offs_t):
 
 
 @gluon.jit
-def _copy_half(kv, kv_tail, kv_base, stride_kvs, rows, ready, RIGHT: gl.constexpr, D_V: gl.constexpr,
-               D_TAIL: gl.constexpr, CHUNK: gl.constexpr, LAYOUT: gl.constexpr):
-    """cp.async of one half of a block's rows (see _scores_half) into buffer `kv` (and `kv_tail`);
-    invalid rows (-1) are zero-filled, never read. `ready` gets this thread's arrival when they land."""
+def _refill(kv, kv_tail, kv_base, stride_kvs, rows, slot_rows, ready, free, free_phase, RIGHT: gl.constexpr,
+            WITH_ROWS: gl.constexpr, D_V: gl.constexpr, D_TAIL: gl.constexpr, CHUNK: gl.constexpr,
+            LAYOUT: gl.constexpr):
+    """Once `free` completes its phase, cp.async of one half of a block's rows (see _scores_half) into
+    buffer `kv` (and `kv_tail`), and WITH_ROWS the slot rows; invalid rows (-1) are zero-filled, never
+    read. `ready` completes when every thread's copies have landed and the rows are written."""
     HALF: gl.constexpr = D_V // 2
+    mbarrier.wait(free, free_phase)
     offs_c = gl.arange(0, CHUNK, layout=gl.SliceLayout(0, LAYOUT))
     valid = rows >= 0
     ptrs = kv_base + gl.where(valid, rows, 0).to(gl.int64)[:, None] * stride_kvs
@@ -396,6 +399,10 @@ def _copy_half(kv, kv_tail, kv_base, stride_kvs, rows, ready, RIGHT: gl.constexp
         async_copy.async_copy_global_to_shared(kv_tail, ptrs + (D_V + offs_t)[None, :],
                                                mask=valid[:, None] & (offs_t < D_TAIL)[None, :])
     async_copy.mbarrier_arrive(ready, increment_count=False)
+    if WITH_ROWS:
+        slot_rows.store(rows)
+        gl.thread_barrier()
+    mbarrier.arrive(ready, count=1)
 
 
 @gluon.jit
@@ -419,26 +426,14 @@ def _gather_halves(KV, IDX, TOPK_LEN, kv_ring, kvt_ring, slot_rows, ready, free,
         phase = (j & 1) ^ 1
         rows0 = _block_slot_rows(idx_row, n_slots, s_kv, 2 * j, offs_t)
         rows1 = _block_slot_rows(idx_row, n_slots, s_kv, 2 * j + 1, offs_t)
-        mbarrier.wait(free.index(0), phase)
-        _copy_half(kv_ring.index(0), kvt_ring.index(0), kv_base, stride_kvs, rows0, ready.index(0), 0,
-                   D_V, D_TAIL, CHUNK, layout)
-        slot_rows.index(0).store(rows0)
-        gl.thread_barrier()
-        mbarrier.arrive(ready.index(0), count=1)
-        mbarrier.wait(free.index(3), phase)
-        _copy_half(kv_ring.index(1), kvt_ring.index(1), kv_base, stride_kvs, rows1, ready.index(3), 1,
-                   D_V, D_TAIL, CHUNK, layout)
-        slot_rows.index(1).store(rows1)
-        gl.thread_barrier()
-        mbarrier.arrive(ready.index(3), count=1)
-        mbarrier.wait(free.index(1), phase)
-        _copy_half(kv_ring.index(0), kvt_ring.index(0), kv_base, stride_kvs, rows0, ready.index(1), 1,
-                   D_V, D_TAIL, CHUNK, layout)
-        mbarrier.arrive(ready.index(1), count=1)
-        mbarrier.wait(free.index(2), phase)
-        _copy_half(kv_ring.index(1), kvt_ring.index(1), kv_base, stride_kvs, rows1, ready.index(2), 0,
-                   D_V, D_TAIL, CHUNK, layout)
-        mbarrier.arrive(ready.index(2), count=1)
+        _refill(kv_ring.index(0), kvt_ring.index(0), kv_base, stride_kvs, rows0, slot_rows.index(0), ready.index(0),
+                free.index(0), phase, 0, True, D_V, D_TAIL, CHUNK, layout)
+        _refill(kv_ring.index(1), kvt_ring.index(1), kv_base, stride_kvs, rows1, slot_rows.index(1), ready.index(3),
+                free.index(3), phase, 1, True, D_V, D_TAIL, CHUNK, layout)
+        _refill(kv_ring.index(0), kvt_ring.index(0), kv_base, stride_kvs, rows0, slot_rows.index(0), ready.index(1),
+                free.index(1), phase, 1, False, D_V, D_TAIL, CHUNK, layout)
+        _refill(kv_ring.index(1), kvt_ring.index(1), kv_base, stride_kvs, rows1, slot_rows.index(1), ready.index(2),
+                free.index(2), phase, 0, False, D_V, D_TAIL, CHUNK, layout)
 
 
 @gluon.jit
