@@ -147,6 +147,27 @@ def test_every_config_of_the_space_matches_reference():
             assert_close(WARPSPEC.launch(args, call), expected, TOLERANCE[torch.bfloat16], what=str(config))
 
 
+
+@hopper
+@pytest.mark.parametrize("topk", [1, 63, 64, 65, 127, 128, 129, 256])
+def test_forward_at_the_step_boundaries(topk):
+    """The forward takes 64-slot blocks in pairs (one step) and issues each next step's scores inside
+    the step before; the last step is its own code. Top-k at and around the block and step sizes: one
+    step whose second block is empty or partial, exactly one or two full steps, a step past them."""
+    args = _args(5, s_q=3, s_kv=300, h_q=64, h_kv=1, d_qk=576, d_v=512, topk=topk)
+    assert_close(WARPSPEC.launch(args, WARPSPEC.default_config(V32, preset("h200"))), reference(**args),
+                 TOLERANCE[torch.bfloat16], what=f"topk {topk}")
+
+
+@hopper
+def test_forward_rows_with_no_slot():
+    """topk_length 0 everywhere: no step runs; out 0, max_logits -inf, lse +inf on every row."""
+    args = _args(6, s_q=3, s_kv=300, h_q=64, h_kv=1, d_qk=576, d_v=512, topk=130, topk_length=True)
+    args["topk_length"] = torch.zeros_like(args["topk_length"])
+    out, max_logits, lse = WARPSPEC.launch(args, WARPSPEC.default_config(V32, preset("h200")))
+    assert torch.equal(out, torch.zeros_like(out))
+    assert bool((max_logits == float("-inf")).all()) and bool((lse == float("inf")).all())
+
 @hopper
 def test_unaligned_kv_runs_the_head_block_kernel():
     import registry
