@@ -73,11 +73,16 @@ def _add_dkv_rows(acc, dkv_base, rows, col0, stride_dks, LIMIT: gl.constexpr, la
 
 
 @gluon.jit
-def _to_workspace(values, ptrs, tile, n_slots, head_ok, stride_pt):
-    """Store a tile's [heads, slots] 16-bit values transposed into the workspace rows of its slots
-    (ptrs: [heads, 1], the heads' columns of slot 0's row)."""
-    slots = tile * BWD_TOPK + gl.arange(0, BWD_TOPK, layout=gl.SliceLayout(0, values.type.layout))
-    gl.store(ptrs + slots[None, :].to(gl.int64) * stride_pt, values, mask=head_ok[:, None] & (slots < n_slots)[None, :])
+def _to_workspace(tile_smem, row0, tile, n_slots, first_head, heads_per_group, stride_pt):
+    """Copy a [heads, slots] 16-bit tile from shared memory into the workspace rows of its slots,
+    transposed, 8 heads (16 bytes) a store: few addresses per thread (one per element, as from the
+    products' register layout, spills at h_q 64). row0: slot 0's column of the tile's first head."""
+    layout: gl.constexpr = gl.BlockedLayout([8, 1], [8, 4], [1, 4], [0, 1])
+    values = tile_smem.load(layout)
+    heads = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, layout))
+    slots = tile * BWD_TOPK + gl.arange(0, BWD_TOPK, layout=gl.SliceLayout(0, layout))
+    mask = ((first_head + heads) < heads_per_group)[:, None] & (slots < n_slots)[None, :]
+    gl.store(row0 + heads[:, None] + slots[None, :].to(gl.int64) * stride_pt, values, mask=mask)
 
 
 @gluon.constexpr_function
@@ -171,7 +176,7 @@ def _backward_side(common, SIDE: gl.constexpr, D_V: gl.constexpr, D_TAIL: gl.con
                               stride_ls, HAS_TOPK_LEN)
     dkv_base = DKV + b * stride_dkb + g.to(gl.int64) * stride_dkh
     # Workspace row of slot j: dS^T at columns [0, heads_per_group), P^T after (the dkv pass's layout).
-    pds_base = PDS + b * stride_pb + t.to(gl.int64) * stride_ps + g.to(gl.int64) * stride_pg + offs_h[:, None]
+    pds_row = PDS + b * stride_pb + t.to(gl.int64) * stride_ps + g.to(gl.int64) * stride_pg + hb * BLOCK_H
     zero = gl.zeros([BLOCK_H, BWD_TOPK], gl.float32, layout=s_layout)
     dq = gl.zeros([BLOCK_H, HALF], gl.float32, layout=dq_layout)
     if SIDE == 0 and D_TAIL > 0:
@@ -200,15 +205,16 @@ def _backward_side(common, SIDE: gl.constexpr, D_V: gl.constexpr, D_TAIL: gl.con
             if D_TAIL > 0:
                 s = warpgroup_mma(qt, k_tail.index(stage).permute((1, 0)), s, is_async=True)
             s = warpgroup_mma_wait(0, deps=(s,))
-            p = gl.where((rows >= 0)[None, :], gl.exp2(s * qk_scale - shift[:, None]), 0.0).to(w.dtype)
-            if not DKV_ATOMICS:
-                _to_workspace(p, pds_base + heads_per_group, i, n_slots, head_ok, stride_pt)
+            p = gl.where((rows >= 0)[None, :], gl.exp2(s * qk_scale - shift[:, None]), 0.0)
             # Both sides' products of the previous tile are done with [dS; P].
             mbarrier.wait(bars.index(3), phase ^ 1)
-            p_smem.store(p)
+            p_smem.store(p.to(w.dtype))
             fence_async_shared()
             gl.thread_barrier()
             mbarrier.arrive(bars.index(1), count=1)
+            if not DKV_ATOMICS:
+                _to_workspace(p_smem, pds_row + heads_per_group, i, n_slots, hb * BLOCK_H, heads_per_group,
+                              stride_pt)
             mbarrier.wait(bars.index(2), phase)
         else:
             dp = warpgroup_mma(zi.slice(BLOCK_H, BLOCK_H, dim=0), k.permute((1, 0)), zero, use_acc=False,
@@ -216,13 +222,12 @@ def _backward_side(common, SIDE: gl.constexpr, D_V: gl.constexpr, D_TAIL: gl.con
             dp = warpgroup_mma_wait(0, deps=(dp,))
             mbarrier.wait(bars.index(1), phase)
             p = p_smem.load(s_layout).to(gl.float32)
-            ds = (p * (dp - delta[:, None]) * sm_scale).to(w.dtype)
-            if not DKV_ATOMICS:
-                _to_workspace(ds, pds_base, i, n_slots, head_ok, stride_pt)
-            ds_smem.store(ds)
+            ds_smem.store((p * (dp - delta[:, None]) * sm_scale).to(w.dtype))
             fence_async_shared()
             gl.thread_barrier()
             mbarrier.arrive(bars.index(2), count=1)
+            if not DKV_ATOMICS:
+                _to_workspace(ds_smem, pds_row, i, n_slots, hb * BLOCK_H, heads_per_group, stride_pt)
         dq = warpgroup_mma(ds_smem, k.slice(SIDE * HALF, HALF, dim=1), dq, is_async=True)
         if SIDE == 0 and D_TAIL > 0:
             dq_tail = warpgroup_mma(ds_smem, k_tail.index(stage), dq_tail, is_async=True)
