@@ -10,18 +10,13 @@
 # best known configs, into $OUT/sweep.db and $OUT/tables, and stops.
 set -euo pipefail
 source "$(dirname "$0")/gpu_common.sh"
+source scripts/sparse_mla_ws_common.sh
 
 if [ "${TESTS:-1}" = 1 ]; then
-    background_tests warpspec 300 tests/test_sparse_mla_warpspec.py
-    report_tests
-    TEST_RUNS=()
-    background_tests kernel 420 tests/test_sparse_mla_kernel.py -k warpspec
-    report_tests
+    sparse_mla_ws_tests
 fi
 if [ -n "${SWEEP:-}" ]; then
-    timeout 420 python3 -m tuning.sweep --device auto --op sparse_mla --variant sparse_mla_warpspec \
-        --shapes "$SWEEP" --roles bwd_fused --db "sqlite:///$OUT/sweep.db" --export "$OUT/tables" \
-        --no-progress --max-minutes 6 2>&1 | tail -n 30 | tee "$OUT/sweep.log"
+    sparse_mla_ws_sweep bwd_fused "$SWEEP"
     exit 0
 fi
 if [ "${BENCH:-1}" = 1 ]; then
@@ -42,11 +37,5 @@ if [ "${EXPLORE:-1}" = 1 ]; then
     explore explore
 fi
 if [ -n "${BASELINE:-}" ]; then
-    mkdir -p "$OUT/current"
-    for f in "$BASELINE"/*.py; do
-        cp "kernels/nvidia/$(basename "$f")" "$OUT/current/"
-        cp "$f" "kernels/nvidia/"
-    done
-    explore explore_baseline
-    cp "$OUT"/current/*.py kernels/nvidia/
+    with_baseline explore explore_baseline
 fi

@@ -9,6 +9,7 @@
 # stops.
 set -euo pipefail
 source "$(dirname "$0")/gpu_common.sh"
+source scripts/sparse_mla_ws_common.sh
 
 timeout 120 python3 - <<'PY' 2>&1 | tee "$OUT/smoke.log"
 import torch
@@ -24,16 +25,10 @@ for shape in (dict(s_q=3, s_kv=300, h_q=128, h_kv=1, d_qk=576, d_v=512, topk=203
     print(shape, "relative error", err, "lse diff", (out[2] - ref[2]).abs().max().item())
 PY
 if [ "${TESTS:-1}" = 1 ]; then
-    background_tests warpspec 300 tests/test_sparse_mla_warpspec.py
-    report_tests
-    TEST_RUNS=()
-    background_tests kernel 420 tests/test_sparse_mla_kernel.py -k warpspec
-    report_tests
+    sparse_mla_ws_tests
 fi
 if [ -n "${SWEEP:-}" ]; then
-    timeout 420 python3 -m tuning.sweep --device auto --op sparse_mla --variant sparse_mla_warpspec \
-        --shapes "$SWEEP" --roles fwd --db "sqlite:///$OUT/sweep.db" --export "$OUT/tables" \
-        --no-progress --max-minutes 6 2>&1 | tail -n 30 | tee "$OUT/sweep.log"
+    sparse_mla_ws_sweep fwd "$SWEEP"
     KREG_TUNING_DB="sqlite:///$OUT/sweep.db" timeout 400 python3 -m benchmarks.run --only sparse_mla 2>&1 \
         | grep -v Warning | tee "$OUT/bench.log"
     exit 0
@@ -49,11 +44,5 @@ explore() {  # log name, configs
 }
 explore explore "$CONFIGS"
 if [ -n "${BASELINE:-}" ]; then
-    mkdir -p "$OUT/current"
-    for f in "$BASELINE"/*.py; do
-        cp "kernels/nvidia/$(basename "$f")" "$OUT/current/"
-        cp "$f" "kernels/nvidia/"
-    done
-    explore explore_baseline "$BASE_CONFIGS"
-    cp "$OUT"/current/*.py kernels/nvidia/
+    with_baseline explore explore_baseline "$BASE_CONFIGS"
 fi

@@ -186,6 +186,25 @@ def _masked_scores(s, slot_rows, qk_scale):
 
 
 @gluon.jit
+def _publish_and_step(s, m_i, m_new, l_i, acc, m_smem, published, o_rows: gl.constexpr):
+    """Hand this side's new row maximum to the peer (m_smem, then one arrival on `published`) and take
+    the online-softmax step: (P, the new row sums, the rescaled accumulator)."""
+    m_smem.store(m_new)
+    _signal(published)
+    p = gl.exp2(s - m_new[:, None])
+    alpha = gl.exp2(m_i - m_new)
+    return p, l_i * alpha + gl.sum(p, 1), acc * gl.convert_layout(alpha, o_rows)[:, None]
+
+
+@gluon.constexpr_function
+def _p_operand_layout(d_v):
+    """P's layout as the A operand of the P V product into a warpgroup's half of out (a [64, d_v / 2]
+    wgmma accumulator, the operand's parent)."""
+    out = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, d_v // 2, 16])
+    return gl.DotOperandLayout(operand_index=0, parent=out, k_width=2)
+
+
+@gluon.jit
 def _lead_step(j, pin, s, acc, m_i, l_i, smem, ready, free, bars, qk_scale, NEXT: gl.constexpr,
                D_V: gl.constexpr, D_TAIL: gl.constexpr):
     """The leader's step j (its block 2j in buffer 0, whose scores `s` are done): shift by its own
@@ -195,20 +214,13 @@ def _lead_step(j, pin, s, acc, m_i, l_i, smem, ready, free, bars, qk_scale, NEXT
     follower's block's left half is freed before it waits for its own block's right half)."""
     q_ring, qt_ring, kv_ring, kvt_ring, p_lead_ring, p_follow_ring, slot_rows, m_lead, m_pair_smem = smem
     HALF: gl.constexpr = D_V // 2
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HALF, 16])
-    p_operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
+    p_operand: gl.constexpr = _p_operand_layout(D_V)
+    o_rows: gl.constexpr = gl.SliceLayout(1, p_operand.parent)
     phase = j & 1
     kv = kv_ring.index(pin)
     s = _masked_scores(s, slot_rows.index(pin), qk_scale)
     m_new = gl.maximum(m_i, gl.max(s, 1))
-    m_lead.store(m_new)
-    _signal(bars.index(1))
-    p = gl.exp2(s - m_new[:, None])
-    alpha = gl.exp2(m_i - m_new)
-    l_i = l_i * alpha + gl.sum(p, 1)
-    acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
+    p, l_i, acc = _publish_and_step(s, m_i, m_new, l_i, acc, m_lead, bars.index(1), o_rows)
     p_op = gl.convert_layout(p.to(kv.dtype), p_operand)
     acc = warpgroup_mma(p_op, kv.slice(0, HALF, dim=1), acc, is_async=True)
     acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
@@ -247,10 +259,8 @@ def _follow_step(j, pin, s, acc, m_i, l_i, smem, ready, free, bars, qk_scale, D_
     leader's block; each buffer half is freed as soon as its last product is done."""
     q_ring, qt_ring, kv_ring, kvt_ring, p_lead_ring, p_follow_ring, slot_rows, m_lead, m_pair_smem = smem
     HALF: gl.constexpr = D_V // 2
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HALF, 16])
-    p_operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
+    p_operand: gl.constexpr = _p_operand_layout(D_V)
+    o_rows: gl.constexpr = gl.SliceLayout(1, p_operand.parent)
     phase = j & 1
     kv = kv_ring.index(pin + 1)
     _landed(ready.index(3), phase)
@@ -261,12 +271,7 @@ def _follow_step(j, pin, s, acc, m_i, l_i, smem, ready, free, bars, qk_scale, D_
     s = _masked_scores(s, slot_rows.index(pin + 1), qk_scale)
     mbarrier.wait(bars.index(1), phase)
     m_new = gl.maximum(m_lead.load(m_i.type.layout), gl.max(s, 1))
-    m_pair_smem.store(m_new)
-    _signal(bars.index(2))
-    p = gl.exp2(s - m_new[:, None])
-    alpha = gl.exp2(m_i - m_new)
-    l_i = l_i * alpha + gl.sum(p, 1)
-    acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
+    p, l_i, acc = _publish_and_step(s, m_i, m_new, l_i, acc, m_pair_smem, bars.index(2), o_rows)
     p16 = p.to(kv.dtype)
     p_op = gl.convert_layout(p16, p_operand)
     acc = warpgroup_mma(p_op, kv.slice(HALF, HALF, dim=1), acc, is_async=True)
