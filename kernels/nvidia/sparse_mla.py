@@ -67,9 +67,12 @@ from kernels.common.sparse_mla import (
     heads_fit_group,
     sparse_mla_compile_specs,
 )
+from kernels.nvidia.attention_tma import release
 from kernels.nvidia.sparse_mla_gather import (
     COLS,
     PRODUCER_REGS,
+    _block_slot_rows,
+    _copy_columns,
     _program_coords,
     _query_slots,
     _rows_to_shared,
@@ -158,13 +161,6 @@ def _landed(bar, phase):
 
 
 @gluon.jit
-def _signal(bar):
-    """One arrival on `bar` once every thread of this warpgroup has reached this point."""
-    gl.thread_barrier()
-    mbarrier.arrive(bar, count=1)
-
-
-@gluon.jit
 def _scores_half(q, q_tail, kv, kv_tail, s, RIGHT: gl.constexpr, USE_ACC: gl.constexpr, D_V: gl.constexpr,
                  D_TAIL: gl.constexpr):
     """Issue one half of a block's scores against Q, asynchronously: the left half is d_qk's columns
@@ -189,7 +185,7 @@ def _publish_and_step(s, m_i, m_new, l_i, acc, m_smem, published, o_rows: gl.con
     """Hand this side's new row maximum to the peer (m_smem, then one arrival on `published`) and take
     the online-softmax step: (P, the new row sums, the rescaled accumulator)."""
     m_smem.store(m_new)
-    _signal(published)
+    release(published)
     p = gl.exp2(s - m_new[:, None])
     alpha = gl.exp2(m_i - m_new)
     return p, l_i * alpha + gl.sum(p, 1), acc * gl.convert_layout(alpha, o_rows)[:, None]
@@ -223,14 +219,14 @@ def _lead_step(j, pin, s, acc, m_i, l_i, smem, ready, free, bars, qk_scale, NEXT
     p_op = gl.convert_layout(p.to(kv.dtype), p_operand)
     acc = warpgroup_mma(p_op, kv.slice(0, HALF, dim=1), acc, is_async=True)
     acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
-    _signal(free.index(0))  # buffer 0's left half: both its readers (scores, this product) are done
+    release(free.index(0))  # buffer 0's left half: both its readers (scores, this product) are done
     # The follower's maximum includes this one: it is the pair's, and rescales P and the accumulator.
     mbarrier.wait(bars.index(2), phase)
     m_pair = m_pair_smem.load(m_new.type.layout)
     beta = gl.exp2(m_new - m_pair)
     p_lead_ring.index(pin).store((p * beta[:, None]).to(kv.dtype))
     fence_async_shared()
-    _signal(bars.index(3))
+    release(bars.index(3))
     mbarrier.wait(bars.index(4), phase)
     acc = acc * gl.convert_layout(beta, o_rows)[:, None]
     l_i = l_i * beta
@@ -239,13 +235,13 @@ def _lead_step(j, pin, s, acc, m_i, l_i, smem, ready, free, bars, qk_scale, NEXT
         _landed(ready.index(0), phase ^ 1)
         s = _scores_half(q_ring.index(pin), qt_ring.index(pin), kv, kvt_ring.index(pin), s, 0, False, D_V, D_TAIL)
         acc = warpgroup_mma_wait(1, deps=(acc,))
-        _signal(free.index(2))  # buffer 1's left half
+        release(free.index(2))  # buffer 1's left half
         _landed(ready.index(1), phase ^ 1)
         s = _scores_half(q_ring.index(pin), qt_ring.index(pin), kv, kvt_ring.index(pin), s, 1, True, D_V, D_TAIL)
         s = warpgroup_mma_wait(0, deps=(s,))
     else:
         acc = warpgroup_mma_wait(0, deps=(acc,))
-        _signal(free.index(2))
+        release(free.index(2))
     return s, acc, m_pair, l_i
 
 
@@ -278,11 +274,11 @@ def _follow_step(j, pin, s, acc, m_i, l_i, smem, ready, free, bars, qk_scale, D_
     mbarrier.wait(bars.index(3), phase)
     acc = warpgroup_mma(p_lead_ring.index(pin), kv_ring.index(pin).slice(HALF, HALF, dim=1), acc, is_async=True)
     fence_async_shared()
-    _signal(bars.index(4))
+    release(bars.index(4))
     p_op = warpgroup_mma_wait(1, deps=(p_op,))
-    _signal(free.index(3))  # buffer 1's right half
+    release(free.index(3))  # buffer 1's right half
     acc = warpgroup_mma_wait(0, deps=(acc,))
-    _signal(free.index(1))  # buffer 0's right half (with the leader's P in its rope columns)
+    release(free.index(1))  # buffer 0's right half (with the leader's P in its rope columns)
     return s, acc, m_new, l_i
 
 
@@ -315,7 +311,7 @@ def _attend_half(common, smem, SIDE: gl.constexpr, D_V: gl.constexpr, D_TAIL: gl
         offs_hq = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, q_load))
         _rows_to_shared(q_ring.index(0), qt_ring.index(0), Q, b, t, g * heads_per_group + offs_hq,
                         offs_hq < heads_per_group, stride_qb, stride_qs, stride_qh, D_V, D_TAIL, q_load)
-        _signal(bars.index(0))
+        release(bars.index(0))
     else:
         mbarrier.wait(bars.index(0), 0)
 
@@ -352,7 +348,7 @@ def _attend_half(common, smem, SIDE: gl.constexpr, D_V: gl.constexpr, D_TAIL: gl
 
     # The row sum is split between the sides; both finish with the pair's maximum.
     l_sums.index(SIDE).store(l_i)
-    _signal(bars.index(5 + SIDE))
+    release(bars.index(5 + SIDE))
     mbarrier.wait(bars.index(6 - SIDE), 0)
     l_i = gl.convert_layout(l_i + l_sums.index(1 - SIDE).load(s_rows), o_rows)
     m_i = gl.convert_layout(m_i, o_rows)
@@ -376,15 +372,6 @@ def _attend_half(common, smem, SIDE: gl.constexpr, D_V: gl.constexpr, D_TAIL: gl
 
 
 @gluon.jit
-def _block_slot_rows(idx_row, n_slots, s_kv, block, offs_t):
-    """Top-k block `block`'s row indices, -1 where the slot is past n_slots or its index outside
-    [0, s_kv)."""
-    slots = block * BLOCK_TOPK + offs_t
-    idx = gl.load(idx_row + slots, mask=slots < n_slots, other=-1)
-    return gl.where((idx >= 0) & (idx < s_kv), idx, -1)
-
-
-@gluon.jit
 def _refill(kv, kv_tail, kv_base, stride_kvs, rows, slot_rows, ready, free, free_phase, RIGHT: gl.constexpr,
             WITH_ROWS: gl.constexpr, D_V: gl.constexpr, D_TAIL: gl.constexpr, CHUNK: gl.constexpr,
             LAYOUT: gl.constexpr):
@@ -393,16 +380,9 @@ def _refill(kv, kv_tail, kv_base, stride_kvs, rows, slot_rows, ready, free, free
     read. `ready` completes when every thread's copies have landed and the rows are written."""
     HALF: gl.constexpr = D_V // 2
     mbarrier.wait(free, free_phase)
-    offs_c = gl.arange(0, CHUNK, layout=gl.SliceLayout(0, LAYOUT))
     valid = rows >= 0
-    ptrs = kv_base + gl.where(valid, rows, 0).to(gl.int64)[:, None] * stride_kvs
-    for c in gl.static_range(RIGHT * HALF // CHUNK, (RIGHT + 1) * HALF // CHUNK):
-        async_copy.async_copy_global_to_shared(kv.slice(c * CHUNK, CHUNK, dim=1), ptrs + (c * CHUNK + offs_c)[None, :],
-                                               mask=valid[:, None])
-    if RIGHT and D_TAIL > 0:
-        offs_t = gl.arange(0, COLS, layout=gl.SliceLayout(0, LAYOUT))
-        async_copy.async_copy_global_to_shared(kv_tail, ptrs + (D_V + offs_t)[None, :],
-                                               mask=valid[:, None] & (offs_t < D_TAIL)[None, :])
+    row_ptrs = kv_base + gl.where(valid, rows, 0).to(gl.int64)[:, None] * stride_kvs
+    _copy_columns(kv, kv_tail, row_ptrs, valid, RIGHT * HALF, (RIGHT + 1) * HALF, RIGHT, D_V, D_TAIL, CHUNK, LAYOUT)
     async_copy.mbarrier_arrive(ready, increment_count=False)
     if WITH_ROWS:
         slot_rows.store(rows)
@@ -429,8 +409,8 @@ def _gather_halves(KV, IDX, TOPK_LEN, kv_ring, kvt_ring, slot_rows, ready, free,
     for j in range(gl.cdiv(n_slots, 2 * BLOCK_TOPK)):
         # Barriers start in phase 0, so the first step finds every half free.
         phase = (j & 1) ^ 1
-        rows0 = _block_slot_rows(idx_row, n_slots, s_kv, 2 * j, offs_t)
-        rows1 = _block_slot_rows(idx_row, n_slots, s_kv, 2 * j + 1, offs_t)
+        rows0 = _block_slot_rows(idx_row, n_slots, s_kv, 2 * j, offs_t, BLOCK_TOPK)
+        rows1 = _block_slot_rows(idx_row, n_slots, s_kv, 2 * j + 1, offs_t, BLOCK_TOPK)
         _refill(kv_ring.index(0), kvt_ring.index(0), kv_base, stride_kvs, rows0, slot_rows.index(0), ready.index(0),
                 free.index(0), phase, 0, True, D_V, D_TAIL, CHUNK, layout)
         _refill(kv_ring.index(1), kvt_ring.index(1), kv_base, stride_kvs, rows1, slot_rows.index(1), ready.index(3),

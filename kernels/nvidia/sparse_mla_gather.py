@@ -55,15 +55,39 @@ def _allocate_ring(NUM_STAGES: gl.constexpr, BLOCK_TOPK: gl.constexpr, PRODUCER_
 
 
 @gluon.jit
+def _block_slot_rows(idx_row, n_slots, s_kv, block, offs_t, BLOCK_TOPK: gl.constexpr):
+    """Top-k block `block`'s row indices (BLOCK_TOPK slots), -1 where the slot is past n_slots or its
+    index outside [0, s_kv)."""
+    slots = block * BLOCK_TOPK + offs_t
+    idx = gl.load(idx_row + slots, mask=slots < n_slots, other=-1)
+    return gl.where((idx >= 0) & (idx < s_kv), idx, -1)
+
+
+@gluon.jit
+def _copy_columns(main, tail, row_ptrs, ok, FIRST: gl.constexpr, LAST: gl.constexpr, WITH_TAIL: gl.constexpr,
+                  D_V: gl.constexpr, D_TAIL: gl.constexpr, CHUNK: gl.constexpr, LAYOUT: gl.constexpr):
+    """cp.async of columns [FIRST, LAST) of the rows `row_ptrs` ([rows, 1]) points at into the same
+    columns of `main`, CHUNK at a time (8 contiguous 16-bit values, one 16-byte copy, a thread), and
+    WITH_TAIL columns [D_V, D_V + D_TAIL) into `tail`; rows where `ok` is false are zero-filled, never
+    read."""
+    offs_c = gl.arange(0, CHUNK, layout=gl.SliceLayout(0, LAYOUT))
+    for c in gl.static_range(FIRST // CHUNK, LAST // CHUNK):
+        async_copy.async_copy_global_to_shared(main.slice(c * CHUNK, CHUNK, dim=1),
+                                               row_ptrs + (c * CHUNK + offs_c)[None, :], mask=ok[:, None])
+    if WITH_TAIL and D_TAIL > 0:
+        offs_t = gl.arange(0, COLS, layout=gl.SliceLayout(0, LAYOUT))
+        async_copy.async_copy_global_to_shared(tail, row_ptrs + (D_V + offs_t)[None, :],
+                                               mask=ok[:, None] & (offs_t < D_TAIL)[None, :])
+
+
+@gluon.jit
 def _gather_blocks(KV, IDX, TOPK_LEN, k_main, k_tail, slot_rows, ready, free,
                    s_kv, topk, head_blocks,
                    stride_kvb, stride_kvs, stride_kvh, stride_ib, stride_is, stride_ih, stride_lb, stride_ls,
-                   D_V: gl.constexpr, D_TAIL: gl.constexpr, HAS_TOPK_LEN: gl.constexpr, PRODUCER_WARPS: gl.constexpr,
-                   STEP: gl.constexpr):
-    """Producer: top-k block i (k_main's second dim of slots) into stage i % (k_main's first dim), with
-    its slots' row indices, in whole steps of STEP blocks (the consumers take STEP at a time; a last
-    partial step is padded with all-invalid blocks). A stage's `ready` completes when every producer
-    thread's copies have landed (no-increment arrivals) and the rows are written (one arrival)."""
+                   D_V: gl.constexpr, D_TAIL: gl.constexpr, HAS_TOPK_LEN: gl.constexpr, PRODUCER_WARPS: gl.constexpr):
+    """The backward's producer: top-k block i (k_main's second dim of slots) into stage i % (k_main's
+    first dim), with its slots' row indices. A stage's `ready` completes when every producer thread's
+    copies have landed (no-increment arrivals) and the rows are written (one arrival)."""
     NUM_STAGES: gl.constexpr = k_main.shape[0]
     BLOCK_TOPK: gl.constexpr = k_main.shape[1]
     # 8 contiguous 16-bit values (one 16-byte cp.async) per thread, 8 threads per 64-column row chunk.
@@ -73,25 +97,18 @@ def _gather_blocks(KV, IDX, TOPK_LEN, k_main, k_tail, slot_rows, ready, free,
                                     stride_ls, HAS_TOPK_LEN)
     kv_base = KV + b * stride_kvb + g.to(gl.int64) * stride_kvh
     offs_t = gl.arange(0, BLOCK_TOPK, layout=gl.SliceLayout(1, chunk))
-    offs_c = gl.arange(0, COLS, layout=gl.SliceLayout(0, chunk))
-    for i in range(gl.cdiv(n_slots, STEP * BLOCK_TOPK) * STEP):
+    for i in range(gl.cdiv(n_slots, BLOCK_TOPK)):
         stage = i % NUM_STAGES
         # Barriers start in phase 0, so the first pass over the ring finds every stage free.
         mbarrier.wait(free.index(stage), ((i // NUM_STAGES) & 1) ^ 1)
-        slots = i * BLOCK_TOPK + offs_t
-        idx = gl.load(idx_row + slots, mask=slots < n_slots, other=-1)
-        # Any index outside [0, s_kv) is invalid: its copy is masked (zero-filled), row 0 stands in.
-        valid = (idx >= 0) & (idx < s_kv)
-        rows = kv_base + gl.where(valid, idx, 0).to(gl.int64) * stride_kvs
-        dest = k_main.index(stage)
-        for c in gl.static_range(D_V // COLS):
-            async_copy.async_copy_global_to_shared(dest.slice(c * COLS, COLS, dim=1),
-                                                   rows[:, None] + (c * COLS + offs_c)[None, :], mask=valid[:, None])
-        if D_TAIL > 0:
-            async_copy.async_copy_global_to_shared(k_tail.index(stage), rows[:, None] + (D_V + offs_c)[None, :],
-                                                   mask=valid[:, None] & (offs_c < D_TAIL)[None, :])
+        rows = _block_slot_rows(idx_row, n_slots, s_kv, i, offs_t, BLOCK_TOPK)
+        # An invalid slot's copy is masked (zero-filled); row 0 stands in for its address.
+        valid = rows >= 0
+        row_ptrs = kv_base + gl.where(valid, rows, 0).to(gl.int64)[:, None] * stride_kvs
+        _copy_columns(k_main.index(stage), k_tail.index(stage), row_ptrs, valid, 0, D_V, True, D_V, D_TAIL, COLS,
+                      chunk)
         async_copy.mbarrier_arrive(ready.index(stage), increment_count=False)
-        slot_rows.index(stage).store(gl.where(valid, idx, -1))
+        slot_rows.index(stage).store(rows)
         gl.thread_barrier()
         mbarrier.arrive(ready.index(stage), count=1)
 
@@ -102,14 +119,8 @@ def _rows_to_shared(main, tail, PTR, b, t, heads, ok, stride_b, stride_s, stride
     """cp.async of rows `heads` of query t of batch row b of PTR (the first D_V columns into `main`, the
     next D_TAIL into `tail`; rows where `ok` is false read 0), then wait for them and fence them for
     wgmma. heads and ok: [rows] in SliceLayout(1, LAYOUT)."""
-    offs_c = gl.arange(0, COLS, layout=gl.SliceLayout(0, LAYOUT))
-    row = PTR + b * stride_b + t.to(gl.int64) * stride_s + heads[:, None].to(gl.int64) * stride_h
-    for c in gl.static_range(D_V // COLS):
-        async_copy.async_copy_global_to_shared(main.slice(c * COLS, COLS, dim=1), row + (c * COLS + offs_c)[None, :],
-                                               mask=ok[:, None])
-    if D_TAIL > 0:
-        async_copy.async_copy_global_to_shared(tail, row + (D_V + offs_c)[None, :],
-                                               mask=ok[:, None] & (offs_c < D_TAIL)[None, :])
+    row_ptrs = PTR + b * stride_b + t.to(gl.int64) * stride_s + heads[:, None].to(gl.int64) * stride_h
+    _copy_columns(main, tail, row_ptrs, ok, 0, D_V, True, D_V, D_TAIL, COLS, LAYOUT)
     async_copy.commit_group()
     async_copy.wait_group(0)
     # The rows arrived through cp.async (generic proxy); wgmma reads them through the async proxy.

@@ -290,7 +290,7 @@ def _sparse_mla_bwd_ws_kernel(
         (_gather_blocks, (KV, IDX, TOPK_LEN, k_main, k_tail, slot_rows, ready, free,
                           s_kv, topk, head_blocks,
                           stride_kvb, stride_kvs, stride_kvh, stride_ib, stride_is, stride_ih, stride_lb, stride_ls,
-                          D_V, D_TAIL, HAS_TOPK_LEN, PRODUCER_WARPS, 1)),
+                          D_V, D_TAIL, HAS_TOPK_LEN, PRODUCER_WARPS)),
     ], [4, PRODUCER_WARPS], [GRADIENT_REGS, PRODUCER_REGS])
 
 
