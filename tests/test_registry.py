@@ -298,4 +298,4 @@ def test_source_hash_covers_kernel_code_only(tmp_path, monkeypatch):
     headblock, warpspec = by_name["sparse_mla_headblock", "nvidia"], by_name["sparse_mla_warpspec", "nvidia"]
     assert headblock.source_hash == by_name["sparse_mla_headblock", "amd"].source_hash  # one kernel body
     assert warpspec.source_hash != headblock.source_hash  # its own forward kernel
-    assert warpspec.kernels["bwd_dq"] is headblock.kernels["bwd_dq"]  # the same backward
+    assert warpspec.kernels["bwd_dkv"] is headblock.kernels["bwd_dkv"]  # the same deterministic dkv pass

@@ -57,7 +57,8 @@ def test_space_and_pruning():
     32-slot tiles, two stages, what fits beside [Q; dO]), so each space is the producer's warps and the second
     warpgroup's registers; everything fits at the V3.2 dims, and the shared-memory estimates say what
     the compiler allocates, give or take the alignment of the small buffers. The other backward roles
-    are the head-block variant's, capped by the group's heads."""
+    are the head-block variant's, capped by the group's heads; the deterministic dq pass is the fused
+    pass's kernel, with its space."""
     from kernels.nvidia.sparse_mla import shared_bytes
     from kernels.nvidia.sparse_mla_warpspec_bwd import shared_bytes as bwd_shared_bytes
 
@@ -75,9 +76,11 @@ def test_space_and_pruning():
         (p, r) for p in (2, 4) for r in (208, 216, 224)}
     assert all(WARPSPEC.prune_reason("bwd_fused", c, V32, target) is None for c in fused)
     assert WARPSPEC.default_config(V32, target)["bwd_fused"] in fused
+    assert WARPSPEC.space(V32, target)["bwd_dq"] == fused
+    assert WARPSPEC.default_config(V32, target)["bwd_dq"] == WARPSPEC.default_config(V32, target)["bwd_fused"]
     assert 220_000 < bwd_shared_bytes(512, 64) <= target.shared_mem_bytes
     small = {**V32, "h_q": 16}
-    for role in ("bwd_pre", "bwd_dq", "bwd_dkv"):
+    for role in ("bwd_pre", "bwd_dkv"):
         assert {c.blocks["BLOCK_H"] for c in WARPSPEC.space(small, target)[role]} == {16}
         assert WARPSPEC.default_config(small, target)[role].blocks["BLOCK_H"] == 16
 
@@ -97,15 +100,21 @@ def test_configs_of_the_earlier_kernel_still_launch():
     assert spec.constexprs["PRODUCER_WARPS"] == default["fwd"].blocks["PRODUCER_WARPS"]
 
 
-def test_backward_is_the_head_block_variants_but_the_fused_pass():
+def test_backward_is_the_head_block_variants_but_the_gluon_passes():
+    """The fused pass and the deterministic dq pass are one Gluon kernel (with and without its dkv
+    atomics) with one space; the other backward roles are the head-block variant's."""
     assert WARPSPEC.roles == HEADBLOCK_NVIDIA.roles
-    assert WARPSPEC.kernels["bwd_fused"] is not HEADBLOCK_NVIDIA.kernels["bwd_fused"]
-    assert WARPSPEC.run_fused is not HEADBLOCK_NVIDIA.run_fused
-    for role in (r for r in WARPSPEC.roles if r.startswith("bwd") and r != "bwd_fused"):
+    assert WARPSPEC.kernels["bwd_fused"] is WARPSPEC.kernels["bwd_dq"] is not HEADBLOCK_NVIDIA.kernels["bwd_fused"]
+    assert WARPSPEC.spaces["bwd_fused"] is WARPSPEC.spaces["bwd_dq"]
+    assert WARPSPEC.passes.fused is not HEADBLOCK_NVIDIA.passes.fused
+    assert WARPSPEC.passes.dq is not HEADBLOCK_NVIDIA.passes.dq
+    for role in (r for r in WARPSPEC.roles if r.startswith("bwd") and r not in ("bwd_fused", "bwd_dq")):
         assert WARPSPEC.kernels[role] is HEADBLOCK_NVIDIA.kernels[role]
         assert WARPSPEC.spaces[role] is HEADBLOCK_NVIDIA.spaces[role]
         assert WARPSPEC.default_config(V32, preset("h200"))[role] == HEADBLOCK_NVIDIA.default_config(
             V32, preset("h200"))[role]
+    specs = {spec.role: spec for spec in WARPSPEC.compile_specs(V32, WARPSPEC.default_config(V32, preset("h200")))}
+    assert specs["bwd_fused"].constexprs["DKV_ATOMICS"] and not specs["bwd_dq"].constexprs["DKV_ATOMICS"]
 
 
 def test_unaligned_kv_is_a_key_the_head_block_kernel_takes():
@@ -147,6 +156,35 @@ def test_every_config_of_the_space_matches_reference():
             assert_close(WARPSPEC.launch(args, call), expected, TOLERANCE[torch.bfloat16], what=str(config))
 
 
+
+
+@hopper
+def test_deterministic_backward_with_the_gluon_dq_pass():
+    """deterministic=True runs the Gluon kernel without atomics as its dq pass, then the head-block dkv
+    and sum passes: gradients match the reference's autograd (top-k 203, invalid and duplicate slots,
+    a row cut short, 80 heads a group: 64 + 16, two kv groups, a sink, two batch rows) at two configs
+    of the dq pass's space, and repeat bit for bit."""
+    from registry.ops import OPS
+    from registry.testing import GRAD_TOLERANCE, gradient_error
+
+    args = _args(7, b=2, s_q=5, s_kv=300, h_q=160, h_kv=2, d_qk=576, d_v=512, topk=203, sink=True, topk_length=True)
+    idx = args["indices"].clone()
+    idx[0, 0, 0, :8] = torch.tensor([-1, 300, 2**31 - 1, -(2**31), 7, 7, 7, 299], dtype=torch.int32)
+    args["indices"] = idx
+    args["deterministic"] = True
+    key = {**V32, "h_q": 160, "h_kv": 2}
+    default = WARPSPEC.default_config(key, preset("h200"))
+    for config in ({"PRODUCER_WARPS": 2, "GRADIENT_REGS": 208}, {"PRODUCER_WARPS": 4, "GRADIENT_REGS": 208}):
+        call = default.replace("bwd_dq", LaunchConfig(blocks=config, num_warps=4))
+        err = gradient_error(OPS["sparse_mla"], lambda a, c=call: WARPSPEC.launch(a, c), args)
+        assert err <= GRAD_TOLERANCE[torch.bfloat16], (config, err)
+    grads = []
+    for _ in range(2):
+        q = args["q"].detach().requires_grad_()
+        kv = args["kv"].detach().requires_grad_()
+        out = WARPSPEC.launch({**args, "q": q, "kv": kv}, default).out
+        grads.append(torch.autograd.grad(out, (q, kv), torch.ones_like(out)))
+    assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
 
 @hopper
 @pytest.mark.parametrize("topk", [1, 63, 64, 65, 127, 128, 129, 256])

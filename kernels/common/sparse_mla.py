@@ -22,6 +22,9 @@ Semantics: `registry.ops.sparse_mla.reference` (docs/op-contracts.md).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -606,11 +609,19 @@ def fused_blocks(config: LaunchConfig, heads_per_group: int, block_dv: int) -> d
 WORKSPACE_BYTES = 512 * 2**20
 
 
+class BackwardPasses(NamedTuple):
+    """A variant's launchers of the two backward passes it may bring its own kernel for: the fused pass
+    (`_fused_pass`'s arguments) and the deterministic backward's dq pass (`_dq_pass`'s)."""
+
+    fused: Callable
+    dq: Callable
+
+
 def _backward(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, out, lse, dout, config: CallConfig,
-              deterministic: bool, run_fused):
-    """The backward on batched-layout tensors: the pre pass, then the fused pass (`run_fused`: the
-    head-block kernel's `_fused_pass` or a variant's own), or with `deterministic` the dq, dkv and sum
-    passes (no atomics); returns (dq, dkv, dsink)."""
+              deterministic: bool, passes: BackwardPasses):
+    """The backward on batched-layout tensors: the pre pass, then the fused pass (`passes.fused`: the
+    head-block kernel's `_fused_pass` or a variant's own), or with `deterministic` the dq (`passes.dq`),
+    dkv and sum passes (no atomics); returns (dq, dkv, dsink)."""
     b, s_q, h_q, d_qk = q.shape
     h_kv = kv.shape[2]
     heads_per_group = h_q // h_kv
@@ -635,10 +646,11 @@ def _backward(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, out, lse, d
     dims = {"D_V": d_v, "D_TAIL": d_qk - d_v, "BLOCK_DV": block_dv, "BLOCK_DT": block_dt,
             "HAS_TOPK_LEN": topk_length is not None}
     if deterministic:
-        _deterministic_passes(q, kv, indices, sm_scale, topk_length, dout, delta, shift, dq, dkv, config, dims)
+        _deterministic_passes(q, kv, indices, sm_scale, topk_length, dout, delta, shift, dq, dkv, config, dims,
+                              passes.dq)
     else:
         with nvtx_range("sparse_mla/bwd_fused_kernel"):
-            run_fused(q, kv, indices, sm_scale, topk_length, dout, delta, shift, dq, dkv, config["bwd_fused"], dims)
+            passes.fused(q, kv, indices, sm_scale, topk_length, dout, delta, shift, dq, dkv, config["bwd_fused"], dims)
     dsink = None if dsink_rows is None else dsink_rows.sum((0, 1))
     return dq, dkv.to(kv.dtype), dsink
 
@@ -661,16 +673,33 @@ def _fused_pass(q, kv, indices, sm_scale, topk_length, dout, delta, shift, dq, d
     )
 
 
+def _dq_pass(q, kv, indices, sm_scale, topk_length, dout, delta, shift, dq, pds, config: LaunchConfig,
+             dims: dict) -> None:
+    """The head-block dq pass of the deterministic backward on a chunk of queries: dq written, and dS^T
+    and P^T of every slot into the workspace pds [b, s_q, h_kv, topk, 2 * heads_per_group]."""
+    b, s_q, h_q, _ = q.shape
+    h_kv = kv.shape[2]
+    heads_per_group = h_q // h_kv
+    blocks = _capped(config, heads_per_group)
+    grid, head_blocks = _grid(s_q, h_q, h_kv, b, blocks["BLOCK_H"])
+    _sparse_mla_bwd_dq_kernel[grid](
+        q, kv, indices, topk_length, dout, delta, shift, dq, pds,
+        kv.shape[1], indices.shape[-1], heads_per_group, head_blocks, sm_scale,
+        *_strides(q, 3), *_strides(kv, 3), *_strides(indices, 3), *_strides(topk_length, 2),
+        *_strides(dout, 3), *_strides(delta, 2), *_strides(dq, 3), *_strides(pds, 4),
+        **dims, ROWS_I32=_rows_fit_int32(kv), **blocks, **config.knobs(),
+    )
+
+
 def _deterministic_passes(q, kv, indices, sm_scale, topk_length, dout, delta, shift, dq, dkv, config: CallConfig,
-                          dims: dict) -> None:
-    """dq and the fp32 dkv without atomics, a chunk of queries at a time: the dq pass (dq, and dS and P
-    into a workspace), the dkv pass (each selected row's contribution into a second workspace) and the
-    sum pass, which adds those rows into dkv in the order of a stable sort of the chunk's slots by the
-    dkv row they select (no host sync: the sort and its segment bounds stay on the device)."""
+                          dims: dict, run_dq) -> None:
+    """dq and the fp32 dkv without atomics, a chunk of queries at a time: the dq pass (`run_dq`: dq, and
+    dS and P into a workspace), the dkv pass (each selected row's contribution into a second workspace)
+    and the sum pass, which adds those rows into dkv in the order of a stable sort of the chunk's slots
+    by the dkv row they select (no host sync: the sort and its segment bounds stay on the device)."""
     b, s_q, h_q, d_qk = q.shape
     s_kv, h_kv, topk = kv.shape[1], kv.shape[2], indices.shape[-1]
     heads_per_group = h_q // h_kv
-    dq_blocks = _capped(config["bwd_dq"], heads_per_group)
     dkv_blocks = _capped(config["bwd_dkv"], heads_per_group)
     sum_blocks = config["bwd_sum"].blocks
     # Per query: the dS/P workspace, the dkv rows, and the sort's keys, order and sorted keys (int64).
@@ -684,7 +713,6 @@ def _deterministic_passes(q, kv, indices, sm_scale, topk_length, dout, delta, sh
     group = torch.arange(h_kv, device=q.device).view(1, 1, h_kv, 1)
     bounds = torch.arange(rows + 1, device=q.device)
     slot = torch.arange(topk, device=q.device, dtype=torch.int32)
-    rows_i32 = _rows_fit_int32(kv)
     topk_tiles = cdiv(topk, dkv_blocks["BLOCK_TOPK"])
     for c0 in range(0, s_q, chunk):
         span = slice(c0, min(s_q, c0 + chunk))
@@ -698,15 +726,9 @@ def _deterministic_passes(q, kv, indices, sm_scale, topk_length, dout, delta, sh
         sorted_keys, order = torch.sort(keys.flatten(), stable=True)
         segments = torch.searchsorted(sorted_keys, bounds)
         ws_c = ws[: b * n * h_kv * topk * d_qk].view(b, n, h_kv, topk, d_qk)
-        grid, head_blocks = _grid(n, h_q, h_kv, b, dq_blocks["BLOCK_H"])
         with nvtx_range("sparse_mla/bwd_dq_kernel"):
-            _sparse_mla_bwd_dq_kernel[grid](
-                q_c, kv, idx_c, len_c, dout_c, delta[:, span], shift[:, span], dq[:, span], pds,
-                s_kv, topk, heads_per_group, head_blocks, sm_scale,
-                *_strides(q_c, 3), *_strides(kv, 3), *_strides(idx_c, 3), *_strides(len_c, 2),
-                *_strides(dout, 3), *_strides(delta, 2), *_strides(dq, 3), *_strides(pds, 4),
-                **dims, ROWS_I32=rows_i32, **dq_blocks, **config["bwd_dq"].knobs(),
-            )
+            run_dq(q_c, kv, idx_c, sm_scale, len_c, dout_c, delta[:, span], shift[:, span], dq[:, span], pds,
+                   config["bwd_dq"], dims)
         with nvtx_range("sparse_mla/bwd_dkv_kernel"):
             _sparse_mla_bwd_dkv_kernel[(n, h_kv * topk_tiles, b)](
                 q_c, idx_c, len_c, dout_c, pds, ws_c,
@@ -729,7 +751,7 @@ class _SparseMLAFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, launchers, q, kv, indices, sm_scale, d_v, attn_sink, topk_length, config: CallConfig,
                 deterministic: bool):
-        run_forward, ctx.run_fused = launchers
+        run_forward, ctx.passes = launchers
         out, max_logits, lse = run_forward(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, config["fwd"])
         ctx.save_for_backward(q, kv, indices, attn_sink, topk_length, out, lse)
         ctx.sm_scale, ctx.d_v, ctx.config, ctx.deterministic = sm_scale, d_v, config, deterministic
@@ -741,16 +763,16 @@ class _SparseMLAFunction(torch.autograd.Function):
         q, kv, indices, attn_sink, topk_length, out, lse = ctx.saved_tensors
         deterministic = ctx.deterministic or torch.are_deterministic_algorithms_enabled()
         dq, dkv, dsink = _backward(q, kv, indices, ctx.sm_scale, ctx.d_v, attn_sink, topk_length, out, lse,
-                                   dout, ctx.config, deterministic, ctx.run_fused)
+                                   dout, ctx.config, deterministic, ctx.passes)
         return None, dq, dkv, None, None, None, dsink, None, None, None
 
 
-def sparse_mla_forward(args: dict, config: CallConfig, run_forward, run_fused) -> SparseMLAOutput:
+def sparse_mla_forward(args: dict, config: CallConfig, run_forward, passes: BackwardPasses) -> SparseMLAOutput:
     """Launch sparse MLA on validated arguments (registry.ops.sparse_mla's dict) with the "fwd" role's
     config; a backward, when autograd asks for one, runs the "bwd_pre" and "bwd_fused" roles (or, when
     deterministic, "bwd_pre", "bwd_dq", "bwd_dkv" and "bwd_sum"). `run_forward` is the forward launcher
-    (batched-layout tensors in, (out, max_logits, lse) out) and `run_fused` the fused backward pass's
-    (see `_fused_pass`): this module's head-block kernels, or another variant's."""
+    (batched-layout tensors in, (out, max_logits, lse) out) and `passes` the backward passes' (see
+    BackwardPasses): this module's head-block kernels, or another variant's."""
     q, kv, indices = args["q"], args["kv"], args["indices"]
     batched = q.dim() == 4
     qb, kvb, ib = _batched(q, batched), _batched(kv, batched), _batched(indices, batched)
@@ -759,7 +781,7 @@ def sparse_mla_forward(args: dict, config: CallConfig, run_forward, run_fused) -
     wants_grad = torch.is_grad_enabled() and (q.requires_grad or kv.requires_grad
                                               or (sink is not None and sink.requires_grad))
     if wants_grad:
-        out, max_logits, lse = _SparseMLAFunction.apply((run_forward, run_fused), qb, kvb, ib, args["sm_scale"],
+        out, max_logits, lse = _SparseMLAFunction.apply((run_forward, passes), qb, kvb, ib, args["sm_scale"],
                                                         args["d_v"], sink, lengths, config, args["deterministic"])
     else:
         out, max_logits, lse = run_forward(qb, kvb, ib, args["sm_scale"], args["d_v"], sink, lengths, config["fwd"])
@@ -825,21 +847,21 @@ def heads_fit_group(config: LaunchConfig, key: dict) -> bool:
 
 
 class SparseMLALaunch:
-    """`launch` and `bind` of every sparse_mla variant: its forward launcher (`run_forward`) and fused
-    backward pass (`run_fused`, see sparse_mla_forward) around this module's backward. The deterministic
+    """`launch` and `bind` of every sparse_mla variant: its forward launcher (`run_forward`) and backward
+    passes (`passes`: the fused pass and the deterministic dq pass) around this module's backward. The deterministic
     backward's roles are gated and timed under `deterministic=True` (`role_arguments`), the only calls
     that run them."""
 
     run_forward = staticmethod(_forward)
-    run_fused = staticmethod(_fused_pass)
+    passes = BackwardPasses(_fused_pass, _dq_pass)
     role_arguments = {role: {"deterministic": True} for role in ("bwd_dq", "bwd_dkv", "bwd_sum")}
 
     def launch(self, args: dict, config: CallConfig) -> SparseMLAOutput:
-        return sparse_mla_forward(args, config, self.run_forward, self.run_fused)
+        return sparse_mla_forward(args, config, self.run_forward, self.passes)
 
     def bind(self, config: CallConfig):
-        run_forward, run_fused = self.run_forward, self.run_fused
-        return lambda args: sparse_mla_forward(args, config, run_forward, run_fused)
+        run_forward, passes = self.run_forward, self.passes
+        return lambda args: sparse_mla_forward(args, config, run_forward, passes)
 
     def backward(self, args: dict, config: CallConfig, outputs: tuple, grad: torch.Tensor) -> dict:
         """The backward passes on the forward's saved out and lse (what `_SparseMLAFunction` runs)."""
@@ -849,7 +871,7 @@ class SparseMLALaunch:
             for t in (args["q"], args["kv"], args["indices"], args["topk_length"], outputs[0], outputs[2], grad))
         deterministic = args["deterministic"] or torch.are_deterministic_algorithms_enabled()
         dq, dkv, dsink = _backward(q, kv, indices, args["sm_scale"], args["d_v"], args["attn_sink"], lengths, out,
-                                   lse, dout, config, deterministic, self.run_fused)
+                                   lse, dout, config, deterministic, self.passes)
         if not batched:
             dq, dkv = dq[0], dkv[0]
         return {"q": dq, "kv": dkv, "attn_sink": dsink}

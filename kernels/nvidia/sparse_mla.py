@@ -61,6 +61,7 @@ from kernels.common.sparse_mla import (
     INTERPRETER_FUSED,
     INTERPRETER_FWD,
     INTERPRETER_SUM,
+    BackwardPasses,
     SparseMLAHeadBlockBase,
     _compile_signature,
     forward_launch,
@@ -77,7 +78,7 @@ from kernels.nvidia.sparse_mla_gather import (
     _query_slots,
     _rows_to_shared,
 )
-from kernels.nvidia.sparse_mla_warpspec_bwd import _sparse_mla_bwd_ws_kernel, fused_pass_ws
+from kernels.nvidia.sparse_mla_warpspec_bwd import _sparse_mla_bwd_ws_kernel, dq_pass_ws, fused_pass_ws
 from kernels.nvidia.sparse_mla_warpspec_bwd import compile_spec as bwd_compile_spec
 from kernels.nvidia.sparse_mla_warpspec_bwd import shared_bytes as bwd_shared_bytes
 from registry.catalog import register
@@ -501,13 +502,26 @@ def shared_bytes(d_v: int, d_tail: int) -> int:
     return 2 * (heads * row + 2 * slots * row + p_buffers * heads * slots) + 4 * (2 * slots + 4 * heads) + 8 * 15
 
 
+# The roles whose kernels are this file's Gluon ones (fixed tiles), and the space of the backward kernel's
+# two roles. Its default: the fused pass's winner at most of the 11 V3.2 keys swept on the H100
+# (benchmarks/NOTES.md); every config is within ~1.5% of the best at the s_q 4096 keys. 224 registers
+# spill at d_v 512.
+GLUON_ROLES = ("fwd", "bwd_fused", "bwd_dq")
+GLUON_BACKWARD_SPACE = ConfigSpace(
+    blocks={"PRODUCER_WARPS": (2, 4), "GRADIENT_REGS": (208, 216, 224)},
+    knobs={"num_warps": (4,)},
+    defaults={"*": {"PRODUCER_WARPS": 2, "GRADIENT_REGS": 208, "num_warps": 4}},
+)
+
+
 @register
 class SparseMLAWarpSpecializedHopper(SparseMLAHeadBlockNvidia):
     """Hopper only (wgmma, setmaxnreg); d_v a power of two in [64, 512] (each warpgroup's half of an
     accumulator, the forward's out and the backward's dQ, is one wgmma of N = d_v / 2 <= 256), a rope
     tail of at most 64 dims in 8-dim steps (whole 16-byte copies), kv rows aligned to 16 elements.
     Higher priority than the head-block kernel: it is the default where it runs. Its fused backward
-    pass is its own (kernels/nvidia/sparse_mla_warpspec_bwd.py); the pre pass and the deterministic
+    pass and the deterministic backward's dq pass are its own (one kernel, with and without its dkv
+    atomics: kernels/nvidia/sparse_mla_warpspec_bwd.py); the pre pass and the deterministic dkv and sum
     passes are the head-block variant's (same kernels, same spaces).
 
     The tiles are fixed (forward: two buffers of one 64-slot block each, what fits beside Q; backward:
@@ -519,9 +533,9 @@ class SparseMLAWarpSpecializedHopper(SparseMLAHeadBlockNvidia):
     priority = 10
     runs_in_interpreter = False
     run_forward = staticmethod(_forward_ws)
-    run_fused = staticmethod(fused_pass_ws)
+    passes = BackwardPasses(fused_pass_ws, dq_pass_ws)
     kernels = {**SparseMLAHeadBlockNvidia.kernels, "fwd": _sparse_mla_fwd_ws_kernel,
-               "bwd_fused": _sparse_mla_bwd_ws_kernel}
+               "bwd_fused": _sparse_mla_bwd_ws_kernel, "bwd_dq": _sparse_mla_bwd_ws_kernel}
     spaces = {
         **SparseMLAHeadBlockNvidia.spaces,
         # Four producer warps: with two, each holds twice the rows' indices and the producer spills at
@@ -531,13 +545,9 @@ class SparseMLAWarpSpecializedHopper(SparseMLAHeadBlockNvidia):
             knobs={"num_warps": (4,)},
             defaults={"*": {"PRODUCER_WARPS": 4, "FOLLOWER_REGS": 216, "num_warps": 4}},
         ),
-        # The default: the winner at most of the 11 V3.2 keys swept on the H100 (benchmarks/NOTES.md);
-        # every config is within ~1.5% of the best at the s_q 4096 keys. 224 registers spill at d_v 512.
-        "bwd_fused": ConfigSpace(
-            blocks={"PRODUCER_WARPS": (2, 4), "GRADIENT_REGS": (208, 216, 224)},
-            knobs={"num_warps": (4,)},
-            defaults={"*": {"PRODUCER_WARPS": 2, "GRADIENT_REGS": 208, "num_warps": 4}},
-        ),
+        "bwd_fused": GLUON_BACKWARD_SPACE,
+        # The same kernel without its dkv atomics (untimed on a GPU: the fused pass's default).
+        "bwd_dq": GLUON_BACKWARD_SPACE,
     }
 
     def supports(self, key: dict, device) -> bool:
@@ -546,12 +556,12 @@ class SparseMLAWarpSpecializedHopper(SparseMLAHeadBlockNvidia):
                 and 64 <= d_v <= 512 and d_v & (d_v - 1) == 0 and 0 <= tail <= COLS.value and tail % 8 == 0)
 
     def role_default(self, role: str, key: dict, device) -> LaunchConfig:
-        if role in ("fwd", "bwd_fused"):  # no head block to cap: the tile is fixed
+        if role in GLUON_ROLES:  # no head block to cap: the tile is fixed
             return self.spaces[role].default(device)
         return super().role_default(role, key, device)
 
     def prune_reason(self, role: str, config: LaunchConfig, key: dict, device) -> str | None:
-        if role not in ("fwd", "bwd_fused"):
+        if role not in GLUON_ROLES:
             return super().prune_reason(role, config, key, device)
         need = (shared_bytes if role == "fwd" else bwd_shared_bytes)(key["d_v"], key["d_qk"] - key["d_v"])
         if need > device.shared_mem_bytes:
@@ -559,8 +569,8 @@ class SparseMLAWarpSpecializedHopper(SparseMLAHeadBlockNvidia):
         return None
 
     def compile_specs(self, key: dict, config: CallConfig, dtype: str = "bf16") -> list[CompileSpec]:
-        """This forward (with sink and topk_length) and fused backward pass, and the head-block
-        variant's other backward kernels."""
+        """This forward (with sink and topk_length), fused backward pass and deterministic dq pass, and
+        the head-block variant's other backward kernels."""
         fn = _sparse_mla_fwd_ws_kernel
         constexprs = {"D_V": key["d_v"], "D_TAIL": key["d_qk"] - key["d_v"], "HAS_SINK": True, "HAS_TOPK_LEN": True,
                       **config["fwd"].blocks}
@@ -573,6 +583,7 @@ class SparseMLAWarpSpecializedHopper(SparseMLAHeadBlockNvidia):
                   "head_blocks": triton.cdiv(heads_per_group, BLOCK_H.value)}
         forward = CompileSpec("fwd", fn, _compile_signature(names, pointers, ("qk_scale",)), constexprs,
                               {"num_warps": 4}, values)
-        others = tuple(r for r in self.roles if r not in ("fwd", "bwd_fused"))
+        others = tuple(r for r in self.roles if r not in GLUON_ROLES)
         return [forward, bwd_compile_spec(key, config["bwd_fused"], dtype),
+                bwd_compile_spec(key, config["bwd_dq"], dtype, role="bwd_dq"),
                 *sparse_mla_compile_specs(key, config, others, dtype)]

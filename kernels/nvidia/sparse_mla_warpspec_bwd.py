@@ -72,6 +72,19 @@ def _add_dkv_rows(acc, dkv_base, rows, col0, stride_dks, LIMIT: gl.constexpr, la
     gl.atomic_add(ptrs, acc, mask=(rows >= 0)[None, :] & (offs_c < LIMIT)[:, None], sem="relaxed")
 
 
+@gluon.jit
+def _to_workspace(tile_smem, row0, tile, n_slots, first_head, heads_per_group, stride_pt):
+    """Copy a [heads, slots] 16-bit tile from shared memory into the workspace rows of its slots,
+    transposed, 8 heads (16 bytes) a store: few addresses per thread (one per element, as from the
+    products' register layout, spills at h_q 64). row0: slot 0's column of the tile's first head."""
+    layout: gl.constexpr = gl.BlockedLayout([8, 1], [8, 4], [1, 4], [0, 1])
+    values = tile_smem.load(layout)
+    heads = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, layout))
+    slots = tile * BWD_TOPK + gl.arange(0, BWD_TOPK, layout=gl.SliceLayout(0, layout))
+    mask = ((first_head + heads) < heads_per_group)[:, None] & (slots < n_slots)[None, :]
+    gl.store(row0 + heads[:, None] + slots[None, :].to(gl.int64) * stride_pt, values, mask=mask)
+
+
 @gluon.constexpr_function
 def _dkv_chunks(side, d_v):
     """(first, count) of the DKV_COLS-column chunks of dkv's value part that side `side` computes: the
@@ -114,15 +127,16 @@ def _dkv_add(part, dkv_base, rows, stride_dks, j: gl.constexpr, SIDE: gl.constex
 
 @gluon.jit
 def _backward_side(common, SIDE: gl.constexpr, D_V: gl.constexpr, D_TAIL: gl.constexpr,
-                   HAS_TOPK_LEN: gl.constexpr):
+                   HAS_TOPK_LEN: gl.constexpr, DKV_ATOMICS: gl.constexpr):
     """Warpgroup SIDE (0: scores, 1: gradients) of one program. Bars: 0 both sides' rows loaded, 1 P
     written (score -> gradient side), 2 dS written (gradient -> score side), 3 [dS; P] read by both
-    sides' products (free for the next tile)."""
-    (Q, DOUT, IDX, TOPK_LEN, DELTA, SHIFT, DQ, DKV, z, q_tail, k_main, k_tail, w, slot_rows, ready, free, bars,
-     topk, heads_per_group, head_blocks, qk_scale, sm_scale,
+    sides' products (free for the next tile). Without DKV_ATOMICS (the deterministic backward's dq
+    pass) each side writes its dS^T or P^T to the workspace PDS instead of adding dkv rows."""
+    (Q, DOUT, IDX, TOPK_LEN, DELTA, SHIFT, DQ, DKV, PDS, z, q_tail, k_main, k_tail, w, slot_rows, ready, free,
+     bars, topk, heads_per_group, head_blocks, qk_scale, sm_scale,
      stride_qb, stride_qs, stride_qh, stride_ib, stride_is, stride_ih, stride_lb, stride_ls,
      stride_dob, stride_dos, stride_doh, stride_mb, stride_ms, stride_dqb, stride_dqs, stride_dqh,
-     stride_dkb, stride_dks, stride_dkh) = common
+     stride_dkb, stride_dks, stride_dkh, stride_pb, stride_ps, stride_pg, stride_pt) = common
     HALF: gl.constexpr = D_V // 2
     # [64, BWD_TOPK] products: S, dP (rows: heads) and the dkv chunks (rows: columns of dkv).
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -161,6 +175,8 @@ def _backward_side(common, SIDE: gl.constexpr, D_V: gl.constexpr, D_TAIL: gl.con
     n_slots, _ = _query_slots(IDX, TOPK_LEN, topk, t, g, b, stride_ib, stride_is, stride_ih, stride_lb,
                               stride_ls, HAS_TOPK_LEN)
     dkv_base = DKV + b * stride_dkb + g.to(gl.int64) * stride_dkh
+    # Workspace row of slot j: dS^T at columns [0, heads_per_group), P^T after (the dkv pass's layout).
+    pds_row = PDS + b * stride_pb + t.to(gl.int64) * stride_ps + g.to(gl.int64) * stride_pg + hb * BLOCK_H
     zero = gl.zeros([BLOCK_H, BWD_TOPK], gl.float32, layout=s_layout)
     dq = gl.zeros([BLOCK_H, HALF], gl.float32, layout=dq_layout)
     if SIDE == 0 and D_TAIL > 0:
@@ -196,6 +212,9 @@ def _backward_side(common, SIDE: gl.constexpr, D_V: gl.constexpr, D_TAIL: gl.con
             fence_async_shared()
             gl.thread_barrier()
             mbarrier.arrive(bars.index(1), count=1)
+            if not DKV_ATOMICS:
+                _to_workspace(p_smem, pds_row + heads_per_group, i, n_slots, hb * BLOCK_H, heads_per_group,
+                              stride_pt)
             mbarrier.wait(bars.index(2), phase)
         else:
             dp = warpgroup_mma(zi.slice(BLOCK_H, BLOCK_H, dim=0), k.permute((1, 0)), zero, use_acc=False,
@@ -207,11 +226,13 @@ def _backward_side(common, SIDE: gl.constexpr, D_V: gl.constexpr, D_TAIL: gl.con
             fence_async_shared()
             gl.thread_barrier()
             mbarrier.arrive(bars.index(2), count=1)
+            if not DKV_ATOMICS:
+                _to_workspace(ds_smem, pds_row, i, n_slots, hb * BLOCK_H, heads_per_group, stride_pt)
         dq = warpgroup_mma(ds_smem, k.slice(SIDE * HALF, HALF, dim=1), dq, is_async=True)
         if SIDE == 0 and D_TAIL > 0:
             dq_tail = warpgroup_mma(ds_smem, k_tail.index(stage), dq_tail, is_async=True)
         # This side's dkv products, each one's atomics under the next one's product.
-        jobs: gl.constexpr = _dkv_jobs(SIDE, D_V, D_TAIL)
+        jobs: gl.constexpr = _dkv_jobs(SIDE, D_V, D_TAIL) if DKV_ATOMICS else 0
         if jobs > 0:
             part = _dkv_product(zi, wi, qt, ds_smem, zero, 0, SIDE, D_V)
             for j in gl.static_range(1, jobs):
@@ -245,7 +266,7 @@ def _backward_side(common, SIDE: gl.constexpr, D_V: gl.constexpr, D_TAIL: gl.con
 
 @gluon.jit
 def _sparse_mla_bwd_ws_kernel(
-    Q, KV, IDX, TOPK_LEN, DOUT, DELTA, SHIFT, DQ, DKV,
+    Q, KV, IDX, TOPK_LEN, DOUT, DELTA, SHIFT, DQ, DKV, PDS,
     s_kv, topk, heads_per_group, head_blocks, qk_scale, sm_scale,
     stride_qb, stride_qs, stride_qh,
     stride_kvb, stride_kvs, stride_kvh,
@@ -255,12 +276,15 @@ def _sparse_mla_bwd_ws_kernel(
     stride_mb, stride_ms,
     stride_dqb, stride_dqs, stride_dqh,
     stride_dkb, stride_dks, stride_dkh,
-    D_V: gl.constexpr, D_TAIL: gl.constexpr, HAS_TOPK_LEN: gl.constexpr,
+    stride_pb, stride_ps, stride_pg, stride_pt,
+    D_V: gl.constexpr, D_TAIL: gl.constexpr, HAS_TOPK_LEN: gl.constexpr, DKV_ATOMICS: gl.constexpr,
     PRODUCER_WARPS: gl.constexpr, GRADIENT_REGS: gl.constexpr,
 ):
     """One program: 64 heads of one kv group of one query (of one batch row); grid as the head-block
-    kernel's. GRADIENT_REGS: registers per gradient-side thread (the score side, the default
-    partition, gets what it and the producer leave)."""
+    kernel's. DKV_ATOMICS: the fused pass (dq, and dkv added with atomics); without it, the
+    deterministic backward's dq pass (dq, and dS^T and P^T into the workspace PDS [b, s_q, h_kv, topk,
+    2 * heads_per_group] for its dkv pass). GRADIENT_REGS: registers per gradient-side thread (the
+    score side, the default partition, gets what it and the producer leave)."""
     dtype: gl.constexpr = Q.dtype.element_ty
     swizzled: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     w_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([2 * BLOCK_H, BWD_TOPK], dtype)
@@ -279,14 +303,14 @@ def _sparse_mla_bwd_ws_kernel(
     mbarrier.init(bars.index(1), count=1)
     mbarrier.init(bars.index(2), count=1)
     mbarrier.init(bars.index(3), count=2)
-    common = (Q, DOUT, IDX, TOPK_LEN, DELTA, SHIFT, DQ, DKV, z, q_tail, k_main, k_tail, w, slot_rows, ready, free,
-              bars, topk, heads_per_group, head_blocks, qk_scale, sm_scale,
+    common = (Q, DOUT, IDX, TOPK_LEN, DELTA, SHIFT, DQ, DKV, PDS, z, q_tail, k_main, k_tail, w, slot_rows, ready,
+              free, bars, topk, heads_per_group, head_blocks, qk_scale, sm_scale,
               stride_qb, stride_qs, stride_qh, stride_ib, stride_is, stride_ih, stride_lb, stride_ls,
               stride_dob, stride_dos, stride_doh, stride_mb, stride_ms, stride_dqb, stride_dqs, stride_dqh,
-              stride_dkb, stride_dks, stride_dkh)
+              stride_dkb, stride_dks, stride_dkh, stride_pb, stride_ps, stride_pg, stride_pt)
     gl.warp_specialize([
-        (_backward_side, (common, 0, D_V, D_TAIL, HAS_TOPK_LEN)),
-        (_backward_side, (common, 1, D_V, D_TAIL, HAS_TOPK_LEN)),
+        (_backward_side, (common, 0, D_V, D_TAIL, HAS_TOPK_LEN, DKV_ATOMICS)),
+        (_backward_side, (common, 1, D_V, D_TAIL, HAS_TOPK_LEN, DKV_ATOMICS)),
         (_gather_blocks, (KV, IDX, TOPK_LEN, k_main, k_tail, slot_rows, ready, free,
                           s_kv, topk, head_blocks,
                           stride_kvb, stride_kvs, stride_kvh, stride_ib, stride_is, stride_ih, stride_lb, stride_ls,
@@ -296,16 +320,32 @@ def _sparse_mla_bwd_ws_kernel(
 
 def fused_pass_ws(q, kv, indices, sm_scale, topk_length, dout, delta, shift, dq, dkv, config: LaunchConfig,
                   dims: dict) -> None:
-    """`run_fused` of the warp-specialized variant (see kernels.common.sparse_mla._fused_pass)."""
+    """The fused pass of the warp-specialized variant (see kernels.common.sparse_mla._fused_pass)."""
+    _launch(q, kv, indices, sm_scale, topk_length, dout, delta, shift, dq, dkv, None, config, dims)
+
+
+def dq_pass_ws(q, kv, indices, sm_scale, topk_length, dout, delta, shift, dq, pds, config: LaunchConfig,
+               dims: dict) -> None:
+    """The deterministic backward's dq pass of the warp-specialized variant (see
+    kernels.common.sparse_mla._dq_pass): the fused pass's kernel without its dkv atomics."""
+    _launch(q, kv, indices, sm_scale, topk_length, dout, delta, shift, dq, None, pds, config, dims)
+
+
+def _launch(q, kv, indices, sm_scale, topk_length, dout, delta, shift, dq, dkv, pds, config: LaunchConfig,
+            dims: dict) -> None:
+    """The kernel with dkv atomics (dkv given) or with the dS/P workspace (pds given)."""
     b, s_q, h_q, _ = q.shape
     h_kv = kv.shape[2]
     grid, head_blocks = _grid(s_q, h_q, h_kv, b, BLOCK_H.value)
+    atomics = pds is None
     _sparse_mla_bwd_ws_kernel[grid](
-        q, kv, indices, topk_length, dout, delta, shift, dq, dkv,
+        q, kv, indices, topk_length, dout, delta, shift, dq, dkv if atomics else pds, pds if not atomics else dkv,
         kv.shape[1], indices.shape[-1], h_q // h_kv, head_blocks, sm_scale * LOG2E.value, sm_scale,
         *_strides(q, 3), *_strides(kv, 3), *_strides(indices, 3), *_strides(topk_length, 2),
-        *_strides(dout, 3), *_strides(delta, 2), *_strides(dq, 3), *_strides(dkv, 3),
-        D_V=dims["D_V"], D_TAIL=dims["D_TAIL"], HAS_TOPK_LEN=dims["HAS_TOPK_LEN"], **config.blocks, num_warps=4,
+        *_strides(dout, 3), *_strides(delta, 2), *_strides(dq, 3),
+        *(_strides(dkv, 3) if atomics else (0, 0, 0)), *(_strides(pds, 4) if not atomics else (0, 0, 0, 0)),
+        D_V=dims["D_V"], D_TAIL=dims["D_TAIL"], HAS_TOPK_LEN=dims["HAS_TOPK_LEN"], DKV_ATOMICS=atomics,
+        **config.blocks, num_warps=4,
     )
 
 
@@ -318,16 +358,22 @@ def shared_bytes(d_v: int, d_tail: int) -> int:
             + 4 * stages * slots + 8 * (2 * stages + 4))
 
 
-def compile_spec(key: dict, config: LaunchConfig, dtype: str) -> CompileSpec:
-    """The kernel as a call with this key launches it (with topk_length), for offline compile checks."""
+def compile_spec(key: dict, config: LaunchConfig, dtype: str, role: str = "bwd_fused") -> CompileSpec:
+    """The kernel as a call with this key launches it (with topk_length) in `role`: "bwd_fused" (dkv
+    atomics) or "bwd_dq" (the workspace), for offline compile checks."""
     fn = _sparse_mla_bwd_ws_kernel
-    constexprs = {"D_V": key["d_v"], "D_TAIL": key["d_qk"] - key["d_v"], "HAS_TOPK_LEN": True, **config.blocks}
+    constexprs = {"D_V": key["d_v"], "D_TAIL": key["d_qk"] - key["d_v"], "HAS_TOPK_LEN": True,
+                  "DKV_ATOMICS": role == "bwd_fused", **config.blocks}
     names = [n for n in fn.arg_names if n not in constexprs]
     elem = f"*{key.get('dtype', dtype)}"
     pointers = {"Q": elem, "KV": elem, "DOUT": elem, "DQ": elem, "IDX": "*i32", "TOPK_LEN": "*i32",
-                "DELTA": "*fp32", "SHIFT": "*fp32", "DKV": "*fp32"}
+                "DELTA": "*fp32", "SHIFT": "*fp32", "DKV": "*fp32", "PDS": elem}
+    if role == "bwd_dq":  # no dkv: the workspace stands in for it
+        pointers["DKV"] = elem
+    else:  # no workspace: dkv stands in for it
+        pointers["PDS"] = "*fp32"
     heads_per_group = key["h_q"] // key["h_kv"]
     values = {"topk": key["topk"], "heads_per_group": heads_per_group,
               "head_blocks": triton.cdiv(heads_per_group, BLOCK_H.value)}
-    return CompileSpec("bwd_fused", fn, _compile_signature(names, pointers, ("qk_scale", "sm_scale")), constexprs,
+    return CompileSpec(role, fn, _compile_signature(names, pointers, ("qk_scale", "sm_scale")), constexprs,
                        {"num_warps": 4}, values)
