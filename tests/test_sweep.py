@@ -195,10 +195,15 @@ def test_roles_tunes_only_those_and_times_the_rest_once(tmp_path):
     done = _cli("--device", "cpu", "--op", "sparse_mla", "--shapes", "tiny:0", "--roles", "bwd_dkv", db=db)
     assert done.returncode == 0, done.stderr
     trials = TuningStore(db).trials(op="sparse_mla")
-    # The bwd_dkv stage, then one forward timing of the call config as it stands.
-    assert sorted(t.role for t in trials) == ["bwd_dkv", "bwd_dkv", "fwd"]
+    # The bwd_dkv stage (timed under deterministic=True), then one forward and one default backward
+    # timing of the call config as it stands: the table's backward time is the backward a call gets
+    # without arguments, not the deterministic one its stage timed.
+    assert sorted(t.role for t in trials) == ["bwd_dkv", "bwd_dkv", "bwd_pre", "fwd"]
     (tuned,) = TuningStore(db).tuned(op="sparse_mla")
-    assert tuned.time_ms is not None and tuned.backward_ms is not None
+    default_backward = next(t for t in trials if t.role == "bwd_pre")
+    assert tuned.config == default_backward.config
+    assert tuned.backward_ms == default_backward.time_ms
+    assert tuned.time_ms == next(t for t in trials if t.role == "fwd").time_ms
 
 
 def _space_size(op_name: str, preset_index: int = 0) -> int:
