@@ -338,8 +338,13 @@ def _launch(q, kv, indices, sm_scale, topk_length, dout, delta, shift, dq, dkv, 
     h_kv = kv.shape[2]
     grid, head_blocks = _grid(s_q, h_q, h_kv, b, BLOCK_H.value)
     atomics = pds is None
+    # The pointer a pass never touches (DKV_ATOMICS decides) gets the other one's tensor.
+    if atomics:
+        pds = dkv
+    else:
+        dkv = pds
     _sparse_mla_bwd_ws_kernel[grid](
-        q, kv, indices, topk_length, dout, delta, shift, dq, dkv if atomics else pds, pds if not atomics else dkv,
+        q, kv, indices, topk_length, dout, delta, shift, dq, dkv, pds,
         kv.shape[1], indices.shape[-1], h_q // h_kv, head_blocks, sm_scale * LOG2E.value, sm_scale,
         *_strides(q, 3), *_strides(kv, 3), *_strides(indices, 3), *_strides(topk_length, 2),
         *_strides(dout, 3), *_strides(delta, 2), *_strides(dq, 3),
