@@ -156,8 +156,6 @@ def test_every_config_of_the_space_matches_reference():
             assert_close(WARPSPEC.launch(args, call), expected, TOLERANCE[torch.bfloat16], what=str(config))
 
 
-
-
 @hopper
 def test_deterministic_backward_with_the_gluon_dq_pass():
     """deterministic=True runs the Gluon kernel without atomics as its dq pass, then the head-block dkv
@@ -185,6 +183,7 @@ def test_deterministic_backward_with_the_gluon_dq_pass():
         out = WARPSPEC.launch({**args, "q": q, "kv": kv}, default).out
         grads.append(torch.autograd.grad(out, (q, kv), torch.ones_like(out)))
     assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
+
 
 @hopper
 @pytest.mark.parametrize("topk", [1, 63, 64, 65, 127, 128, 129, 256])
