@@ -29,11 +29,20 @@ import sys
 import torch
 import torch.nn.functional as F
 
-import registry
-from benchmarks.common import PROVIDER, Measurement, checked, checked_backward, explore, long_rows, measure, write_csv
-from registry.ops import OPS
-from registry.testing import backward_call, cotangent, grad_leaves, max_relative_error
-from tuning.bench import rotating
+from kreg import registry
+from kreg.benchmarks.common import (
+    PROVIDER,
+    Measurement,
+    checked,
+    checked_backward,
+    explore,
+    long_rows,
+    measure,
+    write_csv,
+)
+from kreg.ops import OPS
+from kreg.ops.testing import backward_call, cotangent, grad_leaves, max_relative_error
+from kreg.tuning.bench import rotating
 
 FAMILY = "attention"
 FLASH, SINK = OPS["flash_attention"], OPS["sink_attention"]
@@ -267,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{m.op:22} {m.shape:32} {m.provider:15} {m.median_ms:8.3f} ms {m.rate():6.1f} TFLOP/s "
               f"{sdpa.median_ms / m.median_ms:5.2f}x SDPA  rel err {err}", flush=True)
     if opts.csv:
-        from registry.device import detect
+        from kreg.core.device import detect
 
         write_csv(long_rows(rows, detect().name), opts.csv)
     return 0

@@ -14,14 +14,15 @@ import json
 import subprocess
 import time
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
 from triton.runtime.errors import OutOfResources
 
-from registry.testing import GRAD_TOLERANCE, TOLERANCE, backward_call, gradient_error, output_error
-from tuning.bench import time_gpu, time_gpu_quantiles
-from tuning_db.records import LaunchConfig
+from kreg.core.records import LaunchConfig
+from kreg.ops.testing import GRAD_TOLERANCE, TOLERANCE, backward_call, gradient_error, output_error
+from kreg.tuning.bench import time_gpu, time_gpu_quantiles
 
 PROVIDER = "kreg"  # our own rows; every other provider is a peer
 
@@ -104,14 +105,15 @@ def versions() -> dict[str, str]:
     return {"triton_version": triton.__version__, "torch_version": torch.__version__, "commit": commit}
 
 
-CSV_FIELDS = ("op", "shape", "provider", "metric", "unit", "p20", "p50", "p80", "rel_err", "device",
+CSV_FIELDS = ("op", "shape", "provider", "metric", "unit", "p20", "p50", "p80", "rel_err", "device", "date",
               "triton_version", "torch_version", "commit")
 
 
 def long_rows(measurements: list[Measurement], device: str) -> list[dict]:
     """Long format: per measurement a time row (ms) and a throughput row (its unit; p20 is the rate at
-    the p80 time), each with the device and versions, so any plot can read them."""
-    base = {"device": device, **versions()}
+    the p80 time), each with the device, the day of the run (UTC, ISO) and versions, so any plot (and
+    `benchmarks/report.py`) can read them."""
+    base = {"device": device, "date": datetime.now(timezone.utc).date().isoformat(), **versions()}
     rows = []
     for m in measurements:
         common = {"op": m.op, "shape": m.shape, "provider": m.provider, "rel_err": m.rel_err, **base}
@@ -173,8 +175,8 @@ def explore(op, shape: dict, configs: dict[str, list[dict]], *, name: str, unit:
     provider names the config and the time of each kernel it ran.
     `unit` "TFLOP/s" counts the op's FLOPs (backward 2.5x), "TB/s" its bytes. Tuned tables are not
     involved."""
-    from registry.device import detect
-    from registry.dispatch import candidates
+    from kreg.core.device import detect
+    from kreg.registry.dispatch import candidates
 
     device = detect()
     small = op.validate(**op.make_inputs(op.reduce_shape(shape), device="cuda", dtype=dtype, seed=1))

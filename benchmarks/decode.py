@@ -12,9 +12,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-import registry
-from benchmarks.common import PROVIDER, Measurement, checked, explore_main, measure
-from registry.ops import OPS
+from kreg import registry
+from kreg.benchmarks.common import PROVIDER, Measurement, checked, explore_main, measure
+from kreg.ops import OPS
 
 FAMILY = "decode"
 OP = OPS["decode"]

@@ -26,10 +26,10 @@ from collections.abc import Callable
 
 import torch
 
-import registry
-from benchmarks.common import PROVIDER, Measurement, checked, host_us
-from registry.dispatch import OpHandle
-from registry.ops import OPS
+from kreg import registry
+from kreg.benchmarks.common import PROVIDER, Measurement, checked, host_us
+from kreg.ops import OPS
+from kreg.registry.dispatch import OpHandle
 
 FAMILY = "dispatch"
 # A decode step of one sequence and a short causal prefill: both host-bound on an H100/H200.

@@ -36,11 +36,11 @@ from pathlib import Path
 
 import torch
 
-import registry
-from benchmarks.common import PROVIDER, Measurement, checked, checked_backward, long_rows, measure, write_csv
-from registry.nvtx import nvtx_range
-from registry.ops import OPS
-from registry.testing import backward_call, relative_error
+from kreg import registry
+from kreg.benchmarks.common import PROVIDER, Measurement, checked, checked_backward, long_rows, measure, write_csv
+from kreg.core.nvtx import nvtx_range
+from kreg.ops import OPS
+from kreg.ops.testing import backward_call, relative_error
 
 FAMILY = "gsa"
 LAYER = {"d_model": 2048, "n_heads": 16, "n_kv_heads": 16, "head_dim": 128, "d_indexer": 64,
@@ -66,7 +66,7 @@ def layer_flops(b: int, t: int, cfg: dict = LAYER) -> float:
 def make_models(dtype: torch.dtype, seed: int = 0, cfg: dict = LAYER):
     """(reference, registry) layers on the GPU with one set of weights: the registry layer loads the
     reference's state_dict (strict), as a user swapping backends would."""
-    from layers import GatedSparseAttention
+    from kreg.layers import GatedSparseAttention
 
     torch.manual_seed(seed)
     ref = GatedSparseAttention(**cfg, backend="reference")
@@ -112,7 +112,7 @@ def verify(ref, opt, b: int, t: int, dtype: torch.dtype, atol: float) -> tuple[b
 
 def _measure_backend(model, b: int, t: int, dtype: torch.dtype) -> tuple[tuple[float, float, float], int] | str:
     """((p20, p50, p80) ms, peak bytes) of the forward, or "OOM"."""
-    from tuning.bench import time_gpu_quantiles
+    from kreg.tuning.bench import time_gpu_quantiles
 
     try:
         call = _forward(model, _input(b, t, dtype))
@@ -298,8 +298,8 @@ def _attention_measurements(dtype: torch.dtype) -> list[Measurement]:
     preset's indices (with repeats) and on distinct top-k indices (what the layer passes); the head
     block on indices sorted per row; the backward as dispatched. A variant's row names the time of each
     of its kernels; which variant dispatch chose, and each variant's peak memory, go to the notes."""
-    from benchmarks.common import kernel_ms
-    from registry.device import detect
+    from kreg.benchmarks.common import kernel_ms
+    from kreg.core.device import detect
 
     op = OPS["gsa_sparse_attention"]
     device = detect()
@@ -421,7 +421,7 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("benchmarks need a CUDA or ROCm GPU; none is present", file=sys.stderr)
         return 2
-    from registry.device import detect
+    from kreg.core.device import detect
 
     device = detect()
     dtype = DTYPES[args.dtype]

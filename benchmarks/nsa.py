@@ -21,11 +21,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-import registry
-from benchmarks.common import PROVIDER, Measurement, checked, checked_backward, explore_main, kernel_ms, measure
-from kernels.base import Variant
-from registry.ops import OPS
-from registry.testing import cotangent
+from kreg import registry
+from kreg.benchmarks.common import PROVIDER, Measurement, checked, checked_backward, explore_main, kernel_ms, measure
+from kreg.ops import OPS
+from kreg.ops.testing import cotangent
+from kreg.ops.variant import Variant
 
 FAMILY = "nsa"
 OP = OPS["nsa"]
@@ -112,7 +112,7 @@ def _backward_rows(name: str, shape: dict, args: dict, dtype: torch.dtype) -> li
 
 def run(dtype: torch.dtype = torch.bfloat16) -> list[Measurement]:
     """The rows of the module docstring; kernel times and skipped rows go to `notes()`."""
-    from kernels.common.nsa import nsa_forward_parts
+    from kreg.kernels.common.nsa import nsa_forward_parts
 
     _NOTES.clear()
     handle = registry.get("nsa")

@@ -18,7 +18,7 @@ def families() -> dict[str, object]:
     """FAMILY -> module, for every benchmark module in this package."""
     found = {}
     for info in pkgutil.iter_modules([str(Path(__file__).parent)]):
-        module = importlib.import_module(f"benchmarks.{info.name}")
+        module = importlib.import_module(f"{__package__}.{info.name}")
         if hasattr(module, "FAMILY"):
             found[module.FAMILY] = module
     return dict(sorted(found.items()))
@@ -35,8 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from benchmarks.common import PROVIDER, long_rows, measure_ceilings, write_csv
-    from registry.device import detect
+    from kreg.benchmarks.common import PROVIDER, long_rows, measure_ceilings, write_csv
+    from kreg.core.device import detect
 
     available = families()
     chosen = args.only.split(",") if args.only else list(available)

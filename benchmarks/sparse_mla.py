@@ -20,8 +20,8 @@ import argparse
 
 import torch
 
-import registry
-from benchmarks.common import (
+from kreg import registry
+from kreg.benchmarks.common import (
     PROVIDER,
     Measurement,
     checked,
@@ -30,8 +30,8 @@ from benchmarks.common import (
     kernel_ms,
     measure,
 )
-from registry.ops import OPS
-from registry.testing import backward_call
+from kreg.ops import OPS
+from kreg.ops.testing import backward_call
 
 FAMILY = "sparse_mla"
 OP = OPS["sparse_mla"]
@@ -85,7 +85,7 @@ def _bench_shape(shape: dict, call, dtype: torch.dtype, time_reference: bool) ->
     out = [measure("sparse_mla fwd", _name(shape), PROVIDER, lambda: call(args), flops, "TFLOP/s", err)]
     if time_reference:
         # The reference's gather runs for seconds at these sizes: a few repetitions only.
-        from tuning.bench import time_gpu_quantiles
+        from kreg.tuning.bench import time_gpu_quantiles
 
         ms = time_gpu_quantiles(lambda: OP.reference(**args), warmup_ms=1, rep_ms=1)
         out.append(Measurement("sparse_mla fwd", _name(shape), "torch-reference", ms, flops, "TFLOP/s", None))

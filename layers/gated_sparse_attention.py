@@ -26,11 +26,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-import registry
-from kernels.common.gsa_layer import output_gate, rope_value_gate
-from registry.nvtx import nvtx_range
-from registry.ops import OPS
-from registry.ops.gsa_indexer import score_chunks
+from kreg import registry
+from kreg.core.nvtx import nvtx_range
+from kreg.kernels.common.gsa_layer import output_gate, rope_value_gate
+from kreg.ops import OPS
+from kreg.ops.gsa_indexer import score_chunks
 
 BACKENDS = ("registry", "reference")
 

@@ -1,28 +1,23 @@
 """kreg's public API: `registry.get(op)(...)` runs the fastest correct kernel for this device.
 
-    import registry
+    from kreg import registry
     out, max_logits, lse = registry.get("sparse_mla")(q, kv, indices)
     registry.ops()                 # the logical ops
     registry.describe("decode")    # contract and variants per vendor
 """
 
-from __future__ import annotations
-
 import inspect
 
-# Layers, bottom up: device and op contracts, the variant catalog, dispatch. Kernel modules import the
-# contracts and the catalog; nothing here imports a kernel module (the catalog discovers them by name on first use).
-# Submodules load before the functions below are defined: importing a submodule binds it as an
-# attribute of this package, which would otherwise replace the `ops()` function.
-from registry.catalog import load_all as _load_all
-from registry.dispatch import clear_caches, get
-from registry.ops import OPS as _OPS
+from kreg.core.device import VENDORS
+from kreg.ops import OPS as _OPS
+from kreg.ops.catalog import load_all as _load_all
+from kreg.registry.dispatch import clear_caches, get
 
 __all__ = ["get", "ops", "variants", "describe", "clear_caches"]
 
 
 def ops() -> list[str]:
-    """The logical ops, in the order docs/op-contracts.md lists them."""
+    """The logical ops, in name order."""
     return list(_OPS)
 
 
@@ -40,7 +35,7 @@ def describe(op: str) -> str:
     contract = _OPS[op]
     lines = [f"{op}{inspect.signature(contract.validate)}", f"  {contract.summary}", ""]
     lines += [inspect.cleandoc(contract.validate.__doc__ or ""), "", "Variants:"]
-    for vendor in ("nvidia", "amd"):
+    for vendor in VENDORS:
         found = variants(op, vendor)
         names = ", ".join(f"{v.name} (priority {v.priority}, roles {'/'.join(v.roles)}, source {v.source_hash})"
                           for v in found)
@@ -48,3 +43,7 @@ def describe(op: str) -> str:
     text = "\n".join(lines)
     print(text)
     return text
+
+from kreg._checkout import alias as _alias  # noqa: E402
+
+_alias(__name__)  # `import registry` in a checkout is `kreg.registry`

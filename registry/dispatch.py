@@ -19,15 +19,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from registry.catalog import load_all
-from registry.device import CPU, DeviceInfo, detect, interpreter_enabled
-from registry.library import traced_call
-from registry.ops import OPS
-from registry.ops._contract import Args, Op
-from tuning_db.records import CallConfig, TunedConfig, canonical_json
+from kreg.core.device import CPU, INTERPRETER_VENDOR, VENDORS, DeviceInfo, detect, interpreter_enabled
+from kreg.core.records import CallConfig, TunedConfig, canonical_json
+from kreg.ops import OPS
+from kreg.ops.catalog import entry_problem, load_all
+from kreg.ops.contract import Args, Op
+from kreg.registry.library import register_all, traced_call
 
 if TYPE_CHECKING:
-    from kernels.base import Variant
+    from kreg.ops.variant import Variant
 
 # True while torch.compile (or torch.export) traces a call: a module-level name, read once per call.
 _is_compiling = torch.compiler.is_compiling
@@ -65,23 +65,15 @@ def candidates(op: str, vendor: str, variant: str | None, key: dict, device: Dev
 
 @functools.lru_cache(maxsize=8)
 def _user_store(url: str):
-    from tuning_db.store import TuningStore
+    from kreg.tuning_db.store import TuningStore
 
     return TuningStore(url)
-
-
-@functools.lru_cache(maxsize=1)
-def shipped_tables():
-    """The shipped tuned tables (`tuning_db/tables/`), read once per process."""
-    from tuning_db.table_files import ShippedTables
-
-    return ShippedTables()
 
 
 def user_store():
     """The user's tuning database (KREG_TUNING_DB or the default file), opened once per URL. Opening
     creates nothing: a database that does not exist yet reads as empty."""
-    from tuning_db.store import default_url
+    from kreg.tuning_db.environment import default_url
 
     return _user_store(default_url())
 
@@ -100,10 +92,11 @@ def tuned_lookups(op: Op, device: DeviceInfo, key_json: str, dims: dict):
 
     No failure of a source reaches the call: a database or table that cannot be read (a bad URL, a
     damaged file, anything it raises) warns once and gives None, so the next source answers; an entry
-    that does not fit its variant (`tuning_db.checks`: unknown variant, config outside its space) is
-    passed over with a warning, and the source's next candidate counts."""
-    from tuning_db.checks import entry_problem
-    from tuning_db.store import default_url, redact, safe_url
+    that does not fit its variant (`ops.catalog.entry_problem`: unknown variant, config outside its
+    space) is passed over with a warning, and the source's next candidate counts."""
+    from kreg.tuning_db.environment import default_url
+    from kreg.tuning_db.errors import redact, safe_url
+    from kreg.tuning_db.table_files import shipped_tables
 
     def database() -> tuple[str, str]:
         return "tuning database", safe_url(default_url())
@@ -163,8 +156,8 @@ def resolve(op: Op, vendor: str, variant: str | None, key: tuple, device: Device
         if tuned is not None and tuned.variant in by_name and tuned.variant_vendor == vendor:
             return _bound(by_name[tuned.variant], tuned.config, source, dims, device)
     if os.environ.get("KREG_AUTOTUNE") == "1" and device.key != "cpu":
-        from tuning.autotune import autotune_call
-        from tuning_db.store import TuningDatabaseError
+        from kreg.tuning.autotune import autotune_call
+        from kreg.tuning_db.errors import TuningDatabaseError
 
         try:
             tuned = autotune_call(op, pool, device, args, user_store())
@@ -198,8 +191,8 @@ class OpHandle:
     """
 
     def __init__(self, op: Op, vendor: str | None, variant: str | None) -> None:
-        if vendor not in (None, "nvidia", "amd"):
-            raise ValueError(f"vendor: expected 'nvidia', 'amd' or None, got {vendor!r}")
+        if vendor is not None and vendor not in VENDORS:
+            raise ValueError(f"vendor: expected one of {', '.join(map(repr, VENDORS))} or None, got {vendor!r}")
         self.op = op
         self.vendor = vendor
         self.variant = variant
@@ -266,7 +259,7 @@ class OpHandle:
                     f"{self.op.name}: a Triton variant on CPU tensors needs the interpreter; "
                     "set TRITON_INTERPRET=1 before importing kreg, or pass CUDA/ROCm tensors")
             else:
-                found = (self.vendor or "nvidia", CPU)
+                found = (self.vendor or INTERPRETER_VENDOR, CPU)
         else:
             info = detect(dev)
             if self.vendor is not None and self.vendor != info.vendor:
@@ -349,11 +342,12 @@ def _create_handles() -> None:
     # Created at import: a handle created inside torch.compile's trace would break the graph (its
     # constructor is not traceable), so every (op, vendor) handle exists before any trace.
     for name in OPS:
-        for vendor in (None, "nvidia", "amd"):
+        for vendor in (None, *VENDORS):
             get(name, vendor=vendor)
 
 
 _create_handles()
+register_all(get)
 
 
 def clear_caches() -> None:
@@ -361,4 +355,6 @@ def clear_caches() -> None:
     for handle in _handles.values():
         handle.clear_cache()
     _user_store.cache_clear()
+    from kreg.tuning_db.table_files import shipped_tables
+
     shipped_tables.cache_clear()

@@ -33,8 +33,8 @@ from typing import Any
 
 import torch
 
-from registry.ops import OPS
-from registry.ops._contract import Op, TensorSpec
+from kreg.ops import OPS
+from kreg.ops.contract import Op, TensorSpec
 
 # Arguments every custom op takes after the op's own: which vendor's and which variant's kernels run
 # (registry.get's keywords; None picks as registry.get does).
@@ -138,11 +138,9 @@ def _schema_params(op: Op) -> tuple[list[str], list[inspect.Parameter]]:
     return text + [f"str? {name}=None" for name in HANDLE_ARGS], params
 
 
-def _handle(name: str, vendor: str | None, variant: str | None):
-    # dispatch imports this module, so it is imported at call time.
-    from registry.dispatch import get
-
-    return get(name, vendor=vendor, variant=variant)
+# How a custom op finds the handle that runs a call: dispatch's `get`, given to `register_all` (this
+# module sits below dispatch and does not import it).
+HandleFor = Callable[..., Any]
 
 
 def _placeholder(device: torch.device) -> torch.Tensor:
@@ -159,14 +157,15 @@ def _padded(op: Op, tensors: list[torch.Tensor], device: torch.device):
     return tensors[0] if len(op.outputs) == 1 else tuple(tensors)
 
 
-def register(op: Op) -> LibraryOp:
-    """Define `kreg::<op>` (and `kreg::<op>_backward` with autograd for a differentiable op)."""
+def register(op: Op, handle_for: HandleFor) -> LibraryOp:
+    """Define `kreg::<op>` (and `kreg::<op>_backward` with autograd for a differentiable op); its calls
+    run on `handle_for(op name, vendor=, variant=)`."""
     lib = LibraryOp(op)
     returns = "Tensor" if len(op.outputs) == 1 else "(" + ", ".join(["Tensor"] * len(op.outputs)) + ")"
 
     def forward_impl(*args):
         named = lib.named(args)
-        result = _handle(op.name, named.pop("vendor"), named.pop("variant")).eager(named)
+        result = handle_for(op.name, vendor=named.pop("vendor"), variant=named.pop("variant")).eager(named)
         return _padded(op, [t.contiguous() for t in _flat(result)], args[0].device)
 
     def forward_fake(*args):
@@ -179,18 +178,18 @@ def register(op: Op) -> LibraryOp:
     custom.register_fake(forward_fake)
     lib.forward = getattr(torch.ops.kreg, op.name).default
     if op.differentiable:
-        _register_backward(lib)
+        _register_backward(lib, handle_for)
         custom.register_autograd(_backward_formula(lib), setup_context=_setup_context(lib))
     LIBRARY[op.name] = lib
     return lib
 
 
-def _register_backward(lib: LibraryOp) -> None:
+def _register_backward(lib: LibraryOp, handle_for: HandleFor) -> None:
     op = lib.op
 
     def backward_impl(grad, outputs, *args):
         named = lib.named(args)
-        handle = _handle(op.name, named.pop("vendor"), named.pop("variant"))
+        handle = handle_for(op.name, vendor=named.pop("vendor"), variant=named.pop("variant"))
         grads = handle.gradients(handle._validate(**named), tuple(outputs), grad)
         device = args[0].device
         return [_placeholder(device) if grads.get(name) is None else grads[name].contiguous()
@@ -237,10 +236,9 @@ def _backward_formula(lib: LibraryOp):
     return backward
 
 
-def _register_all() -> None:
+def register_all(handle_for: HandleFor) -> None:
+    """Define the custom ops of every op whose contract declares `output_specs` (dispatch does, once, at
+    its import)."""
     for op in OPS.values():
-        if op.output_specs is not None:
-            register(op)
-
-
-_register_all()
+        if op.output_specs is not None and op.name not in LIBRARY:
+            register(op, handle_for)

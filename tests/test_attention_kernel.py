@@ -18,11 +18,13 @@ import math
 import pytest
 import torch
 
-from registry.catalog import load_all
-from registry.device import CPU, PRESETS
-from registry.ops import OPS
-from registry.ops._contract import random_normal
-from registry.testing import (
+from kreg.core.device import CPU, PRESETS
+from kreg.core.records import CallConfig, LaunchConfig
+from kreg.core.space import INTERPRETER_DTYPE
+from kreg.ops import OPS
+from kreg.ops.catalog import load_all
+from kreg.ops.contract import random_normal
+from kreg.ops.testing import (
     GRAD_TOLERANCE,
     TOLERANCE,
     assert_close,
@@ -31,8 +33,6 @@ from registry.testing import (
     max_relative_error,
     reference_gradients,
 )
-from tuning.space import INTERPRETER_DTYPE
-from tuning_db.records import CallConfig, LaunchConfig
 
 from .conftest import HAS_GPU
 
@@ -454,7 +454,7 @@ KEY = {"causal": True, "d": 128, "dtype": "bf16", "h_kv": 8, "h_q": 32, "s_k": 8
 
 
 def test_variants_are_registered_with_the_family_kernels():
-    from kernels.common import attention
+    from kreg.kernels.common import attention
 
     names = {(v.op, v.name, v.vendor) for v in _variants()}
     assert names == {(op, name, vendor) for op, name in ((F, "flash_attention_tiled"), (S, "sink_attention_flash"))

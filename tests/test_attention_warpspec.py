@@ -21,14 +21,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from registry.catalog import load_all
-from registry.device import CPU, detect, preset
-from registry.dispatch import candidates
-from registry.ops import OPS
-from registry.ops._contract import random_normal
-from registry.testing import GRAD_TOLERANCE, TOLERANCE, assert_close, gradients, max_relative_error, reference_gradients
-from tuning.space import INTERPRETER_DTYPE
-from tuning_db.records import CallConfig, LaunchConfig
+from kreg.core.device import CPU, detect, preset
+from kreg.core.records import CallConfig, LaunchConfig
+from kreg.core.space import INTERPRETER_DTYPE
+from kreg.ops import OPS
+from kreg.ops.catalog import load_all
+from kreg.ops.contract import random_normal
+from kreg.ops.testing import GRAD_TOLERANCE, TOLERANCE, assert_close, gradients, max_relative_error, reference_gradients
+from kreg.registry.dispatch import candidates
 
 from .conftest import HAS_GPU
 
@@ -88,7 +88,7 @@ def test_space_and_pruning():
     160 registers and 64 rows each (6 configs at d 128, 64-key tiles only; 8 at d 64, 128-key tiles
     waiting once); every one fits an H100/H200's shared memory, and the estimate is what sm_90 compiles
     allocate, give or take the barriers' alignment."""
-    from kernels.nvidia.attention_warpspec import shared_bytes
+    from kreg.kernels.nvidia.attention_warpspec import shared_bytes
 
     target = preset("h200")
     warpspec = WARPSPEC[F]
@@ -142,7 +142,7 @@ def test_a_tuned_forward_from_before_three_consumers_keeps_its_kernel():
 def test_backward_roles(op):
     """The pre role is the tiled variant's (kernel, space, default); dK/dV and dQ are Gluon kernels
     with spaces of their own."""
-    from kernels.nvidia.attention_warpspec_bwd import (
+    from kreg.kernels.nvidia.attention_warpspec_bwd import (
         DKV_SPACE,
         DQ_SPACE,
         _attention_bwd_dkv_ws_kernel,
@@ -165,7 +165,7 @@ def test_dkv_space_and_pruning():
     """32- and 64-row query tiles (64 at d 64 only), 64 keys per warpgroup, at most 128 query rows in
     the ring: 6 configs at d 128, 8 at d 64, each fitting an H100/H200; the estimate is what sm_90
     compiles allocate, give or take alignment and the layout conversions' scratch."""
-    from kernels.nvidia.attention_warpspec_bwd import dkv_shared_bytes
+    from kreg.kernels.nvidia.attention_warpspec_bwd import dkv_shared_bytes
 
     target = preset("h200")
     warpspec = WARPSPEC[F]
@@ -188,7 +188,7 @@ def test_dq_space_and_pruning():
     """64-row warpgroups, 64- or 128-key tiles (128 at d 128 only with 240 consumer registers), at most
     256 keys in the ring: 7 configs at d 128, 8 at d 64, each fitting an H100/H200; default 64 x 128
     with two stages at both; the estimate is what sm_90 compiles allocate, give or take alignment."""
-    from kernels.nvidia.attention_warpspec_bwd import dq_shared_bytes
+    from kreg.kernels.nvidia.attention_warpspec_bwd import dq_shared_bytes
 
     target = preset("h200")
     warpspec = WARPSPEC[F]
@@ -213,7 +213,7 @@ def test_descriptor_types_are_what_the_jit_sees():
     would compile another kernel than the one that runs)."""
     from triton.runtime.jit import mangle_type
 
-    from kernels.nvidia.attention_tma import descriptor, descriptor_type
+    from kreg.kernels.nvidia.attention_tma import descriptor, descriptor_type
 
     for dtype, elem in ((torch.bfloat16, "bf16"), (torch.float16, "fp16")):
         for rows, d in ((64, 128), (128, 64)):
@@ -223,7 +223,7 @@ def test_descriptor_types_are_what_the_jit_sees():
 
 def test_which_inputs_tma_can_address():
     """16-byte aligned bases and strides (size-1 dims aside); the rest runs the tiled forward."""
-    from kernels.nvidia.attention_tma import tma_addressable
+    from kreg.kernels.nvidia.attention_tma import tma_addressable
 
     def strided(shape, d_alloc=64, order=(0, 1, 2, 3)):
         full = torch.empty([shape[i] for i in order[:3]] + [d_alloc], dtype=torch.bfloat16)
@@ -287,7 +287,7 @@ def test_space_corners_compile_for_sm_90_without_spills(role, corners, kernel):
         config = {role: {"blocks": blocks, "num_warps": 4}}
         argv = ["--variant", NAMES[op][0], "--vendor", "nvidia", "--target", "h200", "--roles", role, "--json",
                 "--key-json", json.dumps({**KEY, **changes}), "--config-json", json.dumps(config)]
-        proc = subprocess.run([sys.executable, "-m", "tuning.compile_check", *argv], cwd=ROOT, env=env,
+        proc = subprocess.run([sys.executable, "-m", "kreg.tuning.compile_check", *argv], cwd=ROOT, env=env,
                               capture_output=True, text=True, timeout=600)
         (row,) = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
         assert proc.returncode == 0 and row["fits"] and row["spills"] == 0, (row, proc.stderr[-2000:])
@@ -344,7 +344,7 @@ def _misaligned(op: str, args: dict) -> dict:
 @pytest.fixture
 def no_gluon(monkeypatch):
     """The warp-specialized launcher fails if called: what runs is the tiled forward."""
-    import kernels.nvidia.attention_warpspec as module
+    import kreg.kernels.nvidia.attention_warpspec as module
 
     def refuse(*args, **kwargs):
         raise AssertionError("the warp-specialized kernel ran on a call it must hand over")
@@ -521,7 +521,7 @@ def test_dispatch_by_name_and_fallbacks(op, no_gluon, monkeypatch):
     tiled variant (sink_attention's to its short-window one, tests/test_attention_window_tma.py) through
     dispatch; varlen calls, forced to this variant, run the tiled forward and
     backward (the Gluon launchers refuse)."""
-    import registry
+    from kreg import registry
 
     forced = registry.get(op, variant=NAMES[op][0])
     args = _make(op, 1, 257, 257, 8, 2, 64, sinks="random", causal=True)

@@ -18,14 +18,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from registry.catalog import load_all
-from registry.device import CPU, detect, preset
-from registry.dispatch import candidates
-from registry.ops import OPS
-from registry.ops._contract import random_normal
-from registry.testing import GRAD_TOLERANCE, TOLERANCE, assert_close, gradients, max_relative_error, reference_gradients
-from tuning.space import INTERPRETER_DTYPE
-from tuning_db.records import CallConfig, LaunchConfig
+from kreg.core.device import CPU, detect, preset
+from kreg.core.records import CallConfig, LaunchConfig
+from kreg.core.space import INTERPRETER_DTYPE
+from kreg.ops import OPS
+from kreg.ops.catalog import load_all
+from kreg.ops.contract import random_normal
+from kreg.ops.testing import GRAD_TOLERANCE, TOLERANCE, assert_close, gradients, max_relative_error, reference_gradients
+from kreg.registry.dispatch import candidates
 
 from .conftest import HAS_GPU
 
@@ -89,7 +89,7 @@ def test_space_defaults_and_pruning():
     """16 rows a warp and HEADS dividing the GQA group; the default packs 8 heads (4 where the group is
     4) into one warpgroup with 96 registers at d 64 and 168 at d 128; the backward roles are the tiled
     variant's; the shared-memory estimate is what sm_90 compiles allocate."""
-    from kernels.nvidia.attention_window import shared_bytes, tiled_equivalent
+    from kreg.kernels.nvidia.attention_window import shared_bytes, tiled_equivalent
 
     target = preset("h100")
     variant = WINDOW[S]
@@ -126,7 +126,7 @@ def test_compiles_for_sm_90_without_spills(changes, config):
     argv = ["--variant", NAMES[S][0], "--vendor", "nvidia", "--target", "h100", "--roles", "fwd", "--json",
             "--key-json", json.dumps({**KEY, **changes}),
             "--config-json", json.dumps({"fwd": {"blocks": config, "num_warps": warps}})]
-    proc = subprocess.run([sys.executable, "-m", "tuning.compile_check", *argv], cwd=ROOT, env=env,
+    proc = subprocess.run([sys.executable, "-m", "kreg.tuning.compile_check", *argv], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert proc.returncode == 0 and rows, proc.stderr[-2000:]
@@ -186,7 +186,7 @@ def _misaligned(args: dict) -> dict:
 @pytest.fixture
 def no_gluon(monkeypatch):
     """The TMA launcher fails if called: what runs is the tiled forward."""
-    import kernels.nvidia.attention_window as module
+    import kreg.kernels.nvidia.attention_window as module
 
     def refuse(*args, **kwargs):
         raise AssertionError("the TMA window kernel ran on a call it must hand over")
@@ -198,7 +198,7 @@ def test_calls_it_hands_over_run_the_tiled_kernel(no_gluon):
     """Varlen calls, a q that TMA cannot address and a window capped at a 20-key sequence run the tiled
     forward in the same no-loop form (`tiled_equivalent`), and the tiled backward (the interpreter
     here; on a GPU its own kernels)."""
-    from kernels.nvidia.attention_window import window_tma_served
+    from kreg.kernels.nvidia.attention_window import window_tma_served
 
     op, variant, device = S, WINDOW[S], detect(DEVICE)
     calls = [_packed(op), OPS[op].validate(**_misaligned(_make(op, 1, 21, 37, 8, 2, 64, 32))),
@@ -253,7 +253,7 @@ def test_every_config_of_the_space_matches_reference(d):
     """Lengths no block divides with s_q < s_k, GQA 16 (so HEADS 16 is in the space), at every config
     the sm_90 compile keeps (spilling ones are what a sweep drops untimed: at d 128 only MAX_REGS 168
     fits, and one of its four tile shapes does not)."""
-    from tuning.compile_check import compile_config
+    from kreg.tuning.compile_check import compile_config
 
     variant = WINDOW[S]
     args = _make(S, 1, 999, 1001, 16, 1, d, 128, seed=d)
@@ -288,7 +288,7 @@ def test_dispatch_reaches_it_and_hands_varlen_over(no_gluon, monkeypatch):
     """Through `registry.get`, a padded window call picks this variant and a varlen one too (same key),
     which then runs the tiled forward (the TMA launcher refuses here); with the launcher back, the padded
     call runs it."""
-    import registry
+    from kreg import registry
 
     op = S
     call = registry.get(op)

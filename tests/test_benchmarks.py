@@ -6,8 +6,8 @@ import csv
 import pytest
 import torch
 
-from benchmarks.common import CSV_FIELDS, Measurement, long_rows, write_csv
-from benchmarks.run import families, main
+from kreg.benchmarks.common import CSV_FIELDS, Measurement, long_rows, write_csv
+from kreg.benchmarks.run import families, main
 
 
 def test_families_are_discovered():
@@ -45,7 +45,7 @@ def test_dispatch_stub_timing_runs_without_a_gpu():
     """The dispatch-alone timing (stub launcher) that `python -m benchmarks.dispatch` prints."""
     import torch
 
-    from benchmarks.dispatch import stub_dispatch_us
+    from kreg.benchmarks.dispatch import stub_dispatch_us
 
     validate_us, dispatch_us = stub_dispatch_us("decode", "cpu", torch.float16, "nvidia", iters=20, repeats=2)
     assert 0 < validate_us and 0 < dispatch_us
@@ -54,7 +54,7 @@ def test_dispatch_stub_timing_runs_without_a_gpu():
 def test_gsa_tool_without_a_gpu_and_its_arguments(capsys):
     """`python -m benchmarks.gsa`: argument errors before anything runs, the no-GPU message, the
     layer's FLOP count."""
-    from benchmarks import gsa
+    from kreg.benchmarks import gsa
 
     assert gsa.main([]) == 2
     assert "need a CUDA or ROCm GPU" in capsys.readouterr().err
@@ -74,7 +74,7 @@ def test_gsa_tool_without_a_gpu_and_its_arguments(capsys):
 
 def test_gsa_table_csv_and_plot_from_rows(tmp_path, capsys):
     """The sweep's table, CSV rows and plot from measured rows, an OOM and a skipped reference among them."""
-    from benchmarks import gsa
+    from kreg.benchmarks import gsa
 
     rows = [{"T": 1024, "reference": ((9.0, 10.0, 11.0), 2**30), "registry": ((0.9, 1.0, 1.1), 2**26)},
             {"T": 65536, "reference": "skipped", "registry": "OOM"}]
@@ -95,7 +95,7 @@ def test_gsa_table_csv_and_plot_from_rows(tmp_path, capsys):
 
 def test_gsa_causal_topk_indices_are_distinct_causal_keys():
     """The attention rows' top-k indices: per query min(k, i + 1) distinct keys in [0, i], -1 after."""
-    from benchmarks import gsa
+    from kreg.benchmarks import gsa
 
     t, k = 23, 8
     indices = gsa.causal_topk_indices(2, t, k, "cpu", seed=3)
@@ -110,8 +110,8 @@ def test_gsa_causal_topk_indices_are_distinct_causal_keys():
 def test_attention_forward_tool_without_a_gpu_and_its_arguments(capsys):
     """`python -m benchmarks.attention`: its variant kinds name registered variants of each op, a wrong
     kind or --preset is an argument error, and without a GPU it says so."""
-    from benchmarks import attention
-    from registry.catalog import load_all
+    from kreg.benchmarks import attention
+    from kreg.ops.catalog import load_all
 
     for names in attention.KINDS.values():
         for op, name in names.items():

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from registry import device as device_info
-from registry.catalog import load_all
-from tuning.compile_check import compile_config, main
-from tuning_db.records import CallConfig, LaunchConfig
+from kreg.core import device as device_info
+from kreg.core.records import CallConfig, LaunchConfig
+from kreg.ops.catalog import load_all
+from kreg.tuning.compile_check import compile_config, main
 
 ROOT = Path(__file__).resolve().parents[1]
 KEY = {"causal": True, "d": 128, "dtype": "bf16", "h_kv": 8, "h_q": 32, "s_k": 8192, "s_q": 8192, "window": None}
@@ -29,7 +29,7 @@ def _env() -> dict[str, str]:
 
 
 def _compile_check(*argv: str) -> tuple[int, list[dict]]:
-    proc = subprocess.run([sys.executable, "-m", "tuning.compile_check", "--json", *argv], cwd=ROOT, env=_env(),
+    proc = subprocess.run([sys.executable, "-m", "kreg.tuning.compile_check", "--json", *argv], cwd=ROOT, env=_env(),
                           capture_output=True, text=True, timeout=300)
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert rows, proc.stderr[-3000:]
@@ -91,11 +91,11 @@ def test_compile_error_is_a_report(tmp_path):
         import json, sys
         import triton
         import triton.language as tl
-        import registry
-        from kernels.base import CompileSpec
-        from registry.device import preset
-        from tuning.compile_check import compile_config
-        from tuning_db.records import CallConfig, LaunchConfig
+        from kreg import registry
+        from kreg.ops.variant import CompileSpec
+        from kreg.core.device import preset
+        from kreg.tuning.compile_check import compile_config
+        from kreg.core.records import CallConfig, LaunchConfig
 
         @triton.jit
         def _broken_kernel(X, BLOCK: tl.constexpr):
@@ -136,7 +136,7 @@ def test_cli_rejects_a_target_of_another_vendor(capsys):
 
 def test_integer_values_are_specialized_as_the_jit_does():
     """A value of 1 becomes a constant, a multiple of 16 is marked divisible, others stay plain i32."""
-    from tuning.compile_check import _alignment_attrs, _as_jit_specializes, _full_signature
+    from kreg.tuning.compile_check import _alignment_attrs, _as_jit_specializes, _full_signature
 
     # decode's split kernel takes s_q, the GQA group and h_kv as run-time integers (the attention
     # family's kernels take the group as a constexpr).
@@ -178,11 +178,11 @@ def test_attention_window_of_one_compiles(tmp_path):
     script = tmp_path / "window_one.py"
     script.write_text(textwrap.dedent("""
         import json, sys
-        from kernels.base import CompileSpec
-        from kernels.common.attention import attention_compile_specs
-        from registry.device import preset
-        from tuning.compile_check import compile_config
-        from tuning_db.records import CallConfig, LaunchConfig
+        from kreg.ops.variant import CompileSpec
+        from kreg.kernels.common.attention import attention_compile_specs
+        from kreg.core.device import preset
+        from kreg.tuning.compile_check import compile_config
+        from kreg.core.records import CallConfig, LaunchConfig
 
         key = {"causal": True, "d": 64, "dtype": "bf16", "h_kv": 2, "h_q": 8, "s_k": 1024, "s_q": 1024,
                "window": 1, "sinks": True}

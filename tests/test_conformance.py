@@ -14,12 +14,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from registry.catalog import load_all
-from registry.device import CPU, detect
-from registry.ops import OPS
-from registry.testing import GRAD_TOLERANCE, TOLERANCE, gradient_error, output_error
-from tuning.space import INTERPRETER_DTYPE
-from tuning_db.records import is_backward_role
+from kreg.core.device import CPU, detect
+from kreg.core.records import is_backward_role
+from kreg.core.space import INTERPRETER_DTYPE
+from kreg.ops import OPS
+from kreg.ops.catalog import load_all
+from kreg.ops.testing import GRAD_TOLERANCE, TOLERANCE, gradient_error, output_error
 
 from .conftest import HAS_GPU
 

@@ -14,11 +14,11 @@ import math
 import pytest
 import torch
 
-from registry.catalog import load_all
-from registry.device import CPU, detect
-from registry.ops import OPS
-from registry.ops._contract import random_normal
-from registry.testing import TOLERANCE, assert_close
+from kreg.core.device import CPU, detect
+from kreg.ops import OPS
+from kreg.ops.catalog import load_all
+from kreg.ops.contract import random_normal
+from kreg.ops.testing import TOLERANCE, assert_close
 
 from .conftest import HAS_GPU
 
@@ -155,7 +155,7 @@ def test_non_contiguous_inputs(device):
 
 def _with_split(variant, args, **blocks):
     """The variant's default call config with the split role's blocks replaced."""
-    from tuning_db.records import LaunchConfig
+    from kreg.core.records import LaunchConfig
 
     default = variant.default_config(dict(OP.tuning_key(args)), INFO)
     return default.replace("split", LaunchConfig(blocks=blocks, **default["split"].knobs()))
@@ -198,8 +198,8 @@ def test_several_kv_heads_per_program(case, kv_heads, device):
 def test_split_space_keeps_whole_heads_and_one_warp_per_head_or_more():
     """The split spaces hold KV_HEADS values that divide h_kv, 64..256 (NVIDIA) or 32..128 (AMD) key
     rows a step, and num_warps <= KV_HEADS with several heads; a KV_HEADS above h_kv is cut down."""
-    from kernels.common.decode import heads_per_program
-    from registry.device import preset
+    from kreg.core.device import preset
+    from kreg.kernels.common.decode import heads_per_program
 
     assert [heads_per_program(h_kv, 8) for h_kv in (1, 2, 6, 8, 16)] == [1, 2, 2, 8, 8]
     key = dict(OP.tuning_key(OP.validate(**OP.make_inputs(OP.presets["targets"][0], device="meta",
@@ -219,7 +219,7 @@ def test_split_space_keeps_whole_heads_and_one_warp_per_head_or_more():
 def test_combine_space_keeps_chunks_that_fit_in_registers():
     """A combine config's chunk of partial outputs, ROWS * CHUNK * d fp32 values, is at most 128 per
     thread of 32-lane warps: wide chunks come with more warps, and at d 128 ROWS 4 x CHUNK 64 never."""
-    from registry.device import preset
+    from kreg.core.device import preset
 
     key = dict(OP.tuning_key(OP.validate(**OP.make_inputs(OP.presets["targets"][0], device="meta",
                                                           dtype=torch.bfloat16, seed=0))))
@@ -236,7 +236,7 @@ def test_split_count_depends_on_shapes_only():
     """num_splits comes from the device and shapes (no cache_seqlens value), fills whole waves of SMs
     where it can, is capped by the key tiles of the longest range a sequence can need, and a window
     shrinks that range (plus a tile less one key when tiles are aligned to pages)."""
-    from kernels.common.decode import MAX_SPLITS, choose_splits, key_range
+    from kreg.kernels.common.decode import MAX_SPLITS, choose_splits, key_range
 
     one_long = choose_splits(1 * 8, key_range(131072, 1, None), 132, 64, 2)
     assert one_long == 33  # 2 waves of 132 SMs over 8 programs
@@ -258,7 +258,7 @@ def test_split_count_depends_on_shapes_only():
 def test_cuda_graph_capture_and_replay_follow_new_lengths_and_queries():
     """The serving pattern: resolve once, capture `registry.get("decode")` with a fixed num_splits, then
     replay after writing new tokens and lengths into the captured tensors (no host sync in the call)."""
-    import registry
+    from kreg import registry
 
     device = torch.device("cuda")
     args = _inputs(device, b=3, s_q=1, h_q=8, h_kv=2, d=64, lens=[300, 1, 0], capacity=512, block_size=16,

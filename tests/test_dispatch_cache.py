@@ -15,12 +15,12 @@ import pytest
 import torch
 from triton import knobs
 
-import registry
-from kernels.common import launch
-from registry import dispatch
-from registry.ops import OPS
-from registry.testing import TOLERANCE, assert_close
-from tuning.space import INTERPRETER_DTYPE
+from kreg import registry
+from kreg.core.space import INTERPRETER_DTYPE
+from kreg.kernels.common import launch
+from kreg.ops import OPS
+from kreg.ops.testing import TOLERANCE, assert_close
+from kreg.registry import dispatch
 
 from .conftest import HAS_GPU, gpu
 
@@ -398,7 +398,7 @@ def test_cached_backward_launches_give_tritons_gradients(window, triton_runs):
     cache too: after two steps a third runs no kernel through Triton, and its gradients are the bits of
     the same call with every kernel launched by Triton (and match the reference's). window 64 with GQA 4
     reaches sink_attention's TMA window variant on Hopper (descriptors recorded by type)."""
-    from registry.testing import GRAD_TOLERANCE, gradients, max_relative_error, reference_gradients
+    from kreg.ops.testing import GRAD_TOLERANCE, gradients, max_relative_error, reference_gradients
 
     op = OPS["sink_attention"]
     shape = {"b": 1, "s_q": 300, "s_k": 300, "h_q": 8, "h_kv": 2, "d": 64, "causal": True, "window": window}

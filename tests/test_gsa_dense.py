@@ -17,12 +17,12 @@ from collections import Counter
 import pytest
 import torch
 
-from kernels.common.gsa_sparse_attention import dense_key_sets, dense_passes, headblock_passes
-from registry import dispatch
-from registry.catalog import load_all
-from registry.device import preset
-from registry.ops import OPS
-from tuning_db.records import LaunchConfig
+from kreg.core.device import preset
+from kreg.core.records import LaunchConfig
+from kreg.kernels.common.gsa_sparse_attention import dense_key_sets, dense_passes, headblock_passes
+from kreg.ops import OPS
+from kreg.ops.catalog import load_all
+from kreg.registry import dispatch
 
 from .conftest import HAS_GPU
 from .test_gsa_kernels import HEADBLOCK, _attention_runs, _check_attention, _on

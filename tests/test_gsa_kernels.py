@@ -15,11 +15,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from registry.catalog import load_all
-from registry.device import CPU, detect
-from registry.ops import OPS
-from registry.ops._contract import random_normal
-from registry.testing import GRAD_TOLERANCE, TOLERANCE, gradient_error, output_error
+from kreg.core.device import CPU, detect
+from kreg.ops import OPS
+from kreg.ops.catalog import load_all
+from kreg.ops.contract import random_normal
+from kreg.ops.testing import GRAD_TOLERANCE, TOLERANCE, gradient_error, output_error
 
 from .conftest import HAS_GPU, gpu
 from .test_ref_gsa import attention_case
@@ -149,7 +149,7 @@ def test_topk_crowded_scores_and_short_flushes(device, monkeypatch):
     """Scores within a few thousandths of each other (tiny queries): the first bracket's 16 bins hold
     them all, so counting passes repeat before the lists take over; and counters flushed after every
     key block or list tile instead of every 15."""
-    import kernels.common.gsa_topk as topk
+    import kreg.kernels.common.gsa_topk as topk
 
     monkeypatch.setattr(topk, "FLUSH_STEPS", 1)
     args = {**_index_inputs(device, 1, 75, 2, 16, seed=7), "k": 5}

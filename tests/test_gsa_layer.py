@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import layers
-from layers import gated_sparse_attention as gsa_layer
-from registry.testing import GRAD_TOLERANCE, TOLERANCE, assert_close
+from kreg import layers
+from kreg.layers import gated_sparse_attention as gsa_layer
+from kreg.ops.testing import GRAD_TOLERANCE, TOLERANCE, assert_close
 
 from .conftest import HAS_GPU
 

@@ -20,10 +20,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels.common import gsa_layer
-from kernels.common.gsa_layer import output_gate, rope_value_gate
-from layers.gated_sparse_attention import RotaryEmbedding
-from registry.testing import GRAD_TOLERANCE, TOLERANCE, assert_close
+from kreg.kernels.common import gsa_layer
+from kreg.kernels.common.gsa_layer import output_gate, rope_value_gate
+from kreg.layers.gated_sparse_attention import RotaryEmbedding
+from kreg.ops.testing import GRAD_TOLERANCE, TOLERANCE, assert_close
 
 from .conftest import HAS_GPU, gpu
 
@@ -228,9 +228,9 @@ def test_default_tiles_compile_without_spills():
     gfx942 and gfx950 compiles (in a process without TRITON_INTERPRET) fit without spills."""
     script = textwrap.dedent("""
         import json
-        from kernels.common.gsa_layer import VENDOR_TILES, compile_specs
-        from registry.device import preset
-        from tuning.compile_check import compile_config
+        from kreg.kernels.common.gsa_layer import VENDOR_TILES, compile_specs
+        from kreg.core.device import preset
+        from kreg.tuning.compile_check import compile_config
 
         for vendor, targets in (("nvidia", ("h200",)), ("amd", ("mi300x", "mi355x"))):
             for spec in compile_specs(vendor):

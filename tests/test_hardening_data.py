@@ -26,20 +26,21 @@ import torch
 from sqlalchemy.dialects import registry as sqlalchemy_dialects
 from sqlalchemy.dialects.sqlite.pysqlite import SQLiteDialect_pysqlite
 
-import registry
-from registry import dispatch
-from registry.device import CPU
-from registry.ops import OPS
-from registry.testing import TOLERANCE, assert_close
-from tuning.export import ExportError, write_atomic
-from tuning.export import main as export_main
-from tuning.load import load_tables
-from tuning.load import main as load_main
-from tuning.sweep import main as sweep_main
-from tuning_db import table_files
-from tuning_db.records import CallConfig, LaunchConfig, TunedConfig, canonical_json
-from tuning_db.store import TuningDatabaseError, TuningStore, redact, safe_url
-from tuning_db.table_files import TableError, TableFile, read_table
+from kreg import registry
+from kreg.core.device import CPU
+from kreg.core.records import CallConfig, LaunchConfig, TunedConfig, canonical_json
+from kreg.ops import OPS
+from kreg.ops.testing import TOLERANCE, assert_close
+from kreg.registry import dispatch
+from kreg.tuning.export import ExportError, write_atomic
+from kreg.tuning.export import main as export_main
+from kreg.tuning.load import load_tables
+from kreg.tuning.load import main as load_main
+from kreg.tuning.sweep import main as sweep_main
+from kreg.tuning_db import table_files
+from kreg.tuning_db.errors import TuningDatabaseError, redact, safe_url
+from kreg.tuning_db.store import TuningStore
+from kreg.tuning_db.table_files import TableError, TableFile, read_table
 
 OP = "flash_attention"
 VARIANT = "flash_attention_tiled"
@@ -106,7 +107,7 @@ def _key(s: int) -> str:
 
 
 def _tuned(key_json: str, block_m: int = 32, block_n: int = 16, source_hash: str | None = None) -> TunedConfig:
-    from registry.catalog import load_all
+    from kreg.ops.catalog import load_all
 
     current = next(v for v in load_all()[OP] if v.name == VARIANT and v.vendor == "nvidia").source_hash
     return TunedConfig(op=OP, device_key=CPU.key, tuning_key=key_json, variant=VARIANT, vendor="nvidia",
@@ -257,11 +258,11 @@ def test_unusable_database_warns_once_without_the_password_and_calls_run(tmp_pat
 
 def test_lookups_run_once_per_key(monkeypatch):
     """The checks and lookups are resolution work: a key's later calls touch neither."""
-    import tuning_db.checks
+    from kreg.registry import dispatch as dispatch_module
 
     calls = []
-    real = tuning_db.checks.entry_problem
-    monkeypatch.setattr(tuning_db.checks, "entry_problem", lambda *a: calls.append(1) or real(*a))
+    real = dispatch_module.entry_problem
+    monkeypatch.setattr(dispatch_module, "entry_problem", lambda *a: calls.append(1) or real(*a))
     store = dispatch.user_store()
     store.upsert_tuned(_tuned(_key(37)), CPU)
     reads = []
@@ -434,7 +435,7 @@ def test_export_file_names_are_sanitized_and_stay_in_out(tmp_path):
     for op in HOSTILE_OPS:  # the store API takes any op name; export must still be safe
         store.upsert_tuned(_tuned(_key(37)).model_copy(update={"op": op}), CPU)
     out = tmp_path / "deep" / "out"
-    from tuning.export import export_json
+    from kreg.tuning.export import export_json
 
     written = export_json(store, "cpu", out_dir=out)
     assert len(written) == len(HOSTILE_OPS)
@@ -592,15 +593,15 @@ def test_read_only_commands_create_nothing_on_a_mistyped_path(tmp_path, monkeypa
 def test_tuning_on_first_use_with_an_unusable_store_warns_and_runs_the_default(monkeypatch):
     """KREG_AUTOTUNE=1 writes its result to the user store; a store that cannot be written must not
     make the call fail: one warning, then the variant's default."""
-    import tuning.autotune
-    from registry.device import preset
-    from tuning_db.store import TuningDatabaseError
+    from kreg.core.device import preset
+    from kreg.tuning import autotune
+    from kreg.tuning_db.errors import TuningDatabaseError
 
     def unwritable(*args, **kwargs):
         raise TuningDatabaseError("sqlite:////read-only/tuning.db: attempt to write a readonly database")
 
     monkeypatch.setenv("KREG_AUTOTUNE", "1")
-    monkeypatch.setattr(tuning.autotune, "autotune_call", unwritable)
+    monkeypatch.setattr(autotune, "autotune_call", unwritable)
     op = OPS["decode"]
     shape = {**op.presets["tiny"][0], "n": 999}  # a key no table holds
     args = op.validate(**op.make_inputs(shape, device="meta", dtype=torch.bfloat16, seed=0))

@@ -11,15 +11,15 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-import registry
-from registry.catalog import load_all
-from registry.device import detect
-from registry.dispatch import OpHandle
-from registry.library import LIBRARY
-from registry.ops import OPS
-from registry.ops._contract import TensorSpec
-from registry.testing import GRAD_TOLERANCE, TOLERANCE, assert_close, gradient_error
-from tuning.space import INTERPRETER_DTYPE
+from kreg import registry
+from kreg.core.device import detect
+from kreg.core.space import INTERPRETER_DTYPE
+from kreg.ops import OPS
+from kreg.ops.catalog import load_all
+from kreg.ops.contract import TensorSpec
+from kreg.ops.testing import GRAD_TOLERANCE, TOLERANCE, assert_close, gradient_error
+from kreg.registry.dispatch import OpHandle
+from kreg.registry.library import LIBRARY
 
 from .conftest import HAS_GPU, gpu
 
@@ -193,7 +193,7 @@ def test_compile_inductor_fullgraph_matches_eager(name):
 def test_cuda_graph_capture_and_replay(name, monkeypatch):
     """A call captured after one eager call replays with new input values and matches eager on them;
     nothing is resolved while capturing (the config lookup happened before)."""
-    from registry import dispatch
+    from kreg.registry import dispatch
 
     handle = registry.get(name)
     for n, (layout, extra) in enumerate(_cases(name)):

@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-import registry
-from registry.catalog import load_all
-from registry.device import detect
-from registry.ops import OPS
-from tuning.space import INTERPRETER_DTYPE
+from kreg import registry
+from kreg.core.device import detect
+from kreg.core.space import INTERPRETER_DTYPE
+from kreg.ops import OPS
+from kreg.ops.catalog import load_all
 
 from .conftest import HAS_GPU
 

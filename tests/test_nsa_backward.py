@@ -14,10 +14,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.common.nsa_backward import INTERPRETER, ROLES, block_lists, nsa_backward
-from registry.ops.nsa import _compressed, reference, select_blocks, validate
-from registry.testing import GRAD_TOLERANCE, relative_error
-from tuning_db.records import CallConfig, LaunchConfig
+from kreg.core.records import CallConfig, LaunchConfig
+from kreg.kernels.common.nsa_backward import INTERPRETER, ROLES, block_lists, nsa_backward
+from kreg.ops.nsa import _compressed, reference, select_blocks, validate
+from kreg.ops.testing import GRAD_TOLERANCE, relative_error
 
 from .conftest import HAS_GPU, gpu
 from .test_ref_nsa import make_case
@@ -185,8 +185,8 @@ TARGET_KEY = {"block_count": 16, "block_indices": False, "block_size": 64, "d": 
 
 def _default_config(vendor: str) -> CallConfig:
     """The registered nsa variant's default call config (backward roles included) at the target key."""
-    from registry.catalog import load_all
-    from registry.device import preset
+    from kreg.core.device import preset
+    from kreg.ops.catalog import load_all
 
     variant = next(v for v in load_all()["nsa"] if v.vendor == vendor)
     return variant.default_config(TARGET_KEY, preset("h200" if vendor == "nvidia" else "mi355x"))
@@ -197,7 +197,7 @@ def test_gpu_target_like_shape_with_default_configs():
     """The issue's head layout (d 128, 16 query heads per kv head, block 64, 16 blocks, window 512) on a
     longer sequence, the variant's default configs, both id sources; bitwise reproducible. (The defaults'
     offline compiles for sm_90/gfx942/gfx950 are tests/test_shipped_and_default_configs.py's.)"""
-    from registry.device import detect
+    from kreg.core.device import detect
 
     config = _default_config(detect().vendor)
     case = dict(b=1, t=2113, h_q=32, h_kv=2, d=128, block_size=64, block_count=16, window=512)
@@ -207,7 +207,7 @@ def test_gpu_target_like_shape_with_default_configs():
 
 def test_compile_specs_name_every_role_with_its_kernel():
     """One spec per launched kernel, tagged with its role, and the role's kernel is the one KERNELS names."""
-    from kernels.common.nsa_backward import KERNELS, nsa_backward_compile_specs
+    from kreg.kernels.common.nsa_backward import KERNELS, nsa_backward_compile_specs
 
     config = _default_config("nvidia")
     specs = nsa_backward_compile_specs(TARGET_KEY, config)

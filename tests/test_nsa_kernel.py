@@ -14,14 +14,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.common.nsa import NSAForward, nsa_forward_parts
-from kernels.common.nsa_backward import ROLES as BACKWARD_ROLES
-from registry.catalog import load_all
-from registry.device import CPU, detect, preset
-from registry.ops import OPS
-from registry.ops.nsa import ambiguous_selections, select_blocks
-from registry.testing import TOLERANCE, output_error, relative_error
-from tuning_db.records import LaunchConfig
+from kreg.core.device import CPU, detect, preset
+from kreg.core.records import LaunchConfig
+from kreg.kernels.common.nsa import NSAForward, nsa_forward_parts
+from kreg.kernels.common.nsa_backward import ROLES as BACKWARD_ROLES
+from kreg.ops import OPS
+from kreg.ops.catalog import load_all
+from kreg.ops.nsa import ambiguous_selections, select_blocks
+from kreg.ops.testing import TOLERANCE, output_error, relative_error
 
 from .conftest import HAS_GPU
 from .test_ref_nsa import make_case

@@ -17,10 +17,10 @@ import os
 import pytest
 import torch
 
-from registry import dispatch
-from registry.catalog import load_all
-from registry.ops import OPS
-from registry.testing import TOLERANCE, hostile_integers, output_error
+from kreg.ops import OPS
+from kreg.ops.catalog import load_all
+from kreg.ops.testing import TOLERANCE, hostile_integers, output_error
+from kreg.registry import dispatch
 
 # A dev dependency (installed by `make test`); GPU machines without network may lack its wheel, and
 # there the property test is skipped anyway (below).

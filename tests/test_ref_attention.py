@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from registry.ops import _contract, _dense_attention, flash_attention, sink_attention
-from registry.testing import TOLERANCE, assert_close
+from kreg.ops import contract, dense_attention, flash_attention, sink_attention
+from kreg.ops.testing import TOLERANCE, assert_close
 
 from .brute_force import brute_masked_attention
 
@@ -138,7 +138,7 @@ def test_chunking_is_invisible(monkeypatch, causal, window):
     args = SA.validate(q, k, v, sinks=sinks, causal=causal, window=window, return_lse=True)
     whole = SA.reference(**args)
     # 3 query rows a chunk: 2 temporaries of b * h_q * s_k = 2 * 4 * 30 elements per row.
-    monkeypatch.setattr(_contract, "REFERENCE_CHUNK_ELEMS", 2 * (2 * 4 * 30) * 3)
+    monkeypatch.setattr(contract, "REFERENCE_CHUNK_ELEMS", 2 * (2 * 4 * 30) * 3)
     assert_close(SA.reference(**args), whole, 1e-6)
 
 
@@ -453,7 +453,7 @@ def _count_pairs(s_q, s_k, causal, window):
 @pytest.mark.parametrize("s_q,s_k", [(1, 1), (17, 17), (5, 23), (23, 5), (64, 100), (100, 64)])
 @pytest.mark.parametrize("causal,window", [(False, None), (True, None), (True, 1), (True, 7), (True, 300)])
 def test_allowed_pairs_closed_form(s_q, s_k, causal, window):
-    assert _dense_attention.allowed_pairs(s_q, s_k, causal, window) == _count_pairs(s_q, s_k, causal, window)
+    assert dense_attention.allowed_pairs(s_q, s_k, causal, window) == _count_pairs(s_q, s_k, causal, window)
 
 
 def test_flops_and_bytes():

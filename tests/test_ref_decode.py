@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from registry.ops import decode, sink_attention
-from registry.testing import TOLERANCE, assert_close
+from kreg.ops import decode, sink_attention
+from kreg.ops.testing import TOLERANCE, assert_close
 
 from .brute_force import brute_masked_attention
 

@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from registry.ops import _contract, gsa_indexer, gsa_sparse_attention, gsa_topk
-from registry.testing import TOLERANCE, assert_close
+from kreg.ops import contract, gsa_indexer, gsa_sparse_attention, gsa_topk
+from kreg.ops.testing import TOLERANCE, assert_close
 
 INDEXER, TOPK, ATTN = gsa_indexer.OP, gsa_topk.OP, gsa_sparse_attention.OP
 INVALID = (-1, -7, None, 2**31 - 1)  # None stands for t, the first index past the end
@@ -97,7 +97,7 @@ def test_indexer_chunking_and_noncontiguous(monkeypatch):
     strided = {**args, "q_idx": torch.stack([args["q_idx"], -args["q_idx"]], 3)[..., 0, :],
                "k_idx": args["k_idx"].transpose(0, 1).contiguous().transpose(0, 1)}
     assert not strided["q_idx"].is_contiguous() and not strided["k_idx"].is_contiguous()
-    monkeypatch.setattr(_contract, "REFERENCE_CHUNK_ELEMS", 1)
+    monkeypatch.setattr(contract, "REFERENCE_CHUNK_ELEMS", 1)
     assert_close(gsa_indexer.reference(**gsa_indexer.validate(**strided)), whole, 1e-6)
 
 
@@ -141,7 +141,7 @@ def test_topk_selects_the_best_scores(b, t, h_i, d_i, k, lengths):
 def test_topk_half_inputs_and_chunking(monkeypatch):
     args = {**indexer_case(2, 21, 4, 16, dtype=torch.float16), "k": 5}
     whole = check_topk(args)
-    monkeypatch.setattr(_contract, "REFERENCE_CHUNK_ELEMS", 1)
+    monkeypatch.setattr(contract, "REFERENCE_CHUNK_ELEMS", 1)
     assert torch.equal(gsa_topk.reference(**gsa_topk.validate(**args)), whole)
 
 
@@ -199,7 +199,7 @@ def test_sparse_attention_noncontiguous_and_chunking(monkeypatch):
                "v": args["v"].transpose(1, 2).contiguous().transpose(1, 2),
                "indices": torch.cat([args["indices"]] * 2, -1)[..., :5]}
     assert not strided["q"].is_contiguous() and not strided["v"].is_contiguous()
-    monkeypatch.setattr(_contract, "REFERENCE_CHUNK_ELEMS", 1)
+    monkeypatch.setattr(contract, "REFERENCE_CHUNK_ELEMS", 1)
     assert_close(gsa_sparse_attention.reference(**gsa_sparse_attention.validate(**strided)), whole, 1e-6)
 
 

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from registry.ops import _contract
-from registry.ops.nsa import OP, reference, select_blocks, validate
-from registry.testing import TOLERANCE, assert_close
+from kreg.ops import contract
+from kreg.ops.nsa import OP, reference, select_blocks, validate
+from kreg.ops.testing import TOLERANCE, assert_close
 
 
 def _attend(q, keys, values, sm_scale):
@@ -188,7 +188,7 @@ def test_noncontiguous_inputs_and_chunking(monkeypatch):
                "g_slc": torch.stack([args["g_slc"], args["g_cmp"]], -1)[..., 0].contiguous(),
                "block_indices": torch.cat([args["block_indices"]] * 2, -1)[..., :2]}
     assert not strided["q"].is_contiguous() and not strided["k"].is_contiguous()
-    monkeypatch.setattr(_contract, "REFERENCE_CHUNK_ELEMS", 1)
+    monkeypatch.setattr(contract, "REFERENCE_CHUNK_ELEMS", 1)
     assert_close(reference(**validate(**strided)), whole, 1e-6)
 
 

@@ -5,9 +5,9 @@ import math
 import pytest
 import torch
 
-from registry.ops import _contract
-from registry.ops.sparse_mla import OP, reference, validate
-from registry.testing import TOLERANCE, assert_close
+from kreg.ops import contract
+from kreg.ops.sparse_mla import OP, reference, validate
+from kreg.ops.testing import TOLERANCE, assert_close
 
 INVALID = (-1, -7, None, 2**31 - 1)  # None stands for s_kv, the first index past the end
 
@@ -159,7 +159,7 @@ def test_noncontiguous_inputs_are_handled():
 def test_chunking_does_not_change_results(monkeypatch):
     args = make_case(b=2, s_q=11, s_kv=30, h_q=4, h_kv=2, d_qk=16, d_v=16, topk=10, sink=True, lengths=True)
     whole = reference(**validate(**args))
-    monkeypatch.setattr(_contract, "REFERENCE_CHUNK_ELEMS", 1)  # one query per chunk
+    monkeypatch.setattr(contract, "REFERENCE_CHUNK_ELEMS", 1)  # one query per chunk
     assert_close(reference(**validate(**args)), whole, 1e-6)
 
 
@@ -313,7 +313,7 @@ def test_tuning_key_is_hashable_and_buckets_lengths():
 def test_kv_row_alignment_is_a_key_dim():
     """The warp-specialized kernel copies 16-byte chunks: a kv whose rows are not 16-element aligned
     gets its own key (and its own raw dispatch key), which that variant does not support."""
-    from registry.ops.sparse_mla import kv_rows_aligned
+    from kreg.ops.sparse_mla import kv_rows_aligned
 
     args = validate(**_good())
     assert dict(OP.tuning_key(args))["kv_aligned"] is (args["kv"].stride(-2) % 16 == 0)

@@ -1,16 +1,18 @@
 """The public API: op listing, contracts, dispatch to references and variants, and the config lookup order."""
 
 import json
+import re
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
 
-import registry
-from registry import dispatch
-from registry.device import CPU, detect
-from registry.ops import OPS
-from tuning_db.records import CallConfig, LaunchConfig, TunedConfig, canonical_json
+from kreg import registry
+from kreg.core.device import CPU, detect
+from kreg.core.records import CallConfig, LaunchConfig, TunedConfig, canonical_json
+from kreg.ops import OPS
+from kreg.registry import dispatch
 
 from .conftest import HAS_GPU
 
@@ -21,8 +23,9 @@ KERNEL_DTYPE = torch.bfloat16 if HAS_GPU else torch.float16
 KERNEL_INFO = detect() if HAS_GPU else CPU
 VENDORS = [KERNEL_INFO.vendor] if HAS_GPU else ["nvidia", "amd"]
 
-EXPECTED_OPS = ["sparse_mla", "gsa_indexer", "gsa_topk", "gsa_sparse_attention", "sink_attention",
-                "flash_attention", "decode", "nsa"]
+# The ops are the contract modules of ops/ (those that define OP), found without a list.
+CONTRACT_FILES = sorted(p.stem for p in (Path(__file__).resolve().parents[1] / "ops").glob("*.py")
+                        if re.search(r"^OP = ", p.read_text(), re.M))
 
 
 @pytest.fixture(autouse=True)
@@ -42,11 +45,12 @@ def _kernel_args(op_name: str, dtype=KERNEL_DTYPE) -> dict:
     return _tiny_args(op_name, dtype=dtype, device=KERNEL_DEVICE)
 
 
-def test_ops_lists_every_op_in_order():
-    assert registry.ops() == EXPECTED_OPS
+def test_ops_are_the_contract_modules_in_name_order():
+    assert registry.ops() == CONTRACT_FILES == sorted(OPS)
+    assert len(CONTRACT_FILES) >= 8
 
 
-@pytest.mark.parametrize("op", EXPECTED_OPS)
+@pytest.mark.parametrize("op", CONTRACT_FILES)
 def test_describe_prints_contract_and_variants(op, capsys):
     text = registry.describe(op)
     printed = capsys.readouterr().out
@@ -55,7 +59,7 @@ def test_describe_prints_contract_and_variants(op, capsys):
     assert OPS[op].validate.__doc__.strip().splitlines()[0] in text
 
 
-@pytest.mark.parametrize("op", EXPECTED_OPS)
+@pytest.mark.parametrize("op", CONTRACT_FILES)
 def test_cpu_call_runs_the_reference(op):
     kwargs = _tiny_args(op)
     got = registry.get(op)(**kwargs)
@@ -92,7 +96,7 @@ def test_forced_vendor_runs_the_triton_variant(vendor):
     handle = registry.get("flash_attention", vendor=vendor)
     choice = handle.choice(**kwargs)
     assert choice.variant is not None and choice.variant.vendor == vendor and choice.source == "default"
-    from registry.testing import TOLERANCE, assert_close
+    from kreg.ops.testing import TOLERANCE, assert_close
 
     assert_close(handle(**kwargs), OPS["flash_attention"].reference(**OPS["flash_attention"].validate(**kwargs)),
                  TOLERANCE[KERNEL_DTYPE])
@@ -120,7 +124,7 @@ def _key_json(op_name: str, kwargs: dict) -> tuple[dict, str]:
 
 def _tuned(op: str, key_json: str, config: LaunchConfig, variant: str = "flash_attention_tiled",
            vendor: str | None = None) -> TunedConfig:
-    from registry.catalog import load_all
+    from kreg.ops.catalog import load_all
 
     source = next(v.source_hash for v in load_all()[op] if v.name == variant)
     return TunedConfig(op=op, device_key=KERNEL_INFO.key, tuning_key=key_json, variant=variant, vendor=vendor,
@@ -129,7 +133,7 @@ def _tuned(op: str, key_json: str, config: LaunchConfig, variant: str = "flash_a
 
 
 def test_lookup_order_database_then_tables_then_nearest_then_default(tmp_path, monkeypatch):
-    from tuning.export import export_json
+    from kreg.tuning.export import export_json
 
     kwargs = _kernel_args("flash_attention")
     dims, key_json = _key_json("flash_attention", kwargs)
@@ -137,12 +141,12 @@ def test_lookup_order_database_then_tables_then_nearest_then_default(tmp_path, m
     assert handle.choice(**kwargs).source == "default"
 
     # Shipped tables: a table exported from another database, placed in the tables folder.
-    other = __import__("tuning_db.store", fromlist=["TuningStore"]).TuningStore(f"sqlite:///{tmp_path / 'o.db'}")
+    other = __import__("kreg.tuning_db.store", fromlist=["TuningStore"]).TuningStore(f"sqlite:///{tmp_path / 'o.db'}")
     shipped = LaunchConfig(blocks={"BLOCK_M": 16, "BLOCK_N": 32, "HEADS": 1, "KEY_LOOPS": 3}, num_warps=4, num_stages=2)
     other.upsert_tuned(_tuned("flash_attention", key_json, shipped), KERNEL_INFO)
     tables = tmp_path / "tables"
     export_json(other, KERNEL_INFO.key, "flash_attention", tables)
-    from tuning_db import table_files
+    from kreg.tuning_db import table_files
 
     monkeypatch.setattr(table_files.ShippedTables, "__init__",
                         lambda self, folder=None, _init=table_files.ShippedTables.__init__: _init(self, tables))
@@ -176,7 +180,7 @@ def test_lookup_order_database_then_tables_then_nearest_then_default(tmp_path, m
 
 
 def test_later_calls_do_not_touch_the_database(monkeypatch):
-    from tuning_db.store import TuningStore
+    from kreg.tuning_db.store import TuningStore
 
     calls = []
     original = TuningStore.best
@@ -203,8 +207,8 @@ def test_corrupted_database_warns_and_still_runs(tmp_path, monkeypatch):
 
 
 def test_shipped_tables_are_valid_and_name_known_variants():
-    from registry.catalog import load_all
-    from tuning_db.table_files import ShippedTables
+    from kreg.ops.catalog import load_all
+    from kreg.tuning_db.table_files import ShippedTables
 
     names = {(v.op, v.name) for vs in load_all().values() for v in vs}
     tables = ShippedTables()
@@ -215,7 +219,7 @@ def test_shipped_tables_are_valid_and_name_known_variants():
 
 def test_source_hash_ignores_documentation_but_not_code():
     """Tuned configs go stale when a kernel's code changes, not when its comments or docstrings do."""
-    from kernels.base import code_fingerprint
+    from kreg.ops.variant import code_fingerprint
 
     source = '"""Module doc."""\n\ndef kernel(x):\n    """Doc."""\n    # why\n    return x * 2\n'
     documented = source.replace("Doc.", "Longer doc.").replace("# why", "# the reason, reworded")
@@ -237,9 +241,9 @@ def test_any_layer_imports_first_without_a_cycle():
     import sys
     from pathlib import Path
 
-    modules = ["kernels.nvidia.sparse_mla", "kernels.amd.flash_attention", "kernels.common.sparse_mla",
-               "kernels.base", "registry.ops.sparse_mla", "registry.device", "registry.dispatch", "tuning.sweep",
-               "layers.gated_sparse_attention", "kernels.common.gsa_layer"]
+    modules = ["kreg.kernels.nvidia.sparse_mla", "kreg.kernels.amd.flash_attention", "kreg.kernels.common.sparse_mla",
+               "kreg.ops.variant", "kreg.ops.sparse_mla", "kreg.core.device", "kreg.registry.dispatch",
+               "kreg.tuning.sweep", "kreg.layers.gated_sparse_attention", "kreg.kernels.common.gsa_layer"]
     check = ("import importlib, sys; importlib.import_module(sys.argv[1]); import registry; "
              "assert 'get' in vars(registry) and '__getattr__' not in vars(registry); "
              "assert registry.variants('sparse_mla')")
@@ -257,7 +261,7 @@ def test_source_hash_covers_kernel_code_only(tmp_path, monkeypatch):
     import importlib
     import textwrap
 
-    from kernels.base import kernel_fingerprints
+    from kreg.ops.variant import kernel_fingerprints
 
     source = textwrap.dedent('''
         import triton
@@ -292,7 +296,7 @@ def test_source_hash_covers_kernel_code_only(tmp_path, monkeypatch):
     assert fingerprint("hash_helper", source.replace("x * SCALE", "x + SCALE")) != base
     assert fingerprint("hash_constexpr", source.replace("tl.constexpr(2)", "tl.constexpr(3)")) != base
 
-    from registry.catalog import load_all
+    from kreg.ops.catalog import load_all
 
     by_name = {(v.name, v.vendor): v for v in load_all()["sparse_mla"]}
     headblock, warpspec = by_name["sparse_mla_headblock", "nvidia"], by_name["sparse_mla_warpspec", "nvidia"]

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from registry.catalog import load_all
-from tuning.compile_check import shipped_configs
+from kreg.ops.catalog import load_all
+from kreg.tuning.compile_check import shipped_configs
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGETS = {"nvidia": "h200", "amd": "mi300x,mi355x"}
@@ -28,7 +28,7 @@ def test_configs_compile_without_spills(variant, what):
     argv = ["--variant", variant.name, "--vendor", variant.vendor, "--target", TARGETS[variant.vendor], "--json"]
     if what == "tables":
         argv.append("--tables")
-    proc = subprocess.run([sys.executable, "-m", "tuning.compile_check", *argv], cwd=ROOT, env=env,
+    proc = subprocess.run([sys.executable, "-m", "kreg.tuning.compile_check", *argv], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=900)
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     unfit = [(r["arch"], r["key"], r["config"], r["kernel"], r["reason"]) for r in rows if not r["fits"]]
@@ -45,7 +45,7 @@ def test_every_variant_is_checked():
     """The defaults of every registered variant are compiled above, and every variant a shipped table
     names has its tables compiled."""
     assert {(v.name, v.vendor) for v, what in CASES if what == "defaults"} == {(v.name, v.vendor) for v in ALL}
-    from tuning_db.table_files import ShippedTables
+    from kreg.tuning_db.table_files import ShippedTables
 
     named = {(t.variant, t.variant_vendor) for t in ShippedTables().tuned()}
     assert named == {(v.name, v.vendor) for v, what in CASES if what == "tables"}

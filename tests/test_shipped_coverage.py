@@ -10,10 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from registry import dispatch
-from registry.catalog import load_all
-from registry.device import preset
-from registry.ops import OPS
+from kreg.core.device import preset
+from kreg.ops import OPS
+from kreg.ops.catalog import load_all
+from kreg.registry import dispatch
 
 OPS_WITH_NVIDIA = [name for name in OPS if any(v.vendor == "nvidia" for v in load_all().get(name, []))]
 

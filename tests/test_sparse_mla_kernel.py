@@ -7,11 +7,11 @@ bf16. The Hopper Gluon variant (sparse_mla_warpspec) cannot be interpreted: it r
 import pytest
 import torch
 
-from registry.catalog import load_all
-from registry.device import CPU, detect
-from registry.ops.sparse_mla import make_inputs, reference, tuning_key, validate
-from registry.testing import TOLERANCE, assert_close
-from tuning_db.records import LaunchConfig
+from kreg.core.device import CPU, detect
+from kreg.core.records import LaunchConfig
+from kreg.ops.catalog import load_all
+from kreg.ops.sparse_mla import make_inputs, reference, tuning_key, validate
+from kreg.ops.testing import TOLERANCE, assert_close
 
 from .conftest import HAS_GPU, gpu
 
@@ -162,7 +162,7 @@ def test_backward_with_large_and_infinite_sinks(variant, device):
 def test_int64_row_offsets_match(variant, device, monkeypatch):
     """The 64-bit row-offset path (taken when s_kv * row stride does not fit in int32) gives the same
     forward and gradients as the int32 one that every other test takes."""
-    from kernels.common import sparse_mla as kernel_module
+    from kreg.kernels.common import sparse_mla as kernel_module
 
     args = _inputs(device, seed=9, s_q=3, s_kv=50, h_q=16, h_kv=1, d_qk=96, d_v=64, topk=30, sink=True)
     config = _configs(variant, args)[0]
@@ -187,7 +187,7 @@ def test_deterministic_backward_in_query_chunks(variant, device, monkeypatch):
     them; topk_length shrinking from query to query leaves earlier queries' values in the slots a later
     query does not visit, which must not leak into its gradients; two batch rows make the chunks
     strided views."""
-    from kernels.common import sparse_mla as kernel_module
+    from kreg.kernels.common import sparse_mla as kernel_module
 
     args = _inputs(device, seed=10, b=2, s_q=3, s_kv=90, h_q=40, h_kv=1, d_qk=96, d_v=64, topk=70)
     args["topk_length"] = torch.tensor([[70, 20, 5], [3, 70, 0]], dtype=torch.int32, device=device)
@@ -200,7 +200,7 @@ def test_deterministic_backward_in_query_chunks(variant, device, monkeypatch):
 def test_deterministic_path_is_taken_when_asked(variant, device, monkeypatch):
     """deterministic=True, or torch's deterministic mode, runs the passes without atomics; the default
     runs the fused pass."""
-    from kernels.common import sparse_mla as kernel_module
+    from kreg.kernels.common import sparse_mla as kernel_module
 
     calls = []
     passes = kernel_module._deterministic_passes
@@ -226,7 +226,7 @@ def test_deterministic_roles_use_no_atomics():
     the fused pass does (its dkv rows)."""
     import inspect
 
-    from kernels.base import _python_function
+    from kreg.ops.variant import _python_function
 
     variant = HEADBLOCK[0]
     for role in ("bwd_pre", "bwd_dq", "bwd_dkv", "bwd_sum"):
@@ -239,7 +239,7 @@ def test_deterministic_roles_use_no_atomics():
 def test_deterministic_backward_is_bitwise_reproducible():
     """Two deterministic backwards of one call give the same bits, on a shape where many queries
     select the same rows (so atomics would reorder sums)."""
-    import registry
+    from kreg import registry
 
     shape = dict(s_q=256, s_kv=512, h_q=64, h_kv=1, d_qk=576, d_v=512, topk=256, sink=True)
     args = _inputs("cuda", seed=16, **shape)
@@ -273,8 +273,8 @@ def test_every_backward_config_of_the_space_matches_reference(variant, device):
     """Each backward role's configs other than its default (the interpreter's tiles on the CPU; a sample
     of the GPU space on a GPU), the other roles at their defaults: 40 heads make partial head blocks
     and dkv chunks."""
-    from registry.ops import OPS
-    from registry.testing import GRAD_TOLERANCE, gradient_error
+    from kreg.ops import OPS
+    from kreg.ops.testing import GRAD_TOLERANCE, gradient_error
 
     args = _inputs(device, seed=12, s_q=3, s_kv=90, h_q=40, h_kv=1, d_qk=96, d_v=64, topk=70, sink=True)
     key, info = dict(tuning_key(args)), _device_info()
@@ -293,7 +293,7 @@ def test_every_backward_config_of_the_space_matches_reference(variant, device):
 @gpu
 def test_v32_shape_bf16_on_gpu():
     """The DeepSeek-V3.2 shape on the GPU through the registry, in bf16."""
-    import registry
+    from kreg import registry
 
     shape = dict(s_q=64, s_kv=4096, h_q=128, h_kv=1, d_qk=576, d_v=512, topk=2048)
     args = _inputs("cuda", seed=9, **shape)
@@ -328,7 +328,7 @@ def test_interpreter_space_is_small_and_valid():
 def test_gpu_spaces_offer_wide_head_blocks():
     """BLOCK_H 16..128 is offered for h_q 128 on every target; NVIDIA prunes what cannot hold the
     d_v 512 accumulator, AMD keeps BLOCK_H 128 and offers num_stages 1-2 (kpack fixed to 1 on gfx950)."""
-    from registry.device import preset
+    from kreg.core.device import preset
 
     key = V32_KEY
     for variant in HEADBLOCK:

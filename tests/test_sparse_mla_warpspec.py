@@ -8,12 +8,12 @@ test_shipped_and_default_configs.py.)"""
 import pytest
 import torch
 
-from registry.catalog import load_all
-from registry.device import CPU, preset
-from registry.dispatch import candidates
-from registry.ops.sparse_mla import make_inputs, reference, validate
-from registry.testing import TOLERANCE, assert_close
-from tuning_db.records import CallConfig, LaunchConfig
+from kreg.core.device import CPU, preset
+from kreg.core.records import CallConfig, LaunchConfig
+from kreg.ops.catalog import load_all
+from kreg.ops.sparse_mla import make_inputs, reference, validate
+from kreg.ops.testing import TOLERANCE, assert_close
+from kreg.registry.dispatch import candidates
 
 from .conftest import HAS_GPU
 
@@ -59,8 +59,8 @@ def test_space_and_pruning():
     the compiler allocates, give or take the alignment of the small buffers. The other backward roles
     are the head-block variant's, capped by the group's heads; the deterministic dq pass is the fused
     pass's kernel, with its space."""
-    from kernels.nvidia.sparse_mla import shared_bytes
-    from kernels.nvidia.sparse_mla_warpspec_bwd import shared_bytes as bwd_shared_bytes
+    from kreg.kernels.nvidia.sparse_mla import shared_bytes
+    from kreg.kernels.nvidia.sparse_mla_warpspec_bwd import shared_bytes as bwd_shared_bytes
 
     target = preset("h200")
     space = WARPSPEC.space(V32, target)["fwd"]
@@ -120,8 +120,8 @@ def test_backward_is_the_head_block_variants_but_the_gluon_passes():
 def test_unaligned_kv_is_a_key_the_head_block_kernel_takes():
     """Dispatch, not the launcher, decides: a kv whose rows are not 16-element aligned has its own key,
     which only the head-block kernel supports (resolved on meta tensors, as on an H200)."""
-    from registry import dispatch
-    from registry.ops import OPS
+    from kreg.ops import OPS
+    from kreg.registry import dispatch
 
     op = OPS["sparse_mla"]
     shape = dict(s_q=64, s_kv=4096, h_q=128, h_kv=1, d_qk=576, d_v=512, topk=2048)
@@ -162,8 +162,8 @@ def test_deterministic_backward_with_the_gluon_dq_pass():
     and sum passes: gradients match the reference's autograd (top-k 203, invalid and duplicate slots,
     a row cut short, 80 heads a group: 64 + 16, two kv groups, a sink, two batch rows) at two configs
     of the dq pass's space, and repeat bit for bit."""
-    from registry.ops import OPS
-    from registry.testing import GRAD_TOLERANCE, gradient_error
+    from kreg.ops import OPS
+    from kreg.ops.testing import GRAD_TOLERANCE, gradient_error
 
     args = _args(7, b=2, s_q=5, s_kv=300, h_q=160, h_kv=2, d_qk=576, d_v=512, topk=203, sink=True, topk_length=True)
     idx = args["indices"].clone()
@@ -207,7 +207,7 @@ def test_forward_rows_with_no_slot():
 
 @hopper
 def test_unaligned_kv_runs_the_head_block_kernel():
-    import registry
+    from kreg import registry
 
     args = _args(2, s_q=3, s_kv=50, h_q=64, h_kv=1, d_qk=576, d_v=512, topk=40)
     padded = torch.zeros(50, 1, 584, device="cuda", dtype=torch.bfloat16)
@@ -224,9 +224,9 @@ def test_every_fused_backward_config_matches_reference():
     space: top-k 203 (no multiple of the 32-slot tile), invalid indices of every kind, duplicates, an
     all-invalid row, a row cut short by topk_length, a partial head block (80 heads a group: 64 + 16),
     two kv groups, a sink, two batch rows; then the V3.2 dims at h_q 128 through the registry."""
-    import registry
-    from registry.ops import OPS
-    from registry.testing import GRAD_TOLERANCE, gradient_error
+    from kreg import registry
+    from kreg.ops import OPS
+    from kreg.ops.testing import GRAD_TOLERANCE, gradient_error
 
     args = _args(3, b=2, s_q=5, s_kv=300, h_q=160, h_kv=2, d_qk=576, d_v=512, topk=203, sink=True, topk_length=True)
     idx = args["indices"].clone()

@@ -12,14 +12,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels.base import Variant
-from registry.catalog import load_all
-from registry.device import CPU
-from registry.ops import OPS
-from tuning.space import ConfigSpace
-from tuning.sweep import sweep_op
-from tuning_db.records import CallConfig, LaunchConfig
-from tuning_db.store import TuningStore
+from kreg.core.device import CPU
+from kreg.core.records import CallConfig, LaunchConfig
+from kreg.core.space import ConfigSpace
+from kreg.ops import OPS
+from kreg.ops.catalog import load_all
+from kreg.ops.variant import Variant
+from kreg.tuning.sweep import sweep_op
+from kreg.tuning_db.store import TuningStore
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -28,7 +28,7 @@ def _cli(*args: str, db: str, interpret: bool = True, timeout: int = 600) -> sub
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     if interpret:
         env["TRITON_INTERPRET"] = "1"
-    return subprocess.run([sys.executable, "-m", "tuning.sweep", *args, "--db", db, "--no-progress"],
+    return subprocess.run([sys.executable, "-m", "kreg.tuning.sweep", *args, "--db", db, "--no-progress"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -102,7 +102,7 @@ def test_statuses_come_from_exception_types():
     from triton.compiler.errors import CompilationError
     from triton.runtime.errors import OutOfResources
 
-    from tuning.trials import classify
+    from kreg.tuning.trials import classify
 
     assert classify(OutOfResources(300000, 232448, "shared memory")) == "out_of_resources"
     assert classify(torch.cuda.OutOfMemoryError("out of memory")) == "out_of_resources"
@@ -112,7 +112,7 @@ def test_statuses_come_from_exception_types():
 
 
 def test_autotune_call_tunes_one_key_on_its_own_inputs(tmp_path):
-    from tuning.autotune import autotune_call
+    from kreg.tuning.autotune import autotune_call
 
     store = TuningStore(f"sqlite:///{tmp_path / 'auto.db'}")
     op = OPS["flash_attention"]
@@ -126,7 +126,7 @@ def test_autotune_call_tunes_one_key_on_its_own_inputs(tmp_path):
 def test_a_role_with_role_arguments_is_gated_and_timed_with_them():
     """sparse_mla's deterministic backward roles run only under deterministic=True: their trials pass
     it (gate and timing), the default backward's trials do not."""
-    from tuning.trials import KeyInputs, run_trial
+    from kreg.tuning.trials import KeyInputs, run_trial
 
     op = OPS["sparse_mla"]
     real = next(v for v in load_all()["sparse_mla"] if v.name == "sparse_mla_headblock" and v.vendor == "nvidia")
@@ -173,7 +173,7 @@ def test_cli_sweeps_every_role_in_the_interpreter_and_prints_winners(tmp_path):
 def test_a_resumed_multi_role_sweep_finds_its_stage_winners_in_the_database(tmp_path):
     """Resuming reads the earlier trials back from the database (their call configs' roles in another
     order): every trial is skipped and the same winner is promoted again."""
-    from tuning_db.models import SweepRun
+    from kreg.tuning_db.models import SweepRun
 
     store = TuningStore(f"sqlite:///{tmp_path / 'resume.db'}")
     op = OPS["sparse_mla"]
@@ -235,7 +235,7 @@ def test_sweep_killed_with_sigkill_resumes_without_duplicates(tmp_path):
     db = f"sqlite:///{tmp_path / 'killed.db'}"
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     shapes = ("--shapes", "tiny:0,1")  # two shapes: long enough to be killed in the middle
-    proc = subprocess.Popen([sys.executable, "-m", "tuning.sweep", "--device", "cpu", "--op", "flash_attention",
+    proc = subprocess.Popen([sys.executable, "-m", "kreg.tuning.sweep", "--device", "cpu", "--op", "flash_attention",
                              *shapes, "--db", db, "--no-progress"], cwd=ROOT, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     store = TuningStore(db)
@@ -307,7 +307,7 @@ def test_compile_only_records_resources_for_gfx950(tmp_path):
 
 
 def test_stale_lists_configs_of_an_older_kernel(tmp_path):
-    from tuning_db.records import TunedConfig
+    from kreg.core.records import TunedConfig
 
     db = f"sqlite:///{tmp_path / 'stale.db'}"
     store = TuningStore(db)

@@ -14,14 +14,14 @@ from pathlib import Path
 
 import pytest
 
-import tuning_db.table_files as table_files_module
-from registry.device import preset
-from tuning.export import export_csv, export_json, export_markdown, resolve_device, write_atomic
-from tuning.export import main as export_main
-from tuning.load import load_table
-from tuning_db.records import CallConfig, TunedConfig, canonical_json
-from tuning_db.store import TuningStore
-from tuning_db.table_files import ShippedTables, TableError, read_table
+import kreg.tuning_db.table_files as table_files_module
+from kreg.core.device import preset
+from kreg.core.records import CallConfig, TunedConfig, canonical_json
+from kreg.tuning.export import export_csv, export_json, export_markdown, resolve_device, write_atomic
+from kreg.tuning.export import main as export_main
+from kreg.tuning.load import load_table
+from kreg.tuning_db.store import TuningStore
+from kreg.tuning_db.table_files import ShippedTables, TableError, read_table
 
 REPO = Path(__file__).resolve().parent.parent
 H200 = preset("h200")
@@ -32,7 +32,7 @@ VARIANTS = {"sparse_mla": "sparse_mla_headblock", "decode": "decode_splitkv"}
 def random_entries(device, op: str, n: int, rng: random.Random) -> list[TunedConfig]:
     """`n` tuned entries with distinct keys, each a random config of the first role of a registered
     variant, drawn from its space on `device` (AMD knobs on AMD devices): what `tuning.load` accepts."""
-    from registry.catalog import load_all
+    from kreg.ops.catalog import load_all
 
     variant = next(v for v in load_all()[op] if v.vendor == device.vendor and v.name == VARIANTS[op])
     out = []
@@ -298,14 +298,14 @@ def _cli(*args: str, db_env: str | None = None) -> subprocess.CompletedProcess:
 def test_export_and_load_clis(filled, tmp_path):
     db, entries = filled
     out = tmp_path / "cli"
-    result = _cli("tuning.export", "--device", "h200", "--op", "sparse_mla", "--format", "json", "--out",
+    result = _cli("kreg.tuning.export", "--device", "h200", "--op", "sparse_mla", "--format", "json", "--out",
                   str(out), db_env=db.url)
     assert result.returncode == 0, result.stderr
     exported = out / "nvidia-h200__sparse_mla.json"
     assert result.stdout.strip() == str(exported) and os.listdir(out) == [exported.name]
 
     target_url = f"sqlite:///{tmp_path / 'target.db'}"
-    result = _cli("tuning.load", str(exported), "--db", target_url)
+    result = _cli("kreg.tuning.load", str(exported), "--db", target_url)
     assert result.returncode == 0, result.stderr
     assert "imported 7" in result.stdout
     target = TuningStore(target_url)
@@ -316,13 +316,13 @@ def test_export_and_load_clis(filled, tmp_path):
     data["configs"][3]["variant"] = "renamed"  # would change the database if the file got in
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps(data))
-    result = _cli("tuning.load", str(exported), str(bad), "--db", target_url)
+    result = _cli("kreg.tuning.load", str(exported), str(bad), "--db", target_url)
     assert result.returncode == 2
     assert "row 3 (configs[3])" in result.stderr and "config.fwd.blocks" in result.stderr
     assert str(bad) in result.stderr
     assert without_time(target.tuned()) == without_time(entries[(H200.key, "sparse_mla")])
     (tmp_path / "notes.txt").write_text("not json")
-    result = _cli("tuning.load", str(tmp_path / "notes.txt"), db_env=target_url)
+    result = _cli("kreg.tuning.load", str(tmp_path / "notes.txt"), db_env=target_url)
     assert result.returncode == 2 and "not a JSON tuned table" in result.stderr
 
 

@@ -18,10 +18,12 @@ from pathlib import Path
 
 import pytest
 
-from tuning_db.matching import key_distance
-from tuning_db.records import CallConfig, LaunchConfig, TrialResult, TunedConfig, canonical_json
-from tuning_db.store import TuningDatabaseError, TuningStore, default_url
-from tuning_db.table_files import DeviceDescriptor
+from kreg.core.records import CallConfig, LaunchConfig, TrialResult, TunedConfig, canonical_json
+from kreg.tuning_db.environment import default_url
+from kreg.tuning_db.errors import TuningDatabaseError
+from kreg.tuning_db.matching import key_distance
+from kreg.tuning_db.store import TuningStore
+from kreg.tuning_db.table_files import DeviceDescriptor
 
 OP = "sparse_mla"
 LENGTHS = ("s_q", "s_kv")  # the test keys' length dims
@@ -30,7 +32,7 @@ SPAWN = multiprocessing.get_context("spawn")
 
 @pytest.fixture
 def presets():
-    from registry.device import preset  # not at the top: see the module docstring
+    from kreg.core.device import preset  # not at the top: see the module docstring
 
     return {name: preset(name) for name in ("h100", "h200", "mi300x", "mi355x")}
 

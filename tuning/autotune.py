@@ -8,16 +8,16 @@ them, and a trial that hangs hangs the call (there is no child process to kill, 
 
 from __future__ import annotations
 
-from registry.device import DeviceInfo
-from registry.ops._contract import Op
-from tuning_db.records import TunedConfig, canonical_json
+from kreg.core.device import DeviceInfo
+from kreg.core.records import TunedConfig, canonical_json
+from kreg.ops.contract import Op
 
 
 def autotune_call(op: Op, variants, device_info: DeviceInfo, args: dict, store) -> TunedConfig | None:
     """Tune the key of one call (validated `args`) over `variants`, persist and return the winner
     (None when no config passed the gate)."""
-    from tuning.sweep import KeyTuner
-    from tuning.trials import KeyInputs, TrialRunner
+    from kreg.tuning.sweep import KeyTuner
+    from kreg.tuning.trials import KeyInputs, TrialRunner
 
     dims = dict(op.tuning_key(args))
     key_json = canonical_json(dims)

@@ -26,11 +26,11 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING
 
-from tuning_db.records import CallConfig, LaunchConfig, canonical_json
+from kreg.core.device import VENDORS, DeviceInfo
+from kreg.core.records import CallConfig, LaunchConfig, canonical_json
 
 if TYPE_CHECKING:
-    from kernels.base import CompileSpec, Variant
-    from registry.device import DeviceInfo
+    from kreg.ops.variant import CompileSpec, Variant
 
 
 @dataclass(frozen=True)
@@ -234,7 +234,7 @@ def check_variant(variant: Variant, key: dict, config: CallConfig, target: Devic
 
 # ----------------------------------------------------------------------------- command line
 def _find_variant(name: str, vendor: str) -> Variant:
-    from registry.catalog import load_all
+    from kreg.ops.catalog import load_all
 
     for variants in load_all().values():
         for variant in variants:
@@ -248,7 +248,7 @@ def _preset_keys(op_name: str) -> list[dict]:
     """The tuning keys of the op's "full" preset shapes, computed from meta tensors (nothing allocated)."""
     import torch
 
-    from registry.ops import OPS
+    from kreg.ops import OPS
 
     op = OPS[op_name]
     keys = []
@@ -262,7 +262,7 @@ def _preset_keys(op_name: str) -> list[dict]:
 
 def shipped_configs(variant: Variant) -> dict[str, list[CallConfig]]:
     """The call configs the shipped tables hold for this variant on its vendor's devices, by tuning key."""
-    from tuning_db.table_files import ShippedTables
+    from kreg.tuning_db.table_files import ShippedTables
 
     out: dict[str, list[CallConfig]] = {}
     for tuned in ShippedTables().tuned(variant.op):
@@ -273,12 +273,12 @@ def shipped_configs(variant: Variant) -> dict[str, list[CallConfig]]:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m tuning.compile_check`: one line per (key, target, config), or JSON lines with --json."""
-    from registry.device import preset
+    from kreg.core.device import preset
 
     parser = argparse.ArgumentParser(prog="python -m tuning.compile_check",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--variant", required=True, help="variant name, e.g. flash_attention_tiled")
-    parser.add_argument("--vendor", required=True, choices=("nvidia", "amd"))
+    parser.add_argument("--vendor", required=True, choices=VENDORS)
     parser.add_argument("--target", required=True, help="presets, comma-separated (h200, mi300x, mi355x)")
     parser.add_argument("--key-json", action="append", help="a tuning key as JSON (repeatable); "
                         "default: the keys of the op's full preset shapes")

@@ -26,12 +26,14 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
-from registry.device import PRESETS, DeviceInfo, preset
-from tuning.space import KNOB_NAMES
-from tuning_db.matching import match_level
-from tuning_db.records import TunedConfig
-from tuning_db.store import StoredDevice, TuningDatabaseError, TuningStore
-from tuning_db.table_files import TableFile
+from kreg.core.device import PRESETS, DeviceInfo, preset
+from kreg.core.records import TunedConfig
+from kreg.core.space import KNOB_NAMES
+from kreg.tuning_db.errors import TuningDatabaseError
+from kreg.tuning_db.matching import match_level
+from kreg.tuning_db.rows import StoredDevice
+from kreg.tuning_db.store import TuningStore
+from kreg.tuning_db.table_files import TableFile
 
 _KEY_PATTERN = re.compile(r"[a-z0-9][a-z0-9._-]*")
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]")

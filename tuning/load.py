@@ -4,7 +4,7 @@
 
 Every file is validated whole before anything is written: it must be a strict JSON tuned table
 (`tuning_db.table_files.read_table`) whose op and variants are registered and whose configs lie inside
-their variants' config spaces (`tuning_db.checks`). One bad row rejects the load, and the error names
+their variants' config spaces (`ops.catalog.entry_problem`). One bad row rejects the load, and the error names
 the file, the row (its index in "configs") and the field. All files are then imported in one
 transaction: every entry of every file, or nothing.
 """
@@ -15,9 +15,26 @@ import argparse
 import sys
 from pathlib import Path
 
-from tuning_db.checks import check_table
-from tuning_db.store import TuningDatabaseError, TuningStore
-from tuning_db.table_files import TableError, TableFile, read_table
+from kreg.ops import OPS
+from kreg.ops.catalog import entry_problem
+from kreg.tuning_db.errors import TuningDatabaseError
+from kreg.tuning_db.store import TuningStore
+from kreg.tuning_db.table_files import TableError, TableFile, read_table
+
+
+def check_table(table: TableFile, path: str | Path) -> None:
+    """Raise TableError (naming the file, the row and the problem) unless every entry of `table` fits its
+    variant on the table's device (`entry_problem`)."""
+    if table.op not in OPS:
+        raise TableError(f"{path}: op {table.op!r} is not a registered op (known: {', '.join(OPS)})")
+    problems = []
+    for i, tuned in enumerate(table.tuned()):
+        problem = entry_problem(tuned, table.device)
+        if problem is not None:
+            problems.append(f"row {i} (configs[{i}]): {problem}")
+    if problems:
+        more = f"; and {len(problems) - 5} more rows" if len(problems) > 5 else ""
+        raise TableError(f"{path}: invalid tuned table: {'; '.join(problems[:5])}{more}")
 
 
 def read_checked_table(path: str | Path) -> TableFile:

@@ -30,11 +30,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from registry.device import DeviceInfo, detect, preset
-from registry.ops._contract import DTYPE_NAMES, Op
-from tuning.space import INTERPRETER_DTYPE, KNOB_NAMES
-from tuning_db.records import CallConfig, LaunchConfig, TrialResult, TunedConfig, canonical_json, is_backward_role
-from tuning_db.store import TuningDatabaseError
+from kreg.core.device import INTERPRETER_VENDOR, DeviceInfo, detect, preset
+from kreg.core.records import CallConfig, LaunchConfig, TrialResult, TunedConfig, canonical_json, is_backward_role
+from kreg.core.space import INTERPRETER_DTYPE, KNOB_NAMES
+from kreg.ops.contract import DTYPE_NAMES, Op
+from kreg.tuning_db.errors import TuningDatabaseError
 
 
 @dataclass
@@ -88,7 +88,7 @@ def _spills_or_overflows(variant, dims: dict, config: CallConfig, role: str,
     it fits. The interpreter has no registers to check."""
     if device_info.key == "cpu":
         return None
-    from tuning.compile_check import check_variant, unfit
+    from kreg.tuning.compile_check import check_variant, unfit
 
     return unfit(check_variant(variant, dims, config, device_info, roles=(role,)))
 
@@ -109,7 +109,7 @@ class KeyTuner:
     def __init__(self, op: Op, device_info: DeviceInfo, store, run_id: int, runner, *, deadline: float | None,
                  roles: Iterable[str] | None = None, wanted: dict[str, int] | None = None,
                  stats: SweepStats | None = None, progress=None, task=None) -> None:
-        from registry.catalog import load_all
+        from kreg.ops.catalog import load_all
 
         self.op, self.device_info, self.store, self.run_id, self.runner = op, device_info, store, run_id, runner
         self.deadline, self.roles, self.wanted = deadline, roles, wanted or {}
@@ -145,7 +145,7 @@ class KeyTuner:
         (database, then shipped tables), else its default. A resumed run starts where it first started:
         its earliest trial of the variant and key differs from that start only in the role it varied,
         which the first stage replaces anyway (the database may hold this run's own winner by now)."""
-        from registry.dispatch import shipped_tables
+        from kreg.tuning_db.table_files import shipped_tables
 
         for trial in self.recorded:
             if (trial.variant, trial.source_hash, trial.tuning_key) == (variant.name, variant.source_hash, key_json):
@@ -197,7 +197,7 @@ class KeyTuner:
         """On a GPU, the offline compile checks of a stage's untried configs, in parallel processes."""
         if self.device_info.key == "cpu":
             return
-        from tuning.compile_check import check_many
+        from kreg.tuning.compile_check import check_many
 
         todo = [current.replace(role, c) for c in configs
                 if variant.prune_reason(role, c, dims, self.device_info) is None
@@ -295,7 +295,7 @@ def sweep_op(op: Op, variants, device_info: DeviceInfo, torch_device: torch.devi
              roles: Iterable[str] | None = None, wanted: dict[str, int] | None = None,
              trial_timeout: float | None = None, isolate: bool = True) -> tuple[SweepStats, bool]:
     """Sweep one op over `shapes`. Returns (stats, finished): finished is False when the deadline hit."""
-    from tuning.trials import DEFAULT_TRIAL_TIMEOUT_S, TrialRunner
+    from kreg.tuning.trials import DEFAULT_TRIAL_TIMEOUT_S, TrialRunner
 
     shapes = list(shapes)
     stats = SweepStats()
@@ -333,7 +333,7 @@ def compile_only_op(op: Op, variants, target: DeviceInfo, shapes: Iterable[dict]
                     wanted: dict[str, int] | None = None) -> tuple[list, bool]:
     """Compile every config of every role for `target` offline (the other roles at their defaults);
     record resources; prune what spills or does not fit."""
-    from tuning.compile_check import check_variant, unfit
+    from kreg.tuning.compile_check import check_variant, unfit
 
     run_id = store.resumable_run(op.name, target) if resume else None
     if run_id is None:
@@ -520,7 +520,7 @@ def _resources_table(target: DeviceInfo, rows: list):
 
 
 def _stale(store, registry_variants) -> int:
-    from tuning_db.table_files import ShippedTables
+    from kreg.tuning_db.table_files import ShippedTables
 
     hashes = {(v.vendor, v.name): v.source_hash for vs in registry_variants.values() for v in vs}
     shipped = [t for t in ShippedTables().tuned()
@@ -568,9 +568,10 @@ def _main(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from registry.catalog import load_all
-    from registry.ops import OPS
-    from tuning_db.store import TuningStore, default_url
+    from kreg.ops import OPS
+    from kreg.ops.catalog import load_all
+    from kreg.tuning_db.environment import default_url
+    from kreg.tuning_db.store import TuningStore
 
     console = Console(stderr=True)
     store = TuningStore(default_url())
@@ -582,7 +583,7 @@ def _main(args: argparse.Namespace) -> int:
         device_info, torch_device = target, torch.device("cpu")
     else:
         device_info, torch_device = _present_device(target)
-    vendor = "nvidia" if device_info.key == "cpu" else device_info.vendor
+    vendor = INTERPRETER_VENDOR if device_info.key == "cpu" else device_info.vendor
     ops = args.op or [name for name in OPS if any(v.vendor == vendor for v in registry_variants.get(name, []))]
     unknown_ops = [o for o in ops if o not in OPS]
     if unknown_ops:
@@ -636,7 +637,7 @@ def _main(args: argparse.Namespace) -> int:
     else:
         out.print(_winners_table(store, device_info.key, [op.name for op, _, _ in work]))
     if args.export:
-        from tuning.export import export_json
+        from kreg.tuning.export import export_json
 
         for path in export_json(store, device_info.key, None, args.export):
             console.print(f"wrote {path}")

@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from registry.testing import (
+from kreg.core.records import CallConfig, is_backward_role
+from kreg.ops.testing import (
     GRAD_TOLERANCE,
     TOLERANCE,
     backward_call,
@@ -30,8 +31,7 @@ from registry.testing import (
     output_error,
     reference_gradients,
 )
-from tuning.bench import rotating, time_call
-from tuning_db.records import CallConfig, is_backward_role
+from kreg.tuning.bench import rotating, time_call
 
 # How long one trial (compile, gate, time) may take, and the setup of a key's inputs and reference.
 DEFAULT_TRIAL_TIMEOUT_S = 300.0
@@ -142,7 +142,7 @@ def run_trial(inputs: KeyInputs, variant, config: CallConfig, role: str) -> tupl
 def _worker(conn) -> None:
     """The child's loop: ("key", op name, shape, device, dtype, seed) prepares a key's inputs,
     ("trial", variant, config json, role) runs one trial; None ends it."""
-    from registry.ops import OPS
+    from kreg.ops import OPS
 
     inputs = None
     while True:
@@ -193,7 +193,7 @@ class TrialRunner:
         if self.isolate:
             self._key, self._ready = (shape, dtype, seed), False
         else:
-            from registry.ops import OPS
+            from kreg.ops import OPS
 
             self._inputs = KeyInputs.for_shape(OPS[self.op_name], shape, self.device, dtype, seed)
 

@@ -7,21 +7,9 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable, Collection, Iterable, Mapping
-from typing import Protocol
 
-from tuning_db.records import TunedConfig, canonical_json
-
-
-class DeviceIdentity(Protocol):
-    """What a lookup knows of a device: `registry.device.DeviceInfo`, `store.StoredDevice` and
-    `table_files.DeviceDescriptor` all have these attributes."""
-
-    key: str
-    vendor: str
-    arch: str
-    name: str
-    pci_device_id: int | None
-    num_sms: int
+from kreg.core.device import DeviceIdentity
+from kreg.core.records import TunedConfig, canonical_json
 
 
 def match_level(want: DeviceIdentity, have: DeviceIdentity) -> int | None:

@@ -11,7 +11,7 @@ from datetime import datetime, timezone
 from sqlalchemy import CheckConstraint, DateTime, Float, ForeignKey, Integer, String, Text, UniqueConstraint
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-from tuning_db.records import TRIAL_STATUSES
+from kreg.core.records import TRIAL_STATUSES
 
 RUN_STATUSES: tuple[str, ...] = ("running", "finished", "stopped")
 

@@ -1,237 +1,54 @@
 """The tuning database (`TuningStore`): devices, sweep runs, trials and tuned winners.
 
 The store is any SQLAlchemy database; the default is one SQLite file in the user's cache dir, shared by
-every process on the machine (sweeps on several GPUs write to it at once). SQLite is opened in WAL mode
-with a busy timeout, and every write runs in its own `BEGIN IMMEDIATE` transaction: writers queue for
-the lock instead of failing halfway, and each trial is committed on its own, so a killed sweep loses
-nothing it already recorded. A database written before kernel roles existed is migrated in place
-the first time it is opened (its rows kept).
+every process on the machine (sweeps on several GPUs write to it at once; `tuning_db.sqlite` sets its
+connections up for that). Every write runs in its own transaction, retried while the database stays
+locked, and each trial is committed on its own, so a killed sweep loses nothing it already recorded. A
+database written before kernel roles existed is migrated in place the first time it is opened (its
+rows kept; `tuning_db.rows`).
 
 Reading never creates anything: a SQLite file (or its folder) that does not exist yet, or a database
 without the store's tables, reads as empty and is made by the first write. A read-only file can be
 read. A damaged row is skipped with a warning (once per row), never raised from every read. No message
-holds the URL's password (`safe_url`, `redact`).
+holds the URL's password (`tuning_db.errors`).
 
 Which entry answers a lookup is `tuning_db.matching`'s job; table files are `tuning_db.table_files`'.
 """
 
 from __future__ import annotations
 
-import functools
-import importlib.metadata
-import os
-import re
 import sqlite3
-import threading
 import time
 import warnings
 from collections.abc import Callable, Collection, Iterable, Mapping
-from dataclasses import dataclass
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import TypeVar
 
-from sqlalchemy import and_, create_engine, event, inspect, or_, select, text, update
+from sqlalchemy import and_, create_engine, or_, select, update
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.orm import Session
-from sqlalchemy.pool import StaticPool
 
-from tuning_db.matching import Accept, DeviceIdentity, canonical_key, check_device, pick_best, pick_nearest
-from tuning_db.models import RUN_STATUSES, Base, DeviceRow, SweepRun, TrialRow, TunedRow, utcnow
-from tuning_db.records import TRIAL_STATUSES, CallConfig, TrialResult, TunedConfig, canonical_json
+from kreg.core.records import TRIAL_STATUSES, TrialResult, TunedConfig, canonical_json
+from kreg.tuning_db.environment import default_url, installed_torch_version, installed_triton_version
+from kreg.tuning_db.errors import TuningDatabaseError, one_line, redact, safe_url
+from kreg.tuning_db.matching import Accept, DeviceIdentity, canonical_key, check_device, pick_best, pick_nearest
+from kreg.tuning_db.models import RUN_STATUSES, Base, DeviceRow, SweepRun, TrialRow, TunedRow, utcnow
+from kreg.tuning_db.rows import StoredDevice, migrate, schema_changes, stored_device, trial_record, tuned_pair
+from kreg.tuning_db.sqlite import EMPTY_LOCK, configure_sqlite, empty_engine, sqlite_file
 
 T = TypeVar("T")
 
-BUSY_TIMEOUT_S = 30.0
 # After SQLite's own busy wait, a write that still finds the database locked is tried again this often.
 _LOCK_RETRIES = 5
 
 
-class TuningDatabaseError(RuntimeError, ValueError):
-    """The tuning database cannot be used: a URL that does not parse or whose driver is missing, a damaged
-    file or one that is not a database, a read-only file written to, a server that refuses. The message
-    names the database without its password."""
-
-
-@dataclass(frozen=True)
-class StoredDevice:
-    """A device row of the database."""
-
-    id: int
-    key: str
-    vendor: str
-    arch: str
-    name: str
-    pci_device_id: int | None
-    num_sms: int
-
-
-def default_url() -> str:
-    """`KREG_TUNING_DB` (any SQLAlchemy URL), else a SQLite file `kreg/tuning.db` in the user cache dir
-    (`$XDG_CACHE_HOME` or `~/.cache`). Nothing is created here: the store makes the folder on its first
-    write."""
-    url = os.environ.get("KREG_TUNING_DB")
-    if url:
-        return url
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kreg"
-    return f"sqlite:///{cache.resolve() / 'tuning.db'}"
-
-
-# ----------------------------------------------------------------------------- passwords
-# The user part of a URL: from the scheme's "://" (or the start) to the last "@". For a URL that does
-# not parse, this is all we can tell apart.
-_USER_INFO = re.compile(r"^(?P<scheme>[A-Za-z0-9+.-]*://)?(?P<user>.*)@")
-
-
-def safe_url(url: str) -> str:
-    """`url` as it may be shown: SQLAlchemy's rendering with the password hidden, or, for a URL that does
-    not parse, the whole user part replaced by ***."""
-    try:
-        return make_url(url).render_as_string(hide_password=True)
-    except (sa_exc.ArgumentError, ValueError, TypeError):
-        return _USER_INFO.sub(lambda m: f"{m['scheme'] or ''}***@", str(url), count=1)
-
-
-def redact(text: str, url: str) -> str:
-    """`text` (an error message, say) with every spelling of `url`'s password replaced by ***."""
-    secrets = set()
-    try:
-        password = make_url(url).password
-        if password:
-            secrets.add(str(password))
-    except (sa_exc.ArgumentError, ValueError, TypeError):
-        pass
-    found = _USER_INFO.match(str(url))
-    if found and ":" in found["user"]:
-        secrets.add(found["user"].split(":", 1)[1])
-    for secret in sorted(secrets - {""}, key=len, reverse=True):
-        text = text.replace(secret, "***")
-    return text
-
-
-def installed_version(*distributions: str) -> str:
-    """Version of the first installed distribution of `distributions`, else 'unknown'."""
-    for dist in distributions:
-        try:
-            return importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return "unknown"
-
-
-def installed_triton_version() -> str:
-    """Installed Triton version (ROCm machines have it as pytorch-triton-rocm)."""
-    return installed_version("triton", "pytorch-triton-rocm", "pytorch-triton")
-
-
-def installed_torch_version() -> str:
-    """Installed PyTorch version."""
-    return installed_version("torch")
-
-
-def _aware(moment: datetime | None) -> datetime | None:
-    # SQLite drops the time zone; every stored timestamp is UTC.
-    if moment is not None and moment.tzinfo is None:
-        return moment.replace(tzinfo=timezone.utc)
-    return moment
-
-
-def _stored_device(row: DeviceRow) -> StoredDevice:
-    return StoredDevice(row.id, row.key, row.vendor, row.arch, row.name, row.pci_device_id, row.num_sms)
-
-
-def _tuned_record(row: TunedRow, device: DeviceRow) -> TunedConfig:
-    return TunedConfig(
-        op=row.op, device_key=device.key, tuning_key=row.tuning_key, variant=row.variant, vendor=row.vendor,
-        source_hash=row.source_hash, config=CallConfig.from_json(row.config_json), time_ms=row.time_ms,
-        backward_ms=row.backward_ms, triton_version=row.triton_version, torch_version=row.torch_version,
-        updated_at=_aware(row.updated_at),
-    )
-
-
-def _tuned_pair(row: TunedRow, device: DeviceRow) -> tuple[StoredDevice, TunedConfig]:
-    return _stored_device(device), _tuned_record(row, device)
-
-
-def _trial_record(row: TrialRow, device: DeviceRow) -> TrialResult:
-    return TrialResult(
-        op=row.op, variant=row.variant, vendor=row.vendor, source_hash=row.source_hash, device_key=device.key,
-        tuning_key=row.tuning_key, config=CallConfig.from_json(row.config_json), role=row.role,
-        status=row.status, time_ms=row.time_ms, error=row.error, registers=row.registers, spills=row.spills,
-        shared_bytes=row.shared_bytes, triton_version=row.triton_version, torch_version=row.torch_version,
-    )
-
-
-# ----------------------------------------------------------------------------- schema migration
-# Columns added since the first schema: (table, column, SQL type). Trials also changed their unique key
-# (the role joined it), which SQL cannot alter in place: that table is rebuilt.
-_ADDED_COLUMNS = (("tuned_configs", "vendor", "VARCHAR(16)"), ("tuned_configs", "backward_ms", "FLOAT"))
-_TRIALS_BEFORE_ROLES = "trials_before_roles"
-
-
-def _schema_changes(conn) -> list[str]:
-    """What the database lacks of the current schema: missing tables, missing columns, old trials."""
-    found = inspect(conn)
-    tables = set(found.get_table_names())
-    changes = [f"table {name}" for name in Base.metadata.tables if name not in tables]
-    for table, column, _ in _ADDED_COLUMNS:
-        if table in tables and column not in {c["name"] for c in found.get_columns(table)}:
-            changes.append(f"column {table}.{column}")
-    if "trials" in tables and "role" not in {c["name"] for c in found.get_columns("trials")}:
-        changes.append("trials without roles")
-    return changes
-
-
-def _migrate(conn) -> None:
-    """Bring the database to the current schema in one write transaction, keeping every row. Checked
-    again here: another process may have migrated it since `_schema_changes` looked."""
-    changes = _schema_changes(conn)
-    for table, column, sql_type in _ADDED_COLUMNS:
-        if f"column {table}.{column}" in changes:
-            conn.execute(text(f"ALTER TABLE {table} ADD COLUMN {column} {sql_type}"))
-    rebuild = "trials without roles" in changes
-    if rebuild:
-        conn.execute(text(f"ALTER TABLE trials RENAME TO {_TRIALS_BEFORE_ROLES}"))
-        # Index names are global: the renamed table's plain indexes would clash with the new table's.
-        for index in inspect(conn).get_indexes(_TRIALS_BEFORE_ROLES):
-            if index["name"] and index["name"].startswith("ix_"):
-                conn.execute(text(f"DROP INDEX {index['name']}"))
-    Base.metadata.create_all(conn)
-    if rebuild:
-        # Ids are left to the new table (in order), so its id sequence stays right on every database.
-        kept = ("run_id, op, variant, source_hash, device_id, tuning_key, config_json, status, time_ms, error, "
-                "registers, spills, shared_bytes, triton_version, torch_version, created_at")
-        conn.execute(text(f"INSERT INTO trials ({kept}) SELECT {kept} FROM {_TRIALS_BEFORE_ROLES} ORDER BY id"))
-        conn.execute(text(f"DROP TABLE {_TRIALS_BEFORE_ROLES}"))
-
-
 def _is_locked(err: BaseException) -> bool:
-    # Raised by SQLAlchemy (wrapping sqlite3) or by sqlite3 itself from the connect listener's PRAGMAs.
+    # Raised by SQLAlchemy (wrapping sqlite3) or by sqlite3 itself from `configure_sqlite`'s PRAGMAs.
     text = str(getattr(err, "orig", None) or err).lower()
     return "locked" in text or "busy" in text
 
 
-# Reads of a database that does not exist yet run against one in-memory database with the store's
-# tables and no rows; it has one connection, so its users take turns.
-_EMPTY_LOCK = threading.Lock()
-
-
-@functools.lru_cache(maxsize=1)
-def _empty_engine() -> Engine:
-    engine = create_engine("sqlite://", poolclass=StaticPool, connect_args={"check_same_thread": False})
-    Base.metadata.create_all(engine)
-    return engine
-
-
-def _one_line(err: BaseException) -> str:
-    # pydantic's messages span lines and end with a link; a warning keeps what went wrong.
-    lines = [line.strip() for line in str(err).splitlines()]
-    text = " ".join(line for line in lines if line and not line.startswith("For further information"))
-    return text if len(text) <= 300 else text[:297] + "..."
-
-
-# ----------------------------------------------------------------------------- the store
 class TuningStore:
     """Trials, sweep runs and tuned winners in one SQLAlchemy database (default: `default_url()`).
 
@@ -258,7 +75,8 @@ class TuningStore:
         # Whether the database holds the current schema; until then reads see no rows.
         self._ready = False
         if self.engine.dialect.name == "sqlite":
-            self._setup_sqlite()
+            self._sqlite_path = sqlite_file(self.engine.url)
+            configure_sqlite(self.engine)
         if self.exists():
             self._open()
 
@@ -276,51 +94,13 @@ class TuningStore:
     # -- plumbing
     def _url_error(self, what: str, err: BaseException) -> TuningDatabaseError:
         return TuningDatabaseError(
-            f"tuning database URL {safe_url(self.url)!r} {what}: {redact(_one_line(err), self.url)}. Set "
+            f"tuning database URL {safe_url(self.url)!r} {what}: {redact(one_line(err), self.url)}. Set "
             "KREG_TUNING_DB (or --db) to a SQLAlchemy URL such as sqlite:////path/to/tuning.db or "
             "postgresql+psycopg://user:password@host:5432/kreg.")
 
-    def _setup_sqlite(self) -> None:
-        url = self.engine.url
-        database = url.database or ""
-        if database.startswith("file:") and url.query.get("uri") == "true":
-            # SQLite URI form (`sqlite:///file:/path/x.db?mode=ro&uri=true`): the file is the URI's path.
-            database = "" if url.query.get("mode") == "memory" else database.removeprefix("file:")
-        if database and not database.startswith(":memory:"):
-            self._sqlite_path = Path(database).expanduser().resolve()
-
-        @event.listens_for(self.engine, "connect")
-        def _on_connect(dbapi_connection, _record) -> None:
-            # Transactions are begun by `_on_begin` below, not by the sqlite3 module's own guesswork.
-            dbapi_connection.isolation_level = None
-            cursor = dbapi_connection.cursor()
-            try:
-                cursor.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")
-                cursor.execute("PRAGMA foreign_keys = ON")
-                # The first query that reads the file: a damaged file fails here. An empty file stays
-                # empty until the first write (`_create` sets WAL then); a read-only one keeps its mode.
-                mode = cursor.execute("PRAGMA journal_mode").fetchone()[0]
-                if mode.lower() not in ("wal", "memory") and cursor.execute("PRAGMA page_count").fetchone()[0]:
-                    try:
-                        cursor.execute("PRAGMA journal_mode = WAL")
-                    except sqlite3.OperationalError as err:
-                        if "readonly" not in str(err).lower():
-                            raise
-                # In WAL mode NORMAL keeps every commit across a process crash (not a power cut).
-                cursor.execute("PRAGMA synchronous = NORMAL")
-            finally:
-                cursor.close()
-
-        @event.listens_for(self.engine, "begin")
-        def _on_begin(connection) -> None:
-            # A write takes the write lock up front: a deferred transaction that reads first and then
-            # writes can fail at once with SQLITE_BUSY in WAL mode instead of waiting for the lock.
-            write = connection.get_execution_options().get("kreg_write", False)
-            connection.exec_driver_sql("BEGIN IMMEDIATE" if write else "BEGIN")
-
     def _error(self, err: BaseException) -> TuningDatabaseError:
         where = safe_url(self.url)
-        cause = redact(_one_line(getattr(err, "orig", None) or err), self.url)
+        cause = redact(one_line(getattr(err, "orig", None) or err), self.url)
         if "readonly" in cause.lower().replace("-", "").replace(" ", ""):
             fix = ("write to another database: set KREG_TUNING_DB (or --db) to a writable one; reading this "
                    "one still works")
@@ -336,7 +116,7 @@ class TuningStore:
             return
         self._warned_rows.add((table, row_id))
         warnings.warn(f"kreg: tuning database {safe_url(self.url)}: {table} row {row_id} is damaged and "
-                      f"ignored ({redact(_one_line(err), self.url)}); the next sweep or tuning.load of its "
+                      f"ignored ({redact(one_line(err), self.url)}); the next sweep or tuning.load of its "
                       "key replaces it", RuntimeWarning, stacklevel=4)
 
     def _convert(self, table: str, rows, convert: Callable[..., T]) -> list[T]:
@@ -359,7 +139,7 @@ class TuningStore:
             elif self.exists():
                 self._open()  # another process may have created it since
             if not self._ready:
-                with _EMPTY_LOCK, _empty_engine().connect() as conn, Session(bind=conn) as session:
+                with EMPTY_LOCK, empty_engine().connect() as conn, Session(bind=conn) as session:
                     return fn(session)
         return self._transact(fn, write=write)
 
@@ -392,11 +172,11 @@ class TuningStore:
     def _open(self) -> None:
         """Check an existing database's schema: an older kreg's is migrated (every row kept); one
         without any of the store's tables (an empty file) is left alone until the first write."""
-        changes = self._transact(lambda session: _schema_changes(session.connection()))
+        changes = self._transact(lambda session: schema_changes(session.connection()))
         if changes and all(f"table {name}" in changes for name in Base.metadata.tables):
             return
         if changes:
-            self._transact(lambda session: _migrate(session.connection()), write=True)
+            self._transact(lambda session: migrate(session.connection()), write=True)
         self._ready = True
 
     def _create(self) -> None:
@@ -406,8 +186,8 @@ class TuningStore:
                 self._sqlite_path.parent.mkdir(parents=True, exist_ok=True)
             except OSError as err:
                 raise self._error(err) from None
-        if self._transact(lambda session: _schema_changes(session.connection())):
-            self._transact(lambda session: _migrate(session.connection()), write=True)
+        if self._transact(lambda session: schema_changes(session.connection())):
+            self._transact(lambda session: migrate(session.connection()), write=True)
         if self.engine.dialect.name == "sqlite":
             try:
                 # Outside any transaction (SQLite refuses it inside one): the raw connection autocommits.
@@ -450,7 +230,7 @@ class TuningStore:
     def devices(self) -> list[StoredDevice]:
         """Every device the database knows."""
         stmt = select(DeviceRow).order_by(DeviceRow.id)
-        return self._run(lambda s: [_stored_device(r) for r in s.scalars(stmt)])
+        return self._run(lambda s: [stored_device(r) for r in s.scalars(stmt)])
 
     def start_run(self, op: str, device: DeviceIdentity, args: dict, *, triton_version: str | None = None,
                   torch_version: str | None = None) -> int:
@@ -557,7 +337,7 @@ class TuningStore:
             if value is not None:
                 stmt = stmt.where(column == value)
         stmt = stmt.order_by(TrialRow.id)
-        return self._run(lambda s: self._convert("trials", s.execute(stmt), _trial_record))
+        return self._run(lambda s: self._convert("trials", s.execute(stmt), trial_record))
 
     # -- tuned winners
     @staticmethod
@@ -618,7 +398,7 @@ class TuningStore:
                 .where(TunedRow.op == op, self._matching_devices(device)).order_by(TunedRow.id))
         if tuning_key is not None:
             stmt = stmt.where(TunedRow.tuning_key == tuning_key)
-        return self._run(lambda s: self._convert("tuned_configs", s.execute(stmt), _tuned_pair))
+        return self._run(lambda s: self._convert("tuned_configs", s.execute(stmt), tuned_pair))
 
     def best(self, op: str, device: DeviceIdentity, tuning_key: str, accept: Accept | None = None
              ) -> TunedConfig | None:
@@ -647,7 +427,7 @@ class TuningStore:
         if device_key is not None:
             stmt = stmt.where(DeviceRow.key == device_key)
         stmt = stmt.order_by(TunedRow.op, DeviceRow.key, DeviceRow.id, TunedRow.tuning_key)
-        return self._run(lambda s: self._convert("tuned_configs", s.execute(stmt), _tuned_pair))
+        return self._run(lambda s: self._convert("tuned_configs", s.execute(stmt), tuned_pair))
 
     def tuned(self, *, op: str | None = None, device_key: str | None = None) -> list[TunedConfig]:
         """Tuned winners, filtered by op and device key."""

@@ -7,11 +7,12 @@ format 1 files, written before roles existed, still load: their one config is th
 
 A file is strict JSON: a repeated key in an object, NaN or Infinity, a number out of range (1e999, an
 integer past 64 bits), nesting too deep or bytes that are not UTF-8 make it a `TableError`, never a
-traceback. Whether its ops, variants and configs exist is `tuning_db.checks`' question.
+traceback. Whether its ops, variants and configs exist is `tuning.load`'s question.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import threading
@@ -22,8 +23,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from tuning_db.matching import Accept, DeviceIdentity, canonical_key, check_device, pick_best, pick_nearest
-from tuning_db.records import CallConfig, TunedConfig, canonical_json
+from kreg.core.records import CallConfig, TunedConfig, canonical_json
+from kreg.tuning_db.matching import Accept, DeviceIdentity, canonical_key, check_device, pick_best, pick_nearest
 
 SHIPPED_TABLES = Path(__file__).parent / "tables"
 # The shipped tables are tens of KiB; a file past this is not a table (or is /dev/zero).
@@ -263,3 +264,9 @@ class ShippedTables:
             return [t for _, t in self._entries(op)]
         self._entries("")
         return [t for entries in (self._by_op or {}).values() for _, t in entries]
+
+
+@functools.lru_cache(maxsize=1)
+def shipped_tables() -> ShippedTables:
+    """The shipped tuned tables (`tuning_db/tables/`), read once per process."""
+    return ShippedTables()

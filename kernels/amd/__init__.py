@@ -1,12 +1,2 @@
-"""AMD variants (MI300X gfx942, MI355X gfx950). Importing this package registers them."""
-
-from kernels.amd import (  # noqa: F401
-    decode,
-    flash_attention,
-    gsa_indexer,
-    gsa_sparse_attention,
-    gsa_topk,
-    nsa,
-    sink_attention,
-    sparse_mla,
-)
+"""AMD variants (MI300X gfx942, MI355X gfx950): `ops.catalog.load_all` imports every module here, and
+each registers its variants."""

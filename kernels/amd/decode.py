@@ -8,10 +8,10 @@ wavefront owns whole heads (num_warps <= KV_HEADS). Untimed: no AMD GPU here; th
 without spills for gfx942 and gfx950.
 """
 
-from kernels.base import Variant
-from kernels.common.decode import COMBINE_SPACE, INTERPRETER_SPLIT, DecodeSplitKVBase, key_rows_between
-from registry.catalog import register
-from tuning.space import ConfigSpace
+from kreg.core.space import ConfigSpace
+from kreg.kernels.common.decode import COMBINE_SPACE, INTERPRETER_SPLIT, DecodeSplitKVBase, key_rows_between
+from kreg.ops.catalog import register
+from kreg.ops.variant import Variant
 
 
 @register

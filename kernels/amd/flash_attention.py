@@ -10,11 +10,11 @@ the forward at d 128 with BLOCK_M 128 then needs 8 warps on gfx942 (4 warps spil
 BLOCK_M 64 with BLOCK_N 32. kpack is forced to 1 on gfx950, so the spaces offer kpack 2 on gfx942 only.
 """
 
-from kernels.base import Variant
-from kernels.common.attention import INTERPRETER_TILES, AttentionTiledBase, one_loop_only_for_windows
-from registry.catalog import register
-from tuning.space import ConfigSpace
-from tuning_db.records import LaunchConfig
+from kreg.core.records import LaunchConfig
+from kreg.core.space import ConfigSpace
+from kreg.kernels.common.attention import INTERPRETER_TILES, AttentionTiledBase, one_loop_only_for_windows
+from kreg.ops.catalog import register
+from kreg.ops.variant import Variant
 
 # The block that is the rows of each role's main products: the forward's and dQ's query rows, dK/dV's
 # key rows (it works transposed).

@@ -4,10 +4,10 @@ VGPR/AGPR file (512 per lane) leaves room for wide score tiles; there is no loop
 num_stages stays at 1-2; kpack is forced to 1 on gfx950 by Triton, so the space offers 2 on gfx942 only.
 """
 
-from kernels.base import Variant
-from kernels.common.gsa_indexer import INTERPRETER_INDEXER, GSAIndexerTiledBase, score_tile_fits
-from registry.catalog import register
-from tuning.space import ConfigSpace
+from kreg.core.space import ConfigSpace
+from kreg.kernels.common.gsa_indexer import INTERPRETER_INDEXER, GSAIndexerTiledBase, score_tile_fits
+from kreg.ops.catalog import register
+from kreg.ops.variant import Variant
 
 
 @register

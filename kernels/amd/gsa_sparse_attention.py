@@ -13,9 +13,9 @@ waves_per_eu 2 caps a lane at 256 VGPRs. Its extras pass and backward are the he
 the head-block spaces.
 """
 
-from kernels.amd.flash_attention import rows_per_wavefront_of
-from kernels.base import Variant
-from kernels.common.gsa_sparse_attention import (
+from kreg.core.space import ConfigSpace
+from kreg.kernels.amd.flash_attention import rows_per_wavefront_of
+from kreg.kernels.common.gsa_sparse_attention import (
     INTERPRETER_DENSE,
     INTERPRETER_DKV,
     INTERPRETER_FWD,
@@ -24,8 +24,8 @@ from kernels.common.gsa_sparse_attention import (
     dense_spaces,
     heads_fit,
 )
-from registry.catalog import register
-from tuning.space import ConfigSpace
+from kreg.ops.catalog import register
+from kreg.ops.variant import Variant
 
 _HEADS = (1, 2, 4, 8, 16, 32, 64, 128)
 _KNOBS = {"num_warps": (2, 4, 8), "num_stages": (1, 2), "waves_per_eu": (0, 1, 2, 4),

@@ -7,11 +7,11 @@ heads sit in two warps and the head sum of each score tile goes through LDS (on 
 registers); untimed, no AMD GPU is reachable.
 """
 
-from kernels.base import Variant
-from kernels.common.gsa_indexer import score_tile_fits
-from kernels.common.gsa_topk import INTERPRETER_TOPK, GSATopkRadixBase
-from registry.catalog import register
-from tuning.space import ConfigSpace
+from kreg.core.space import ConfigSpace
+from kreg.kernels.common.gsa_indexer import score_tile_fits
+from kreg.kernels.common.gsa_topk import INTERPRETER_TOPK, GSATopkRadixBase
+from kreg.ops.catalog import register
+from kreg.ops.variant import Variant
 
 
 @register

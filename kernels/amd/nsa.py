@@ -12,14 +12,14 @@ kpack 2 exists on gfx942 only.
 
 from dataclasses import replace
 
-from kernels.amd.flash_attention import AttentionAmd
-from kernels.base import Variant
-from kernels.common.nsa import INTERPRETER_TILES, NSAGroupCentricBase, cmp_tokens, slc_heads
-from kernels.common.nsa_backward import INTERPRETER, SWA_ROLES
-from kernels.common.tiles import dot_block, next_pow2
-from registry.catalog import register
-from tuning.space import ConfigSpace
-from tuning_db.records import LaunchConfig
+from kreg.core.records import LaunchConfig
+from kreg.core.space import ConfigSpace
+from kreg.kernels.amd.flash_attention import AttentionAmd
+from kreg.kernels.common.nsa import INTERPRETER_TILES, NSAGroupCentricBase, cmp_tokens, slc_heads
+from kreg.kernels.common.nsa_backward import INTERPRETER, SWA_ROLES
+from kreg.kernels.common.tiles import dot_block, next_pow2
+from kreg.ops.catalog import register
+from kreg.ops.variant import Variant
 
 _KNOBS = {"num_warps": (4, 8), "num_stages": (1, 2), "waves_per_eu": (0, 1, 2), "matrix_instr_nonkdim": (16, 32),
           "kpack": (1,)}

@@ -2,10 +2,10 @@
 its sink switch on, and flash_attention's AMD spaces and defaults (a sink is O(rows) work next to the
 O(rows * keys) of the products)."""
 
-from kernels.amd.flash_attention import AttentionAmd
-from kernels.base import Variant
-from kernels.common.attention import AttentionTiledBase
-from registry.catalog import register
+from kreg.kernels.amd.flash_attention import AttentionAmd
+from kreg.kernels.common.attention import AttentionTiledBase
+from kreg.ops.catalog import register
+from kreg.ops.variant import Variant
 
 
 @register

@@ -5,8 +5,8 @@ BLOCK_H 64 and 128 (the K/V reuse that made the MI355 kernel fast) fit; LDS is 6
 kpack is forced to 1 on gfx950 by Triton, so the space offers it there only.
 """
 
-from kernels.base import Variant
-from kernels.common.sparse_mla import (
+from kreg.core.space import ConfigSpace
+from kreg.kernels.common.sparse_mla import (
     BWD_PRE_SPACE,
     INTERPRETER_DKV,
     INTERPRETER_DQ,
@@ -16,8 +16,8 @@ from kernels.common.sparse_mla import (
     SparseMLAHeadBlockBase,
     heads_fit_group,
 )
-from registry.catalog import register
-from tuning.space import ConfigSpace
+from kreg.ops.catalog import register
+from kreg.ops.variant import Variant
 
 # The knobs every role's default takes (untimed: no AMD GPU here).
 _KNOBS = {"waves_per_eu": 0, "matrix_instr_nonkdim": 16, "kpack": 1}

@@ -46,10 +46,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.base import CompileSpec
-from kernels.common.launch import LaunchCache, triton_launch
-from kernels.common.tiles import cdiv, dot_block
-from tuning_db.records import CallConfig, LaunchConfig
+from kreg.core.records import CallConfig, LaunchConfig
+from kreg.kernels.common.launch import LaunchCache, triton_launch
+from kreg.kernels.common.tiles import cdiv, dot_block
+from kreg.ops.variant import CompileSpec
 
 # Kernels can only read globals that are constexprs.
 LOG2E = tl.constexpr(1.4426950408889634)

@@ -41,11 +41,11 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from kernels.base import CompileSpec
-from kernels.common.launch import LaunchCache, triton_launch
-from kernels.common.tiles import cdiv, dot_block, next_pow2
-from tuning.space import ConfigSpace, Keep
-from tuning_db.records import CallConfig, LaunchConfig
+from kreg.core.records import CallConfig, LaunchConfig
+from kreg.core.space import ConfigSpace, Keep
+from kreg.kernels.common.launch import LaunchCache, triton_launch
+from kreg.kernels.common.tiles import cdiv, dot_block, next_pow2
+from kreg.ops.variant import CompileSpec
 
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
@@ -320,7 +320,7 @@ def choose_splits(programs: int, reach: int, num_sms: int, block_n: int, waves: 
 @functools.cache
 def _sm_count(device_index: int) -> int:
     """SMs (CUs) of GPU `device_index`; for -1 (the CPU: the interpreter) its core count."""
-    from registry.device import detect
+    from kreg.core.device import detect
 
     return detect(torch.device("cuda", device_index) if device_index >= 0 else "cpu").num_sms
 

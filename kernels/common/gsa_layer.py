@@ -28,11 +28,11 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.base import CompileSpec
-from kernels.common.tiles import cdiv, next_pow2
-from registry.device import detect, interpreter_enabled
-from registry.nvtx import nvtx_range
-from tuning_db.records import LaunchConfig
+from kreg.core.device import detect, interpreter_enabled
+from kreg.core.nvtx import nvtx_range
+from kreg.core.records import LaunchConfig
+from kreg.kernels.common.tiles import cdiv, next_pow2
+from kreg.ops.variant import CompileSpec
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 

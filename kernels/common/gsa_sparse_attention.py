@@ -52,11 +52,11 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.base import CompileSpec
-from kernels.common.tiles import cdiv, dot_block
-from registry.nvtx import nvtx_range
-from tuning.space import ConfigSpace
-from tuning_db.records import CallConfig, LaunchConfig
+from kreg.core.nvtx import nvtx_range
+from kreg.core.records import CallConfig, LaunchConfig
+from kreg.core.space import ConfigSpace
+from kreg.kernels.common.tiles import cdiv, dot_block
+from kreg.ops.variant import CompileSpec
 
 LOG2E = tl.constexpr(1.4426950408889634)
 

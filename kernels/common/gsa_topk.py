@@ -51,8 +51,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.base import CompileSpec
-from kernels.common.gsa_indexer import (
+from kreg.core.nvtx import nvtx_range
+from kreg.core.records import CallConfig, LaunchConfig
+from kreg.kernels.common.gsa_indexer import (
     LOG2E,
     _gated_scores_by_key,
     _load_index_keys,
@@ -61,8 +62,7 @@ from kernels.common.gsa_indexer import (
     index_signature,
     index_tiles,
 )
-from registry.nvtx import nvtx_range
-from tuning_db.records import CallConfig, LaunchConfig
+from kreg.ops.variant import CompileSpec
 
 BINS = tl.constexpr(16)  # bins per counting step: two int32 words of eight 4-bit counters
 LOG_BINS = tl.constexpr(4)
@@ -334,7 +334,7 @@ def list_capacity(k: int, t: int, block_k: int) -> int:
 
 @functools.cache
 def _sm_count(device: torch.device) -> int:
-    from registry.device import detect
+    from kreg.core.device import detect
 
     return detect(device).num_sms
 

@@ -69,8 +69,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.base import CompileSpec
-from kernels.common.attention import (
+from kreg.core.records import CallConfig, LaunchConfig
+from kreg.kernels.common.attention import (
     LN2,
     LOG2E,
     _attention_fwd_kernel,
@@ -79,11 +79,11 @@ from kernels.common.attention import (
     packing_reason,
     tile_blocks,
 )
-from kernels.common.gsa_sparse_attention import rows_fit_int32
-from kernels.common.nsa_backward import KERNELS as BACKWARD_KERNELS
-from kernels.common.nsa_backward import SWA_ROLES, nsa_backward, nsa_backward_compile_specs
-from kernels.common.tiles import cdiv, dot_block, next_pow2
-from tuning_db.records import CallConfig, LaunchConfig
+from kreg.kernels.common.gsa_sparse_attention import rows_fit_int32
+from kreg.kernels.common.nsa_backward import KERNELS as BACKWARD_KERNELS
+from kreg.kernels.common.nsa_backward import SWA_ROLES, nsa_backward, nsa_backward_compile_specs
+from kreg.kernels.common.tiles import cdiv, dot_block, next_pow2
+from kreg.ops.variant import CompileSpec
 
 
 # ----------------------------------------------------------------------------- Triton kernels

@@ -80,8 +80,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.base import CompileSpec
-from kernels.common.attention import (
+from kreg.core.records import CallConfig
+from kreg.kernels.common.attention import (
     INTERPRETER_TILES,
     _attention_bwd_dkv_kernel,
     _attention_bwd_dq_kernel,
@@ -89,8 +89,8 @@ from kernels.common.attention import (
     attention_backward,
     attention_compile_specs,
 )
-from kernels.common.tiles import cdiv, dot_block
-from tuning_db.records import CallConfig
+from kreg.kernels.common.tiles import cdiv, dot_block
+from kreg.ops.variant import CompileSpec
 
 LOG2E = tl.constexpr(1.4426950408889634)
 

@@ -54,10 +54,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from kernels.base import CompileSpec
-from kernels.common.attention import attention_backward, attention_compile_specs, attention_forward
-from kernels.common.launch import triton_launch
-from kernels.nvidia.attention_tma import (
+from kreg.core.records import CallConfig, LaunchConfig
+from kreg.core.space import ConfigSpace
+from kreg.kernels.common.attention import attention_backward, attention_compile_specs, attention_forward
+from kreg.kernels.common.launch import triton_launch
+from kreg.kernels.nvidia.attention_tma import (
     LOG2E,
     PRODUCER_REGS,
     descriptor,
@@ -68,7 +69,7 @@ from kernels.nvidia.attention_tma import (
     release,
     tma_addressable,
 )
-from kernels.nvidia.attention_warpspec_bwd import (
+from kreg.kernels.nvidia.attention_warpspec_bwd import (
     DKV_HEAD_DIM_DEFAULTS,
     DKV_SPACE,
     DQ_HEAD_DIM_DEFAULTS,
@@ -81,8 +82,7 @@ from kernels.nvidia.attention_warpspec_bwd import (
     dq_shared_bytes,
     warpspec_backward,
 )
-from tuning.space import ConfigSpace
-from tuning_db.records import CallConfig, LaunchConfig
+from kreg.ops.variant import CompileSpec
 
 LN2 = gl.constexpr(0.6931471805599453)
 HEAD_DIMS = (64, 128)
@@ -506,8 +506,8 @@ class AttentionWarpSpecHopper:
 
     def fallback_config(self, args: Mapping, role: str = "fwd") -> LaunchConfig:
         """The tiled variant's default config of `role` for the call's tuning key and device."""
-        from registry.device import detect
-        from registry.ops._dense_attention import dense_tuning_key
+        from kreg.core.device import detect
+        from kreg.ops.dense_attention import dense_tuning_key
 
         key = dict(dense_tuning_key(args))
         device = detect(args["q"].device)

@@ -51,10 +51,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from kernels.base import CompileSpec
-from kernels.common.attention import backward_pre
-from kernels.common.launch import triton_launch
-from kernels.nvidia.attention_tma import (
+from kreg.core.records import CallConfig, LaunchConfig
+from kreg.core.space import ConfigSpace
+from kreg.kernels.common.attention import backward_pre
+from kreg.kernels.common.launch import triton_launch
+from kreg.kernels.nvidia.attention_tma import (
     LOG2E,
     PRODUCER_REGS,
     descriptor,
@@ -64,8 +65,7 @@ from kernels.nvidia.attention_tma import (
     release,
     tma_addressable,
 )
-from tuning.space import ConfigSpace
-from tuning_db.records import CallConfig, LaunchConfig
+from kreg.ops.variant import CompileSpec
 
 
 # ----------------------------------------------------------------------------- shared pieces

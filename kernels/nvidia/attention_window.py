@@ -36,12 +36,12 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from kernels.base import CompileSpec
-from kernels.common.attention import attention_compile_specs, attention_forward, causal_window, window_reason
-from kernels.common.launch import triton_launch
-from kernels.nvidia.attention_tma import LOG2E, descriptor, descriptor_type, padded_outputs, tma_addressable
-from tuning.space import ConfigSpace
-from tuning_db.records import CallConfig, LaunchConfig
+from kreg.core.records import CallConfig, LaunchConfig
+from kreg.core.space import ConfigSpace
+from kreg.kernels.common.attention import attention_compile_specs, attention_forward, causal_window, window_reason
+from kreg.kernels.common.launch import triton_launch
+from kreg.kernels.nvidia.attention_tma import LOG2E, descriptor, descriptor_type, padded_outputs, tma_addressable
+from kreg.ops.variant import CompileSpec
 
 LN2 = gl.constexpr(0.6931471805599453)
 FLOAT32_LOWEST = gl.constexpr(-3.4028234663852886e38)

@@ -9,10 +9,10 @@ key rows (KV_HEADS * BLOCK_N), so several heads come with shorter tiles, and eac
 per step after one block-table load.
 """
 
-from kernels.base import Variant
-from kernels.common.decode import COMBINE_SPACE, INTERPRETER_SPLIT, DecodeSplitKVBase, key_rows_between
-from registry.catalog import register
-from tuning.space import ConfigSpace
+from kreg.core.space import ConfigSpace
+from kreg.kernels.common.decode import COMBINE_SPACE, INTERPRETER_SPLIT, DecodeSplitKVBase, key_rows_between
+from kreg.ops.catalog import register
+from kreg.ops.variant import Variant
 
 
 @register

@@ -13,12 +13,12 @@ kernels/nvidia/attention_warpspec.py in place of the tiled forward and the Gluon
 kernels/nvidia/attention_warpspec_bwd.py in place of the tiled one.
 """
 
-from kernels.base import Variant
-from kernels.common.attention import INTERPRETER_TILES, AttentionTiledBase, one_loop_only_for_windows
-from kernels.nvidia.attention_warpspec import AttentionWarpSpecHopper
-from registry.catalog import register
-from tuning.space import ConfigSpace
-from tuning_db.records import LaunchConfig
+from kreg.core.records import LaunchConfig
+from kreg.core.space import ConfigSpace
+from kreg.kernels.common.attention import INTERPRETER_TILES, AttentionTiledBase, one_loop_only_for_windows
+from kreg.kernels.nvidia.attention_warpspec import AttentionWarpSpecHopper
+from kreg.ops.catalog import register
+from kreg.ops.variant import Variant
 
 # The block that is the rows (wgmma's M) of each role's main products: the forward's and dQ's query
 # rows, dK/dV's key rows (it works transposed).

@@ -6,10 +6,10 @@ key block's load and how long each program's store stream is. There is no loop, 
 matters for the overlap of the Q and K loads.
 """
 
-from kernels.base import Variant
-from kernels.common.gsa_indexer import INTERPRETER_INDEXER, GSAIndexerTiledBase, score_tile_fits
-from registry.catalog import register
-from tuning.space import ConfigSpace
+from kreg.core.space import ConfigSpace
+from kreg.kernels.common.gsa_indexer import INTERPRETER_INDEXER, GSAIndexerTiledBase, score_tile_fits
+from kreg.ops.catalog import register
+from kreg.ops.variant import Variant
 
 
 @register

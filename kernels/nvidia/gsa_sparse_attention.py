@@ -9,8 +9,8 @@ bitmap tile loaded beside each score tile; 8 warps are two warpgroups of 64 rows
 tiles. Its extras pass and backward are the head-block kernels, with the head-block spaces.
 """
 
-from kernels.base import Variant
-from kernels.common.gsa_sparse_attention import (
+from kreg.core.space import ConfigSpace
+from kreg.kernels.common.gsa_sparse_attention import (
     INTERPRETER_DENSE,
     INTERPRETER_DKV,
     INTERPRETER_FWD,
@@ -19,9 +19,9 @@ from kernels.common.gsa_sparse_attention import (
     dense_spaces,
     heads_fit,
 )
-from kernels.nvidia.flash_attention import two_warpgroups
-from registry.catalog import register
-from tuning.space import ConfigSpace
+from kreg.kernels.nvidia.flash_attention import two_warpgroups
+from kreg.ops.catalog import register
+from kreg.ops.variant import Variant
 
 _GATHER = {"BLOCK_H": (1, 2, 4, 8, 16, 32, 64), "BLOCK_TOPK": (4, 8, 16, 32)}
 

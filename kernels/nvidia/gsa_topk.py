@@ -8,11 +8,11 @@ num_warps); BLOCK_Q 16 at 4 warps takes 251 registers, so two programs share an 
 sizes the list select's steps, reads of the lists.
 """
 
-from kernels.base import Variant
-from kernels.common.gsa_indexer import score_tile_fits
-from kernels.common.gsa_topk import INTERPRETER_TOPK, GSATopkRadixBase
-from registry.catalog import register
-from tuning.space import ConfigSpace
+from kreg.core.space import ConfigSpace
+from kreg.kernels.common.gsa_indexer import score_tile_fits
+from kreg.kernels.common.gsa_topk import INTERPRETER_TOPK, GSATopkRadixBase
+from kreg.ops.catalog import register
+from kreg.ops.variant import Variant
 
 
 @register

@@ -11,14 +11,14 @@ L2 (BLOCK_N keys per step, num_stages buffers) against the registers and shared 
 
 from dataclasses import replace
 
-from kernels.base import Variant
-from kernels.common.nsa import INTERPRETER_TILES, NSAGroupCentricBase, cmp_tokens, slc_heads
-from kernels.common.nsa_backward import INTERPRETER, SWA_ROLES
-from kernels.common.tiles import dot_block, next_pow2
-from kernels.nvidia.flash_attention import AttentionNvidia
-from registry.catalog import register
-from tuning.space import ConfigSpace
-from tuning_db.records import LaunchConfig
+from kreg.core.records import LaunchConfig
+from kreg.core.space import ConfigSpace
+from kreg.kernels.common.nsa import INTERPRETER_TILES, NSAGroupCentricBase, cmp_tokens, slc_heads
+from kreg.kernels.common.nsa_backward import INTERPRETER, SWA_ROLES
+from kreg.kernels.common.tiles import dot_block, next_pow2
+from kreg.kernels.nvidia.flash_attention import AttentionNvidia
+from kreg.ops.catalog import register
+from kreg.ops.variant import Variant
 
 
 def a_warpgroup_per_64_rows(config: LaunchConfig, key: dict) -> bool:

@@ -5,12 +5,12 @@ in the Hopper Gluon forward and dK/dV kernels (kernels/nvidia/attention_warpspec
 `sink_attention_window_tma` the Gluon short-window forward whose K/V arrive by TMA
 (kernels/nvidia/attention_window.py; gpt-oss's window-128 layers)."""
 
-from kernels.base import Variant
-from kernels.common.attention import AttentionTiledBase
-from kernels.nvidia.attention_warpspec import AttentionWarpSpecHopper
-from kernels.nvidia.attention_window import AttentionWindowTmaHopper
-from kernels.nvidia.flash_attention import AttentionNvidia
-from registry.catalog import register
+from kreg.kernels.common.attention import AttentionTiledBase
+from kreg.kernels.nvidia.attention_warpspec import AttentionWarpSpecHopper
+from kreg.kernels.nvidia.attention_window import AttentionWindowTmaHopper
+from kreg.kernels.nvidia.flash_attention import AttentionNvidia
+from kreg.ops.catalog import register
+from kreg.ops.variant import Variant
 
 
 @register

@@ -53,8 +53,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from kernels.base import CompileSpec, Variant
-from kernels.common.sparse_mla import (
+from kreg.core.records import CallConfig, LaunchConfig
+from kreg.core.space import ConfigSpace
+from kreg.kernels.common.sparse_mla import (
     BWD_PRE_SPACE,
     INTERPRETER_DKV,
     INTERPRETER_DQ,
@@ -68,8 +69,8 @@ from kernels.common.sparse_mla import (
     heads_fit_group,
     sparse_mla_compile_specs,
 )
-from kernels.nvidia.attention_tma import release
-from kernels.nvidia.sparse_mla_gather import (
+from kreg.kernels.nvidia.attention_tma import release
+from kreg.kernels.nvidia.sparse_mla_gather import (
     COLS,
     PRODUCER_REGS,
     _block_slot_rows,
@@ -78,12 +79,11 @@ from kernels.nvidia.sparse_mla_gather import (
     _query_slots,
     _rows_to_shared,
 )
-from kernels.nvidia.sparse_mla_warpspec_bwd import _sparse_mla_bwd_ws_kernel, dq_pass_ws, fused_pass_ws
-from kernels.nvidia.sparse_mla_warpspec_bwd import compile_spec as bwd_compile_spec
-from kernels.nvidia.sparse_mla_warpspec_bwd import shared_bytes as bwd_shared_bytes
-from registry.catalog import register
-from tuning.space import ConfigSpace
-from tuning_db.records import CallConfig, LaunchConfig
+from kreg.kernels.nvidia.sparse_mla_warpspec_bwd import _sparse_mla_bwd_ws_kernel, dq_pass_ws, fused_pass_ws
+from kreg.kernels.nvidia.sparse_mla_warpspec_bwd import compile_spec as bwd_compile_spec
+from kreg.kernels.nvidia.sparse_mla_warpspec_bwd import shared_bytes as bwd_shared_bytes
+from kreg.ops.catalog import register
+from kreg.ops.variant import CompileSpec, Variant
 
 
 @register

@@ -43,9 +43,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from kernels.base import CompileSpec
-from kernels.common.sparse_mla import LOG2E, _compile_signature, _grid, _strides
-from kernels.nvidia.sparse_mla_gather import (
+from kreg.core.records import LaunchConfig
+from kreg.kernels.common.sparse_mla import LOG2E, _compile_signature, _grid, _strides
+from kreg.kernels.nvidia.sparse_mla_gather import (
     COLS,
     PRODUCER_REGS,
     _allocate_ring,
@@ -54,7 +54,7 @@ from kernels.nvidia.sparse_mla_gather import (
     _query_slots,
     _rows_to_shared,
 )
-from tuning_db.records import LaunchConfig
+from kreg.ops.variant import CompileSpec
 
 # Kernels can only read globals that are constexprs (Python code reads `.value`).
 BLOCK_H = gl.constexpr(64)  # heads per program: wgmma's M for one warpgroup

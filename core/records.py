@@ -16,6 +16,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, RootModel, field_validator, model_validator
 
+from kreg.core.device import INTERPRETER_VENDOR
+
 TrialStatus = Literal[
     "ok", "compile_error", "out_of_resources", "runtime_error", "wrong_result", "timeout", "pruned"
 ]
@@ -225,8 +227,8 @@ class TunedConfig(BaseModel):
     @property
     def variant_vendor(self) -> str:
         """The vendor whose variant this entry names: the recorded one, or (entries from before vendors
-        were recorded) its device key's ("<vendor>-<model>"), NVIDIA's for the interpreter's "cpu",
-        which sweeps ran with NVIDIA variants."""
+        were recorded) its device key's ("<vendor>-<model>"), the interpreter's vendor for "cpu",
+        whose sweeps ran that vendor's variants."""
         if self.vendor is not None:
             return self.vendor
-        return "nvidia" if self.device_key == "cpu" else self.device_key.split("-", 1)[0]
+        return INTERPRETER_VENDOR if self.device_key == "cpu" else self.device_key.split("-", 1)[0]

@@ -6,7 +6,8 @@ overrides of those values, a named `keep` predicate that drops configs which nev
 heuristic default per arch, and the few block shapes the interpreter tries. A variant holds one space
 per kernel role (`Variant.spaces`); nothing else builds configs.
 
-This module sits below the kernels: it imports only the records and the device description.
+`ConfigSpace.problem` says whether a stored config lies inside a space, so that a damaged or
+hand-edited entry in a database or table never reaches a launch.
 """
 
 from __future__ import annotations
@@ -18,10 +19,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tuning_db.records import LaunchConfig
+from kreg.core.records import LaunchConfig
 
 if TYPE_CHECKING:
-    from registry.device import DeviceInfo
+    from kreg.core.device import DeviceIdentity, DeviceInfo
 
 KNOB_NAMES = ("num_warps", "num_stages", "waves_per_eu", "matrix_instr_nonkdim", "kpack")
 
@@ -35,6 +36,14 @@ INTERPRETER_DTYPE = torch.float16
 def is_interpreter(device: DeviceInfo) -> bool:
     """Whether configs for `device` run in the Triton interpreter (the "cpu" device)."""
     return device.key == "cpu"
+
+
+# Knobs a space does not tune still reach the launch: bounds any kernel launch keeps to.
+_UNTUNED_LIMITS = {"num_warps": 32, "num_stages": 8}
+
+
+def _power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
 
 
 # ----------------------------------------------------------------------------- spaces
@@ -132,3 +141,39 @@ class ConfigSpace:
             return config
         blocks = {n: config.blocks.get(n, default.blocks[n]) for n in self.blocks}
         return config.model_copy(update={"blocks": LaunchConfig(blocks=blocks).blocks})
+
+    def problem(self, config: LaunchConfig, device: DeviceIdentity) -> str | None:
+        """What puts a stored config of this role outside the space on `device`, None if nothing. A
+        block or role it lacks is fine (`complete` fills it). A block whose values (every arch, the
+        interpreter's shapes, the defaults) are all powers of two takes a power of two between the
+        smallest and the largest of them, any other block one of them; a knob the space tunes takes
+        one of its values on the device's arch, the arch's default or LaunchConfig's own default (the
+        interpreter's configs carry that); a knob it does not tune stays within what any launch takes
+        (num_warps up to 32, num_stages up to 8), and AMD's knobs stay unset."""
+        values = self.values(device)
+        for name, size in config.blocks.items():
+            if name not in self.blocks:
+                return f"block {name} is not one of the kernel's blocks ({', '.join(self.blocks)})"
+            known = {*values[name], *(shape[name] for shape in self.interpreter),
+                     *(fields[name] for fields in self.defaults.values())}
+            if all(_power_of_two(v) for v in known):
+                if not _power_of_two(size) or not min(known) <= size <= max(known):
+                    return f"block {name}={size}: expected a power of two from {min(known)} to {max(known)}"
+            elif size not in known:
+                return f"block {name}={size}: expected one of {sorted(known)}"
+        defaults = self.defaults.get(device.arch, self.defaults["*"])
+        for knob in KNOB_NAMES:
+            value = getattr(config, knob)
+            if knob in values:
+                allowed = {*values[knob], LaunchConfig.model_fields[knob].default}
+                if knob in defaults:
+                    allowed.add(defaults[knob])
+                if value not in allowed:
+                    shown = sorted(allowed, key=lambda v: (v is None, v or 0))
+                    return f"{knob}={value}: expected one of {shown} on {device.arch}"
+            elif knob in _UNTUNED_LIMITS:
+                if value > _UNTUNED_LIMITS[knob]:
+                    return f"{knob}={value}: expected at most {_UNTUNED_LIMITS[knob]}"
+            elif value is not None and value != defaults.get(knob):
+                return f"{knob}={value}: this kernel does not take {knob}"
+        return None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from registry.ops._contract import (
+from kreg.ops.contract import (
     DTYPE_NAMES,
     FLOAT_DTYPES,
     Op,

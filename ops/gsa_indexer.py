@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import torch
 
-from registry.ops._contract import (
+from kreg.ops.contract import (
     DTYPE_NAMES,
     FLOAT_DTYPES,
     Op,

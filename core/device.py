@@ -9,8 +9,14 @@ from __future__ import annotations
 import functools
 import os
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
+
+# The GPU vendors kreg has kernels for, each with its variants in kernels/<vendor>/. The interpreter
+# (CPU tensors under TRITON_INTERPRET=1, sweeps on the "cpu" device) runs the first one's by default.
+VENDORS = ("nvidia", "amd")
+INTERPRETER_VENDOR = VENDORS[0]
 
 
 @dataclass(frozen=True)
@@ -35,6 +41,18 @@ class DeviceInfo:
         if self.vendor == "amd":
             return ("hip", self.arch, self.warp_size)
         raise ValueError(f"device {self.key!r} is not a GPU target")
+
+
+class DeviceIdentity(Protocol):
+    """What a lookup knows of a device: `DeviceInfo`, a stored device and a table's device descriptor
+    all have these attributes."""
+
+    key: str
+    vendor: str
+    arch: str
+    name: str
+    pci_device_id: int | None
+    num_sms: int
 
 
 CPU = DeviceInfo("cpu", "cpu", "cpu", "cpu", None, os.cpu_count() or 1, 0, 0, 1)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from registry.ops._contract import (
+from kreg.ops.contract import (
     DTYPE_NAMES,
     FLOAT_DTYPES,
     Args,
@@ -23,7 +23,7 @@ from registry.ops._contract import (
     resolve_scale,
     spec_like,
 )
-from registry.ops._dense_attention import (
+from kreg.ops.dense_attention import (
     MAX_HEAD_DIM,
     allowed_pairs,
     check_sinks,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from registry.ops._contract import Args, Op
-from registry.ops._dense_attention import (
+from kreg.ops.contract import Args, Op
+from kreg.ops.dense_attention import (
     check_dense_args,
     dense_bytes,
     dense_flops,

@@ -14,11 +14,11 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from tuning_db.records import CallConfig, LaunchConfig
+from kreg.core.records import CallConfig, LaunchConfig
 
 if TYPE_CHECKING:
-    from registry.device import DeviceInfo
-    from tuning.space import ConfigSpace
+    from kreg.core.device import DeviceInfo
+    from kreg.core.space import ConfigSpace
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from registry.ops._contract import (
+from kreg.ops.contract import (
     DTYPE_NAMES,
     FLOAT_DTYPES,
     Op,
@@ -25,7 +25,7 @@ from registry.ops._contract import (
     resolve_scale,
     spec_like,
 )
-from registry.testing import TOLERANCE, relative_error
+from kreg.ops.testing import TOLERANCE, relative_error
 
 
 def validate(

@@ -10,7 +10,7 @@ from typing import NamedTuple
 
 import torch
 
-from registry.ops._contract import (
+from kreg.ops.contract import (
     DTYPE_NAMES,
     FLOAT_DTYPES,
     Args,

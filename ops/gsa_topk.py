@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from registry.ops import gsa_indexer
-from registry.ops._contract import (
+from kreg.ops import gsa_indexer
+from kreg.ops.contract import (
     DTYPE_NAMES,
     Op,
     TensorSpec,

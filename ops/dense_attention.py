@@ -20,7 +20,7 @@ from itertools import pairwise
 
 import torch
 
-from registry.ops._contract import (
+from kreg.ops.contract import (
     DTYPE_NAMES,
     FLOAT_DTYPES,
     TensorSpec,

@@ -1,0 +1,118 @@
+"""The import structure docs/architecture.md promises: each folder imports only the folders its row of
+the layer table names, and no modules import each other in a loop. Imports inside functions count."""
+
+import ast
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+NAMESPACE = "kreg"
+# The namespace package itself (its checkout glue) is below every layer.
+GLUE = {NAMESPACE, f"{NAMESPACE}._checkout"}
+
+
+def _layer_table() -> dict[str, set[str]]:
+    """folder -> what it may import (folders, or dotted modules such as tuning.autotune)."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    rows = re.findall(r"^\| \d+ \| `(\w+)/` \|.*\| ([^|]*) \|$", text, re.M)
+    assert rows, "docs/architecture.md has no layer table"
+    return {folder: set(re.findall(r"`([\w.]+)`", imports)) for folder, imports in rows}
+
+
+def _modules() -> dict[str, Path]:
+    """Every module of the package by its kreg name."""
+    out = {}
+    for path in ROOT.rglob("*.py"):
+        rel = path.relative_to(ROOT)
+        if rel.parts[0] in ("tests", "scripts", ".venv", "build") or not (ROOT / rel.parts[0] / "__init__.py").exists():
+            continue
+        parts = list(rel.with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        name = ".".join(parts) if parts[0] == NAMESPACE else ".".join([NAMESPACE, *parts])
+        out[name] = path
+    return out
+
+
+def _imports(modules: dict[str, Path]) -> dict[str, set[str]]:
+    """module -> the package modules it imports anywhere in its code."""
+
+    def resolve(name: str) -> str | None:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph = {}
+    for module, path in modules.items():
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                names = [f"{node.module}.{alias.name}" for alias in node.names]
+            else:
+                continue
+            found |= {target for name in names if name.startswith(NAMESPACE)
+                      and (target := resolve(name)) is not None and target != module}
+        graph[module] = found
+    return graph
+
+
+def _folder(module: str) -> str | None:
+    parts = module.split(".")
+    return None if module in GLUE else parts[1]
+
+
+def test_every_folder_has_a_row_in_the_layer_table():
+    table = _layer_table()
+    folders = {path.parent.name for path in ROOT.glob("*/__init__.py")} - {"tests", NAMESPACE}
+    assert folders == set(table), "a folder without a row (or a row without a folder) in docs/architecture.md"
+
+
+def test_each_folder_imports_only_what_its_layer_may():
+    table = _layer_table()
+    modules = _modules()
+    wrong = []
+    for module, targets in _imports(modules).items():
+        folder = _folder(module)
+        if folder is None:
+            continue
+        for target in targets:
+            other = _folder(target)
+            if other is None or other == folder:
+                continue
+            short = target.removeprefix(f"{NAMESPACE}.")
+            if not any(short == allowed or short.startswith(f"{allowed}.") for allowed in table[folder]):
+                wrong.append(f"{module} -> {target}")
+    assert not wrong, "imports the layer table does not allow:\n" + "\n".join(sorted(wrong))
+
+
+def test_no_modules_import_each_other_in_a_loop():
+    graph = _imports(_modules())
+    state: dict[str, int] = {}  # 1 on the current path, 2 done
+    path: list[str] = []
+    loops = []
+
+    def visit(module: str) -> None:
+        state[module] = 1
+        path.append(module)
+        for target in sorted(graph[module]):
+            if state.get(target) == 1:
+                loops.append(" -> ".join(path[path.index(target):] + [target]))
+            elif target not in state:
+                visit(target)
+        path.pop()
+        state[module] = 2
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module)
+    assert not loops, "import loops:\n" + "\n".join(loops)
+
+
+def test_the_checks_see_the_whole_package():
+    """The checks above read something: every layer's modules and their imports of each other."""
+    graph = _imports(_modules())
+    assert {_folder(m) for m in graph} >= set(_layer_table())
+    assert "kreg.ops.catalog" in graph["kreg.kernels.nvidia.decode"]
+    assert "kreg.tuning.autotune" in graph["kreg.registry.dispatch"]
