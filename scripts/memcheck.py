@@ -15,11 +15,11 @@ import sys
 
 import torch
 
-from registry import dispatch
-from registry.catalog import load_all
-from registry.device import detect
-from registry.ops import OPS
-from registry.testing import HOSTILE_INTEGERS, first_output, hostile_integers
+from kreg.core.device import detect
+from kreg.ops import OPS
+from kreg.ops.catalog import load_all
+from kreg.ops.testing import HOSTILE_INTEGERS, first_output, hostile_integers
+from kreg.registry import dispatch
 
 FILLS = (None, None, None, -1, -(2**31), 2**31 - 1)  # three random mixes, then all of one value
 
