@@ -74,7 +74,7 @@ def measure(op: str, shape: str, provider: str, fn, work: float, unit: str, rel_
 
 
 def checked(op, args: dict, call) -> float:
-    """Error of `call(args)` against the op's reference (`registry.testing.output_error`: relative error,
+    """Error of `call(args)` against the op's reference (`ops.testing.output_error`: relative error,
     or the op's own measure); raises when over the budget."""
     dtype = args[next(iter(args))].dtype
     err = output_error(op, call(args), op.reference(**args), args)
@@ -208,7 +208,7 @@ def _explore_one(op, variant, role: str, call_config, small: dict, args: dict, n
     """One config of `explore`: checked on the reduced shape, then timed (backward roles on the
     backward alone), run as a sweep runs it (with the role's `Variant.role_arguments`)."""
     extra = variant.role_arguments.get(role, {})
-    call = lambda a: variant.launch({**a, **extra}, call_config)  # noqa: E731
+    call = lambda a: variant.call({**a, **extra}, call_config)  # noqa: E731
     if role.startswith("bwd"):
         err = checked_backward(op, small, call)
         timed = backward_call(op, call, args)

@@ -3,9 +3,9 @@
 
 Eager rows time host microseconds per call (interleaved repeats of many calls, the GPU drained
 between repeats) of four ways to run one call: `registry.get(op)(...)` (the handle's lookup,
-validation, two dict lookups, the raw key's launcher); `variant.launch(args, config)` on arguments
+validation, two dict lookups, the raw key's launcher); `variant.launch(args, plan)` on arguments
 validated once ("direct": what a user who picked the variant and config would call, launching through
-Triton's `kernel[grid](...)`); the variant's `bind(config)` launcher on those arguments ("bound": the
+Triton's `kernel[grid](...)`); the variant's `bind(plan)` launcher on those arguments ("bound": the
 config read out once, Triton's launch); and the launcher the registry keeps for the call's raw key
 ("cached": `bind_cached`, whose launches skip Triton's specialization when it matches the previous
 launch, kernels/common/launch.py). registry - cached is what dispatch itself costs; registry - direct
@@ -123,7 +123,7 @@ def run(dtype: torch.dtype = torch.bfloat16) -> list[Measurement]:
         cached = handle.launcher(**kw)
         paths = {
             "registry": lambda n=name, a=args, k=kwargs: registry.get(n)(*a, **k),
-            "direct": lambda c=choice, v=validated: c.variant.launch(v, c.config),
+            "direct": lambda c=choice, v=validated: c.variant.launch(v, c.plan),
             "bound": lambda c=choice, v=validated: c.launcher(v),
             "cached": lambda c=cached, v=validated: c(v),
         }

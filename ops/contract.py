@@ -1,6 +1,6 @@
 """What every op file declares, the argument checks they share, and shared reference helpers.
 
-An op file (`registry/ops/<op>.py`) builds one `Op` at import time: its validation, its PyTorch
+An op file (`ops/<op>.py`) builds one `Op` at import time: its validation, its PyTorch
 reference, its tuning key and cost model, and the shapes sweeps and benchmarks use. It knows nothing of
 Triton or vendors.
 """
@@ -71,8 +71,13 @@ class Op:
         the tensors live on the device of the first argument and are contiguous. `args` has
         validate's parameters by name with defaults filled in but unvalidated (sm_scale may be None).
     error(actual, expected, args) -> float: how far an output is from the reference's, on the scale of
-        `registry.testing.TOLERANCE`, for an op whose outputs cannot be compared element by element (an
-        unordered selection); None: `registry.testing.max_relative_error`.
+        `ops.testing.TOLERANCE`, for an op whose outputs cannot be compared element by element (an
+        unordered selection); None: `ops.testing.max_relative_error`.
+    specializations(args) -> [args, ...]: validated arguments of the calls one tuning key serves whose
+        kernels specialize differently (an optional input given, a flag that changes a kernel's
+        constexprs but not the key), `args` first. The offline compile check compiles what each of
+        them launches, so a config is checked for every such call; it runs them on "meta" tensors, so
+        an added input needs the right shape and dtype, not data (zeros keep it valid anywhere).
     """
 
     name: str
@@ -91,10 +96,22 @@ class Op:
     grad_inputs: tuple[str, ...] = ()
     output_specs: Callable[[dict], Any] | None = None
     error: Callable[[Any, Any, dict], float] | None = None
+    specializations: Callable[[dict], list[dict]] = field(default=lambda args: [args])
 
     @property
     def differentiable(self) -> bool:
         return bool(self.grad_inputs)
+
+    def all_outputs(self, result: Any, device: torch.device) -> tuple[torch.Tensor, ...]:
+        """A call's result as every output of `outputs`, in order; an empty fp32 tensor stands for one the
+        call does not return (lse without return_lse). What a variant's backward receives."""
+        tensors = [result] if isinstance(result, torch.Tensor) else list(result)
+        return (*tensors, *(empty_output(device) for _ in range(len(self.outputs) - len(tensors))))
+
+
+def empty_output(device: torch.device) -> torch.Tensor:
+    """What stands for an output (or a gradient) that a call does not have."""
+    return torch.empty(0, dtype=torch.float32, device=device)
 
 
 # Elements of temporaries a reference holds per query chunk (2^25 fp32: 128 MiB), which bounds its

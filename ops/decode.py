@@ -374,6 +374,13 @@ presets = {
     "full": _TARGETS + _SERVING_GRID,
 }
 
+
+def specializations(args: dict) -> list[dict]:
+    """The call as given, with lse returned, and as one split (the split kernel then writes the outputs
+    and applies the sink itself; the device's split count decides which a call takes)."""
+    return [args, validate(**{**args, "return_lse": True}), validate(**{**args, "return_lse": True, "num_splits": 1})]
+
+
 OP = Op(
     name="decode",
     summary="split-KV flash decoding over a contiguous or paged KV cache, with sinks and sliding window",
@@ -389,4 +396,5 @@ OP = Op(
     length_dims=("b", "n"),
     layouts=layouts,
     output_specs=output_specs,
+    specializations=specializations,
 )

@@ -226,6 +226,14 @@ def output_specs(args: dict) -> TensorSpec:
     return spec_like(args["q"])
 
 
+
+def specializations(args: dict) -> list[dict]:
+    """The call as given, and with per-query top-k lengths (a kernel branch of their own)."""
+    q = args["q"]
+    lengths = torch.zeros(q.shape[:2], device=q.device, dtype=torch.int32)
+    return [args, validate(**{**args, "topk_length": lengths})]
+
+
 OP = Op(
     name="gsa_sparse_attention",
     summary="Gated Sparse Attention's sparse attention: each query's heads attend to its top-k keys",
@@ -241,4 +249,5 @@ OP = Op(
     length_dims=("t",),
     grad_inputs=("q", "k", "v"),
     output_specs=output_specs,
+    specializations=specializations,
 )

@@ -187,6 +187,14 @@ def output_specs(args: dict) -> TensorSpec:
     return TensorSpec((b, t, args["k"]), torch.int32)
 
 
+
+def specializations(args: dict) -> list[dict]:
+    """The call as given, and with per-query top-k lengths (a kernel branch of their own)."""
+    q = args["q_idx"]
+    lengths = torch.zeros(q.shape[:2], device=q.device, dtype=torch.int32)
+    return [args, validate(**{**args, "topk_length": lengths})]
+
+
 OP = Op(
     name="gsa_topk",
     summary="Gated Sparse Attention top-k: each query's k best causal keys under the indexer scores",
@@ -201,5 +209,6 @@ OP = Op(
     outputs=("indices",),
     length_dims=("t",),
     output_specs=output_specs,
+    specializations=specializations,
     error=selection_error,
 )

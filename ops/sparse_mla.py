@@ -1,7 +1,7 @@
 """sparse_mla: DeepSeek-V3.2 sparse MLA attention, FlashMLA's `flash_mla_sparse_fwd` contract.
 
 Its reference uses `masked_softmax` and its inputs `random_indices`, shared with the other sparse ops
-in `registry/ops/_contract.py`.
+in `ops/contract.py`.
 """
 
 from __future__ import annotations
@@ -369,6 +369,16 @@ presets = {
     ],
 }
 
+
+def specializations(args: dict) -> list[dict]:
+    """The call as given, and with a sink and per-query top-k lengths (each turns a kernel branch on)."""
+    q = args["q"]
+    rows = q.shape[:-2]  # [s_q] or [b, s_q]
+    extra = {"attn_sink": torch.zeros(q.shape[-2], device=q.device, dtype=torch.float32),
+             "topk_length": torch.zeros(rows, device=q.device, dtype=torch.int32)}
+    return [args, validate(**{**args, **extra})]
+
+
 OP = Op(
     name="sparse_mla",
     summary="DeepSeek-V3.2 sparse MLA: attention over per-query top-k gathered latent KV (FlashMLA API)",
@@ -385,4 +395,5 @@ OP = Op(
     layouts=layouts,
     grad_inputs=("q", "kv", "attn_sink"),
     output_specs=output_specs,
+    specializations=specializations,
 )

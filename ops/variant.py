@@ -1,6 +1,6 @@
 """The interface every variant implements: its kernel roles, their config spaces, support, launch.
 
-A variant file defines a `Variant` subclass and registers it with `registry.catalog.register`.
+A variant file defines a `Variant` subclass and registers it with `ops.catalog.register`.
 docs/architecture.md says how a call reaches `launch`; docs/adding-an-op.md walks through a new one.
 """
 
@@ -11,7 +11,7 @@ import hashlib
 import inspect
 import textwrap
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from kreg.core.records import CallConfig, LaunchConfig
@@ -21,24 +21,17 @@ if TYPE_CHECKING:
     from kreg.core.space import ConfigSpace
 
 
-@dataclass(frozen=True)
-class CompileSpec:
-    """One Triton kernel to compile offline: the jitted function, its signature and constexprs.
+@dataclass(frozen=True, eq=False)
+class CallPlan:
+    """What dispatch settled for one tuning key: the variant's call config, the key and the device.
 
-    `role` is the kernel role whose LaunchConfig knobs (num_warps, num_stages, AMD knobs) it compiles
-    with; `signature` maps every non-constexpr argument to Triton's type string ("*fp16", "i32",
-    "fp32"); `constexprs` maps constexpr argument names to values; `options` are extra compile options
-    (a Gluon kernel's fixed num_warps, say). `values` gives integer arguments' values at the shape being
-    checked, so that the check can specialize them as the JIT does at run time (it changes pipelining
-    and shared memory).
-    """
+    A variant launches with it and never works either out again: `device` gives the SM count a grid is
+    sized by and the features a launch may use, `key` what a fallback config is chosen for. Sweeps and
+    the offline compile check make plans for devices that are not present (a target, the interpreter)."""
 
-    role: str
-    fn: Any
-    signature: dict[str, str]
-    constexprs: dict[str, Any]
-    options: dict[str, Any] = field(default_factory=dict)
-    values: dict[str, int] = field(default_factory=dict)
+    config: CallConfig
+    key: Mapping[str, Any]
+    device: DeviceInfo
 
 
 class Variant:
@@ -47,12 +40,14 @@ class Variant:
     A call of the op launches one kernel per role ("fwd"; "bwd_dq" and "bwd_dkv" for a backward;
     "split" and "combine" for decode): `kernels` maps each role to its jitted kernel (their code is
     the variant's source hash) and `spaces` each role to its `ConfigSpace` (vendor data). Roles named
-    `bwd...` run in the backward. A launch takes a `CallConfig`: one LaunchConfig per role.
+    `bwd...` run in the backward. A launch takes a `CallPlan`: one LaunchConfig per role, the tuning
+    key and the device.
 
-    Subclasses set `op`, `vendor`, `name`, `priority`, `kernels`, `spaces`, and implement `launch` and
-    `compile_specs`; `supports`, `role_default` and `prune_reason` refine the defaults below. `key` is
-    the op's tuning key as a dict. A variant never validates user input again (the op contract did)
-    and masks every index inside its kernels.
+    Subclasses set `op`, `vendor`, `name`, `priority`, `kernels`, `spaces`, and implement `launch`;
+    `supports`, `role_default` and `prune_reason` refine the defaults below. `key` is the op's tuning
+    key as a dict. A variant never validates user input again (the op contract did) and masks every
+    index inside its kernels; every kernel it launches goes through `kernel[grid](...)` (or a launch
+    function that ends there), which is how the offline compile check sees what a call runs.
     """
 
     op: ClassVar[str]
@@ -102,31 +97,41 @@ class Variant:
         """Why a role's config cannot run well here without compiling it (None when it may)."""
         return None
 
-    def launch(self, args: dict, config: CallConfig) -> Any:
-        """Run on validated arguments (the op contract's dict) with one config per role."""
+    def launch(self, args: dict, plan: CallPlan) -> Any:
+        """Run on validated arguments (the op contract's dict) with the plan's config per role."""
         raise NotImplementedError
 
-    def backward(self, args: dict, config: CallConfig, outputs: tuple, grad: Any) -> dict | None:
+    def backward(self, args: dict, plan: CallPlan, outputs: tuple, grad: Any) -> dict | None:
         """Gradients of the first output (cotangent `grad`) by argument name for the op's grad_inputs,
         from validated arguments and the forward's outputs (in `Op.outputs` order), for the op's custom
         op (registry/library.py). None (the default): the variant has no backward kernels and the
         reference's gradients are used, as its eager backward does."""
         return None
 
-    def bind(self, config: CallConfig) -> Callable[[dict], Any]:
-        """A callable(args) for the dispatch cache; override to precompute per-config launch state."""
+    def bind(self, plan: CallPlan) -> Callable[[dict], Any]:
+        """A callable(args) for the dispatch cache; override to precompute per-plan launch state."""
         launch = self.launch
-        return lambda args: launch(args, config)
+        return lambda args: launch(args, plan)
 
-    def bind_cached(self, config: CallConfig) -> Callable[[dict], Any]:
+    def bind_cached(self, plan: CallPlan) -> Callable[[dict], Any]:
         """A callable(args) that dispatch keeps for one raw key (`Args.key`: the same shapes, dtype and
         flags on every call): `bind`'s, but free to keep state across its calls, such as the compiled
-        kernels of its launches (`kernels.common.launch.LaunchCache`). The default is `bind(config)`."""
-        return self.bind(config)
+        kernels of its launches (`kernels.common.launch.LaunchCache`). The default is `bind(plan)`."""
+        return self.bind(plan)
 
-    def compile_specs(self, key: dict, config: CallConfig, dtype: str = "fp16") -> list[CompileSpec]:
-        """The kernels one call with this key and call config launches, for offline compile checks."""
-        raise NotImplementedError
+    def plan(self, args: Mapping[str, Any], config: CallConfig) -> CallPlan:
+        """The plan dispatch would make for validated `args` with `config`: the op's tuning key of the
+        arguments and the device their first tensor lives on (for tests and tools that hold a config
+        but no dispatch)."""
+        from kreg.core.device import detect
+        from kreg.ops import OPS
+
+        first = next(value for value in args.values() if hasattr(value, "device"))
+        return CallPlan(config, dict(OPS[self.op].tuning_key(args)), detect(first.device))
+
+    def call(self, args: Mapping[str, Any], config: CallConfig) -> Any:
+        """`launch` with `plan(args, config)`: one call with this config, as dispatch would run it."""
+        return self.launch(args, self.plan(args, config))
 
     @property
     def source_hash(self) -> str:

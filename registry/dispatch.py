@@ -24,6 +24,7 @@ from kreg.core.records import CallConfig, TunedConfig, canonical_json
 from kreg.ops import OPS
 from kreg.ops.catalog import entry_problem, load_all
 from kreg.ops.contract import Args, Op
+from kreg.ops.variant import CallPlan
 from kreg.registry.library import register_all, traced_call
 
 if TYPE_CHECKING:
@@ -35,13 +36,17 @@ _is_compiling = torch.compiler.is_compiling
 
 @dataclass(frozen=True)
 class Choice:
-    """What a key resolved to: the variant (None: the PyTorch reference), its call config, and where
-    the config came from."""
+    """What a key resolved to: the variant (None: the PyTorch reference), its plan (call config, key and
+    device: what the variant launches with), and where the config came from."""
 
     variant: Variant | None
-    config: CallConfig | None
+    plan: CallPlan | None
     source: str  # "database", "tables", "nearest-database", "nearest-tables", "default", "autotune", "reference"
     launcher: Callable[[dict], Any]
+
+    @property
+    def config(self) -> CallConfig | None:
+        return None if self.plan is None else self.plan.config
 
 
 def _op(name: str) -> Op:
@@ -137,8 +142,8 @@ def tuned_lookups(op: Op, device: DeviceInfo, key_json: str, dims: dict):
 
 
 def _bound(variant: Variant, config: CallConfig, source: str, dims: dict, device: DeviceInfo) -> Choice:
-    config = variant.complete(config, dims, device)
-    return Choice(variant, config, source, variant.bind(config))
+    plan = CallPlan(variant.complete(config, dims, device), dims, device)
+    return Choice(variant, plan, source, variant.bind(plan))
 
 
 def resolve(op: Op, vendor: str, variant: str | None, key: tuple, device: DeviceInfo, args: dict) -> Choice:
@@ -241,7 +246,7 @@ class OpHandle:
         if launch is None:
             if len(launchers) >= MAX_RAW_KEYS:  # shapes that change on every call: drop the oldest
                 launchers.pop(next(iter(launchers), None), None)
-            made = choice.launcher if choice.variant is None else choice.variant.bind_cached(choice.config)
+            made = choice.launcher if choice.variant is None else choice.variant.bind_cached(choice.plan)
             # setdefault: of two threads making a raw key's launcher, both keep the one stored first.
             launch = launchers.setdefault(raw, made)
         return launch
@@ -295,7 +300,7 @@ class OpHandle:
         custom op's backward runs (registry/library.py)."""
         choice = self._choose(a)
         if choice.variant is not None:
-            found = choice.variant.backward(a, choice.config, outputs, grad)
+            found = choice.variant.backward(a, choice.plan, outputs, grad)
             if found is not None:
                 return found
         return reference_vjp(self.op, a, grad)

@@ -2,7 +2,7 @@
 
 Under torch.compile (and torch.export) `registry.get(op)(...)` becomes one call of the op's custom op,
 so a compiled module sees one opaque node per call and never breaks its graph. For each op whose
-contract declares `output_specs` (registry/ops/_contract.py), at import:
+contract declares `output_specs` (ops/contract.py), at import:
 
     kreg::<op>(<validate's parameters>, str? vendor=None, str? variant=None) -> (Tensor, ...)
         runs `registry.get(op, vendor=vendor, variant=variant)` on the arguments as an eager call does
@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from kreg.ops import OPS
-from kreg.ops.contract import Op, TensorSpec
+from kreg.ops.contract import Op, TensorSpec, empty_output
 
 # Arguments every custom op takes after the op's own: which vendor's and which variant's kernels run
 # (registry.get's keywords; None picks as registry.get does).
@@ -143,18 +143,13 @@ def _schema_params(op: Op) -> tuple[list[str], list[inspect.Parameter]]:
 HandleFor = Callable[..., Any]
 
 
-def _placeholder(device: torch.device) -> torch.Tensor:
-    """What stands for an output (or a gradient) that a call does not have."""
-    return torch.empty(0, dtype=torch.float32, device=device)
-
-
 def _flat(value: Any) -> list:
     return [value] if isinstance(value, (torch.Tensor, TensorSpec)) else list(value)
 
 
-def _padded(op: Op, tensors: list[torch.Tensor], device: torch.device):
-    tensors += [_placeholder(device) for _ in range(len(op.outputs) - len(tensors))]
-    return tensors[0] if len(op.outputs) == 1 else tuple(tensors)
+def _returned(op: Op, tensors: tuple[torch.Tensor, ...]):
+    """What a custom op returns: its one tensor, or the tuple of every output."""
+    return tensors[0] if len(op.outputs) == 1 else tensors
 
 
 def register(op: Op, handle_for: HandleFor) -> LibraryOp:
@@ -166,12 +161,13 @@ def register(op: Op, handle_for: HandleFor) -> LibraryOp:
     def forward_impl(*args):
         named = lib.named(args)
         result = handle_for(op.name, vendor=named.pop("vendor"), variant=named.pop("variant")).eager(named)
-        return _padded(op, [t.contiguous() for t in _flat(result)], args[0].device)
+        return _returned(op, tuple(t.contiguous() for t in op.all_outputs(result, args[0].device)))
 
     def forward_fake(*args):
         specs = op.output_specs(lib.named(args))
         device = args[0].device
-        return _padded(op, [torch.empty(s.shape, dtype=s.dtype, device=device) for s in _flat(specs)], device)
+        made = [torch.empty(s.shape, dtype=s.dtype, device=device) for s in _flat(specs)]
+        return _returned(op, op.all_outputs(made, device))
 
     custom = torch.library.custom_op(f"kreg::{op.name}", forward_impl, mutates_args=(),
                                      schema=f"({', '.join(lib.schema)}) -> {returns}")
@@ -192,14 +188,14 @@ def _register_backward(lib: LibraryOp, handle_for: HandleFor) -> None:
         handle = handle_for(op.name, vendor=named.pop("vendor"), variant=named.pop("variant"))
         grads = handle.gradients(handle._validate(**named), tuple(outputs), grad)
         device = args[0].device
-        return [_placeholder(device) if grads.get(name) is None else grads[name].contiguous()
+        return [empty_output(device) if grads.get(name) is None else grads[name].contiguous()
                 for name in op.grad_inputs]
 
     def backward_fake(grad, outputs, *args):
         named = lib.named(args)
         device = args[0].device
         return [torch.empty(named[name].shape, dtype=named[name].dtype, device=device)
-                if isinstance(named[name], torch.Tensor) else _placeholder(device) for name in op.grad_inputs]
+                if isinstance(named[name], torch.Tensor) else empty_output(device) for name in op.grad_inputs]
 
     custom = torch.library.custom_op(f"kreg::{op.name}_backward", backward_impl, mutates_args=(),
                                      schema=f"(Tensor grad, Tensor[] outputs, {', '.join(lib.schema)}) -> Tensor[]")

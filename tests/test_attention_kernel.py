@@ -103,7 +103,7 @@ def _make(op: str, b, s_q, s_k, h_q, h_kv, d, *, sinks=None, seed=0, **kw) -> di
 
 def _forward_error(variant, args: dict, config: CallConfig) -> float:
     with _poisoned():
-        out = variant.launch(args, config)
+        out = variant.call(args, config)
     if args["return_lse"]:
         assert isinstance(out, tuple) and out[0].dtype == args["q"].dtype and out[1].dtype == torch.float32
     return max_relative_error(out, OPS[variant.op].reference(**args))
@@ -113,7 +113,7 @@ def _gradient_error(variant, args: dict, config: CallConfig) -> float:
     """Gradients of out for every tensor input (q, k, v and sinks) against the reference's autograd."""
     op = OPS[variant.op]
     with _poisoned():
-        got, dout = gradients(op, lambda a: variant.launch(a, config), args)
+        got, dout = gradients(op, lambda a: variant.call(a, config), args)
     return max_relative_error([g.float() for g in got], reference_gradients(op, args, dout))
 
 
@@ -201,7 +201,7 @@ def test_infinite_sinks_and_lse_without_the_sink():
     includes the sink; rows with no key stay 0 with lse +inf whatever the sink."""
     args = _make(S, 1, 37, 17, 2, 2, 64, sinks=(math.inf, -math.inf), causal=True)
     variant = _variant(S, "nvidia")
-    out, lse = variant.launch(args, variant.default_config(dict(OPS[S].tuning_key(args)), CPU))
+    out, lse = variant.call(args, variant.default_config(dict(OPS[S].tuning_key(args)), CPU))
     plain_out, plain_lse = OPS[F].reference(**{n: args[n] for n in ("q", "k", "v")}, causal=True, return_lse=True)
     assert torch.equal(out[:, :, 0], torch.zeros_like(out[:, :, 0]))
     assert_close(out[:, :, 1], plain_out[:, :, 1], RTOL)
@@ -217,7 +217,7 @@ def test_sinks_of_30_gradients():
     variant = _variant(S, "amd")
     config = variant.default_config(dict(OPS[S].tuning_key(args)), CPU)
     with _poisoned():
-        got, dout = gradients(OPS[S], lambda a: variant.launch(a, config), args)
+        got, dout = gradients(OPS[S], lambda a: variant.call(a, config), args)
     expected = reference_gradients(OPS[S], args, dout)
     assert max_relative_error([g.float() for g in got[:3]], expected[:3]) <= GRAD_RTOL
     assert torch.allclose(got[3], expected[3], rtol=GRAD_RTOL, atol=1e-9)
@@ -288,7 +288,7 @@ def test_lse_is_returned_but_not_differentiable():
     args = _make(S, 1, 17, 17, 2, 1, 64, sinks="random", causal=True)
     leaves = {n: args[n].detach().clone().requires_grad_() for n in ("q", "k", "v", "sinks")}
     variant = _variant(S, "amd")
-    out, lse = variant.launch({**args, **leaves}, variant.default_config(dict(OPS[S].tuning_key(args)), CPU))
+    out, lse = variant.call({**args, **leaves}, variant.default_config(dict(OPS[S].tuning_key(args)), CPU))
     assert out.requires_grad and not lse.requires_grad
     out.float().sum().backward()
     assert all(leaf.grad is not None and torch.isfinite(leaf.grad).all() for leaf in leaves.values())
@@ -298,7 +298,7 @@ def test_deterministic_gradients_are_bitwise_reproducible():
     args = _make(S, 1, 21, 21, 4, 1, 64, sinks="random", causal=True, window=11)
     variant = _variant(S, "nvidia")
     config = variant.default_config(dict(OPS[S].tuning_key(args)), CPU)
-    call = lambda a: variant.launch(a, config)  # noqa: E731
+    call = lambda a: variant.call(a, config)  # noqa: E731
     det = {**args, "deterministic": True}
     first, dout = gradients(OPS[S], call, det)
     again, _ = gradients(OPS[S], call, det, dout)
@@ -334,7 +334,7 @@ def test_varlen_with_empty_and_length_one_sequences(op, vendor, window):
                    window=window, seed=11)
     _check(_variant(op, vendor), args, grads=True, other=False)
     variant = _variant(op, vendor)
-    out, lse = variant.launch(args, _other_config(variant, dict(OPS[op].tuning_key(args))))
+    out, lse = variant.call(args, _other_config(variant, dict(OPS[op].tuning_key(args))))
     for rows in (slice(0, 2), slice(-3, None)):
         assert torch.equal(out[rows], torch.zeros_like(out[rows])) and torch.isposinf(lse[:, rows]).all()
 
@@ -348,7 +348,7 @@ def test_short_window_without_a_loop_on_packed_sequences():
     config = variant.default_config(dict(OPS[S].tuning_key(args)), CPU).replace("fwd", no_loop)
     assert _forward_error(variant, args, config) <= RTOL
     with _poisoned():
-        out = variant.launch({**args, "max_seqlen_q": 16}, config)
+        out = variant.call({**args, "max_seqlen_q": 16}, config)
     assert max_relative_error(out, OPS[S].reference(**args)) <= RTOL
 
 
@@ -359,10 +359,10 @@ def test_max_seqlen_shorter_than_a_sequence_still_covers_every_row():
     variant = _variant(S, "amd")
     config = variant.default_config(dict(OPS[S].tuning_key(args)), CPU)
     with _poisoned():
-        out = variant.launch(short, config)
+        out = variant.call(short, config)
     assert max_relative_error(out, OPS[S].reference(**args)) <= RTOL
     with _poisoned():
-        got, dout = gradients(OPS[S], lambda a: variant.launch(a, config), short)
+        got, dout = gradients(OPS[S], lambda a: variant.call(a, config), short)
     assert max_relative_error([g.float() for g in got], reference_gradients(OPS[S], args, dout)) <= GRAD_RTOL
 
 
@@ -435,7 +435,7 @@ def test_hostile_cu_seqlens_stay_inside_the_tensors(case):
     variant = _variant(S, VENDORS[list(HOSTILE).index(case) % 2])
     config = variant.default_config(dict(OPS[S].tuning_key(args)), CPU)
     with guarded.allocations():
-        out, lse = variant.launch(args, config)
+        out, lse = variant.call(args, config)
         dout = guarded.place(cotangent(out))
         grads = torch.autograd.grad(out, list(leaves.values()), dout)
     assert guarded.guards_intact()
@@ -556,32 +556,6 @@ def test_supports_fp16_bf16_only():
         assert not variant.supports({**KEY, "dtype": "fp32"}, CPU)
 
 
-def test_compile_specs_type_every_kernel_argument():
-    """Padded and packed (varlen) calls share a key, so a key's forward, dK/dV and dQ configs are
-    compiled both ways; the pre kernel once. A sink_attention key compiles the sink switch on."""
-    for variant, key in ((_variant(F, "nvidia"), KEY), (_variant(S, "amd"), {**KEY, "h_kv": 32, "window": 128,
-                                                                              "d": 80, "sinks": True})):
-        config = variant.default_config(key, PRESETS["h200" if variant.vendor == "nvidia" else "mi300x"])
-        specs = variant.compile_specs(key, config)
-        assert [(s.role, s.constexprs.get("IS_VARLEN")) for s in specs] == [
-            ("fwd", False), ("fwd", True), ("bwd_pre", None), ("bwd_dkv", False), ("bwd_dkv", True),
-            ("bwd_dq", False), ("bwd_dq", True)]
-        for spec in specs:
-            names = set(spec.signature) | set(spec.constexprs)
-            assert names == set(spec.fn.arg_names) and not set(spec.signature) & set(spec.constexprs)
-            assert spec.constexprs["BLOCK_M"] == config[spec.role].blocks["BLOCK_M"]
-            assert spec.constexprs["HEAD_DIM"] == key["d"] and spec.constexprs["BLOCK_D"] == 128
-            assert spec.constexprs.get("HAS_SINKS", key.get("sinks", False)) == key.get("sinks", False)
-        group = key["h_q"] // key["h_kv"]
-        # The forward, dK/dV and dQ kernels take the GQA group as a constant: no integer is left for
-        # the check to specialize.
-        assert specs[0].signature["Q"] == "*bf16"
-        assert [s.constexprs.get("GROUP") for s in specs] == [group, group, None, group, group, group, group]
-        assert not any(s.values for s in specs) and not any("group" in s.signature for s in specs)
-    forward_only = variant.compile_specs(key, CallConfig({"fwd": config["fwd"]}))
-    assert [s.role for s in forward_only] == ["fwd", "fwd"]
-
-
 def test_backward_with_a_strided_lse_matches_a_dense_one():
     """attention_backward indexes its delta/lse2 workspaces with lse's strides: an lse that is a view
     with gaps (another op keeping the family's lse inside a wider buffer) must give the same gradients."""
@@ -589,12 +563,13 @@ def test_backward_with_a_strided_lse_matches_a_dense_one():
     shape = {"b": 1, "s_q": 21, "s_k": 21, "h_q": 2, "h_kv": 1, "d": 16, "causal": True}
     args = OPS[F].validate(**OPS[F].make_inputs(shape, device=DEVICE, dtype=DTYPE, seed=3))
     config = variant.default_config(OPS[F].tuning_key(args), CPU)
-    out, lse = variant.launch({**args, "return_lse": True}, config)
+    out, lse = variant.call({**args, "return_lse": True}, config)
     wide = torch.full((*lse.shape[:-1], 2 * lse.shape[-1]), 7.0, dtype=lse.dtype, device=lse.device)
     wide[..., ::2] = lse
     dout = cotangent(out, seed=4)
-    dense = variant.backward(args, config, (out, lse), dout)
-    strided = variant.backward(args, config, (out, wide[..., ::2]), dout)
+    plan = variant.plan(args, config)
+    dense = variant.backward(args, plan, (out, lse), dout)
+    strided = variant.backward(args, plan, (out, wide[..., ::2]), dout)
     for name in ("q", "k", "v"):
         assert torch.equal(dense[name], strided[name]), name
     assert max_relative_error([dense[n].float() for n in ("q", "k", "v")],

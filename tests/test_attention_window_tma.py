@@ -114,6 +114,12 @@ def test_space_defaults_and_pruning():
     assert variant.prune_reason("fwd", LaunchConfig(blocks={"BLOCK_M": 64}), KEY, target).startswith("blocks")
 
 
+def _shape_arguments(key: dict) -> list[str]:
+    """compile_check's arguments for a shape with this tuning key (batch 1)."""
+    shape = {"b": 1, **{name: value for name, value in key.items() if name != "dtype"}}
+    return ["--shape-json", json.dumps(shape), "--dtype", key.get("dtype", "bf16")]
+
+
 @pytest.mark.parametrize("changes,config", [
     ({}, {"TOKENS": 8, "HEADS": 8, "MAX_REGS": 96}),
     ({"d": 128, "h_q": 32, "window": 64}, {"TOKENS": 16, "HEADS": 4, "MAX_REGS": 168}),
@@ -124,13 +130,14 @@ def test_compiles_for_sm_90_without_spills(changes, config):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     warps = config["TOKENS"] * config["HEADS"] // 16
     argv = ["--variant", NAMES[S][0], "--vendor", "nvidia", "--target", "h100", "--roles", "fwd", "--json",
-            "--key-json", json.dumps({**KEY, **changes}),
+            *_shape_arguments({**KEY, **changes}),
             "--config-json", json.dumps({"fwd": {"blocks": config, "num_warps": warps}})]
     proc = subprocess.run([sys.executable, "-m", "kreg.tuning.compile_check", *argv], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert proc.returncode == 0 and rows, proc.stderr[-2000:]
-    assert sorted(r["kernel"] for r in rows) == ["_attention_fwd_kernel"] * 2 + ["_attention_fwd_window_tma_kernel"]
+    # Padded calls run this kernel, varlen ones the tiled forward (each with and without lse).
+    assert {r["kernel"] for r in rows} == {"_attention_fwd_kernel", "_attention_fwd_window_tma_kernel"}
     for row in rows:
         assert row["fits"] and row["spills"] == 0, row
         if row["kernel"] == "_attention_fwd_window_tma_kernel":
@@ -209,10 +216,11 @@ def test_calls_it_hands_over_run_the_tiled_kernel(no_gluon):
         assert not window_tma_served(args, fwd)
         # Off Hopper the backward roles take the interpreter's tiles.
         config = (variant if HAS_GPU else TILED[op]).default_config(key, device).replace("fwd", fwd)
-        out, lse = variant.launch(args, config)
+        out, lse = variant.call(args, config)
         assert_close((out, lse), OPS[op].reference(**args), TOLERANCE[DTYPE])
         dout = random_normal(out.shape, device=DEVICE, dtype=DTYPE, generator=torch.Generator().manual_seed(1))
-        got = variant.run_backward(args["q"], args["k"], args["v"], args.get("sinks"), out, lse, dout, args, config)
+        backward = variant.launchers(variant.plan(args, config))[1]
+        got = backward(args["q"], args["k"], args["v"], args.get("sinks"), out, lse, dout, args, config)
         got = [g.float() for g in got if g is not None]
         assert max_relative_error(got, reference_gradients(OPS[op], args, dout)) <= GRAD_TOLERANCE[DTYPE]
 
@@ -220,7 +228,7 @@ def test_calls_it_hands_over_run_the_tiled_kernel(no_gluon):
 # ----------------------------------------------------------------------------- on an sm_90 GPU
 def _error(variant, args: dict, config: CallConfig | None = None) -> float:
     config = config or variant.default_config(dict(OPS[variant.op].tuning_key(args)), preset("h100"))
-    return max_relative_error(variant.launch(args, config), OPS[variant.op].reference(**args))
+    return max_relative_error(variant.call(args, config), OPS[variant.op].reference(**args))
 
 
 # (op, b, s_q, s_k, h_q, h_kv, d, window, sinks, return_lse, dtype)
@@ -253,7 +261,8 @@ def test_every_config_of_the_space_matches_reference(d):
     """Lengths no block divides with s_q < s_k, GQA 16 (so HEADS 16 is in the space), at every config
     the sm_90 compile keeps (spilling ones are what a sweep drops untimed: at d 128 only MAX_REGS 168
     fits, and one of its four tile shapes does not)."""
-    from kreg.tuning.compile_check import compile_config
+    from kreg.tuning.compile_check import check_variant
+    from kreg.tuning.launch_record import meta_like
 
     variant = WINDOW[S]
     args = _make(S, 1, 999, 1001, 16, 1, d, 128, seed=d)
@@ -261,11 +270,12 @@ def test_every_config_of_the_space_matches_reference(d):
     default = variant.default_config(key, preset("h100"))
     expected = OPS[S].reference(**args)
     ran = 0
+    calls = meta_like(S, args)
     for config in variant.space(key, preset("h100"))["fwd"]:
-        spec = variant.compile_specs(key, CallConfig({"fwd": config}))[0]
-        if not compile_config(spec, config, preset("h100")).fits:
+        if not all(r.fits for r in check_variant(variant, calls, default.replace("fwd", config), preset("h100"),
+                                                 roles=("fwd",))):
             continue
-        assert_close(variant.launch(args, default.replace("fwd", config)), expected, TOLERANCE[torch.bfloat16],
+        assert_close(variant.call(args, default.replace("fwd", config)), expected, TOLERANCE[torch.bfloat16],
                      what=str(config))
         ran += 1
     assert ran >= (6 if d == 64 else 3)
@@ -278,7 +288,7 @@ def test_gradients_match_reference(d):
     op = S
     args = _make(op, 2, 201, 233, 8, 2, d, 64, seed=d)
     config = WINDOW[op].default_config(dict(OPS[op].tuning_key(args)), preset("h100"))
-    got, dout = gradients(OPS[op], lambda a: WINDOW[op].launch(a, config), args)
+    got, dout = gradients(OPS[op], lambda a: WINDOW[op].call(a, config), args)
     err = max_relative_error([g.float() for g in got], reference_gradients(OPS[op], args, dout))
     assert err <= GRAD_TOLERANCE[torch.bfloat16], f"relative error {err:.3g}"
 

@@ -67,11 +67,11 @@ def test_variant_matches_reference(variant, index):
         expected = op.reference(**args)
         for config in _call_configs(variant, key, info):
             what = f"{layout} {config}"
-            err = output_error(op, variant.launch(args, config), expected, args)
+            err = output_error(op, variant.call(args, config), expected, args)
             assert err <= TOLERANCE[DTYPE], f"{what}: error {err:.3g} > {TOLERANCE[DTYPE]:.3g}"
             varied = [r for r in variant.roles if config[r] != variant.default_config(key, info)[r]]
             if op.differentiable and (not varied or any(is_backward_role(r) for r in varied)):
-                err = gradient_error(op, lambda a, c=config: variant.launch(a, c), args)
+                err = gradient_error(op, lambda a, c=config: variant.call(a, c), args)
                 assert err <= GRAD_TOLERANCE[DTYPE], f"gradients of {what}: relative error {err:.3g}"
             checked += 1
     if checked == 0:

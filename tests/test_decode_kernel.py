@@ -72,7 +72,7 @@ def _check(args, splits=(None, 1, 7)):
     for variant in VARIANTS:
         for config in _configs(variant, args):
             for num_splits in splits:
-                got = variant.launch({**args, "num_splits": num_splits}, config)
+                got = variant.call({**args, "num_splits": num_splits}, config)
                 assert_close(got, expected, TOL, what=f"{variant.vendor} {config} splits={num_splits}")
 
 
@@ -115,10 +115,10 @@ def test_sinks_of_any_size(device, sink):
     _check(args, splits=(None, 1, 4))
     config = VARIANTS[0].default_config(dict(OP.tuning_key(args)), INFO)
     for splits in (1, 4):
-        out, lse = VARIANTS[0].launch({**args, "num_splits": splits}, config)
+        out, lse = VARIANTS[0].call({**args, "num_splits": splits}, config)
         assert torch.all(out[1] == 0) and torch.all(lse[1] == math.inf)
         # Without the lse (one split: the split kernel stores out alone) the output is the same.
-        assert torch.equal(VARIANTS[0].launch({**args, "num_splits": splits, "return_lse": False}, config), out)
+        assert torch.equal(VARIANTS[0].call({**args, "num_splits": splits, "return_lse": False}, config), out)
 
 
 def test_invalid_block_ids_in_use_are_masked_and_entries_past_the_length_never_read(device):
@@ -139,7 +139,7 @@ def test_a_sequence_with_every_block_invalid_returns_zero_and_infinite_lse(devic
     table = args["block_table"].clone()
     table[0] = -1
     args["block_table"] = table
-    out, lse = VARIANTS[0].launch({**args, "num_splits": 3},
+    out, lse = VARIANTS[0].call({**args, "num_splits": 3},
                                   VARIANTS[0].default_config(dict(OP.tuning_key(args)), INFO))
     assert torch.all(out[0] == 0) and torch.all(lse[0] == math.inf)
     assert_close((out, lse), OP.reference(**args), TOL)
@@ -191,7 +191,7 @@ def test_several_kv_heads_per_program(case, kv_heads, device):
         for block_n in block_ns:
             config = _with_split(variant, args, BLOCK_N=block_n, WAVES=1, KV_HEADS=kv_heads)
             for num_splits in splits:
-                got = variant.launch({**args, "num_splits": num_splits}, config)
+                got = variant.call({**args, "num_splits": num_splits}, config)
                 assert_close(got, expected, TOL, what=f"{variant.vendor} {config} splits={num_splits}")
 
 

@@ -355,7 +355,7 @@ def triton_runs(monkeypatch):
 def _direct(name: str, kw: dict):
     """The call launched by the chosen variant through Triton's own launch."""
     choice = registry.get(name).choice(**kw)
-    return choice.variant.launch(OPS[name].validate(**kw), choice.config)
+    return choice.variant.launch(OPS[name].validate(**kw), choice.plan)
 
 
 @gpu
@@ -410,7 +410,7 @@ def test_cached_backward_launches_give_tritons_gradients(window, triton_runs):
     got, dout = gradients(op, lambda a: handle(**a), args)
     assert not triton_runs, f"launched through Triton: {triton_runs}"
     choice = handle.choice(**args)
-    direct, _ = gradients(op, lambda a: choice.variant.launch(a, choice.config), args, dout)
+    direct, _ = gradients(op, lambda a: choice.variant.launch(a, choice.plan), args, dout)
     assert all(torch.equal(x, y) for x, y in zip(got, direct, strict=True))
     err = max_relative_error([g.float() for g in got], reference_gradients(op, args, dout))
     assert err <= GRAD_TOLERANCE[DTYPE], f"relative error {err:.3g}"

@@ -61,7 +61,7 @@ def _check(op_name: str, args: dict) -> None:
     args = op.validate(**args)
     expected = op.reference(**args)
     for variant, config in _runs(op_name, args):
-        err = output_error(op, variant.launch(args, config), expected, args)
+        err = output_error(op, variant.call(args, config), expected, args)
         assert err <= TOL, f"{variant.vendor} {config}: error {err:.3g}"
 
 
@@ -93,7 +93,7 @@ def test_indexer_strided_inputs_and_future_is_minus_inf(device):
     args["k_idx"] = args["k_idx"].transpose(0, 1).contiguous().transpose(0, 1)
     args["w"] = args["w"].float()
     _check("gsa_indexer", args)
-    scores = _variants("gsa_indexer")[0].launch(OPS["gsa_indexer"].validate(**args), _default("gsa_indexer", args))
+    scores = _variants("gsa_indexer")[0].call(OPS["gsa_indexer"].validate(**args), _default("gsa_indexer", args))
     assert torch.equal(scores.isneginf().cpu(), torch.ones(33, 33, dtype=torch.bool).triu(1).expand(2, 33, 33))
 
 
@@ -165,11 +165,11 @@ def test_topk_never_allocates_the_score_matrix():
                                         dtype=DTYPE, seed=0))
     variant = _variants("gsa_topk")[0]
     config = variant.default_config(dict(op.tuning_key(args)), INFO)
-    variant.launch(args, config)
+    variant.call(args, config)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
-    variant.launch(args, config)
+    variant.call(args, config)
     torch.cuda.synchronize()
     # 16 MB of output and the programs' lists, whose size follows the SM count and k, not t (at the
     # default 264 programs x 16 queries x 2048 entries x 8 B, 69 MB on an H200); the scores would be
@@ -216,7 +216,7 @@ def _check_attention(args: dict, name: str = HEADBLOCK) -> None:
     args = op.validate(**args)
     expected = op.reference(**args)
     for variant, config in _attention_runs(args, name):
-        call = lambda a, c=config, v=variant: v.launch(a, c)  # noqa: E731
+        call = lambda a, c=config, v=variant: v.call(a, c)  # noqa: E731
         err = output_error(op, call(args), expected, args)
         assert err <= TOL, f"{variant.vendor} {config}: error {err:.3g}"
         grad_err = gradient_error(op, call, args)
@@ -258,7 +258,7 @@ def test_sparse_attention_empty_rows_give_zero_and_no_gradient(device):
     op = OPS["gsa_sparse_attention"]
     for variant, config in _attention_runs(args)[:1]:
         leaves = {n: args[n].clone().requires_grad_() for n in "qkv"}
-        out = variant.launch(op.validate(**{**args, **leaves}), config)
+        out = variant.call(op.validate(**{**args, **leaves}), config)
         assert torch.equal(out, torch.zeros_like(out))
         out.float().sum().backward()
         assert all(torch.equal(x.grad, torch.zeros_like(x)) for x in leaves.values())
@@ -272,6 +272,6 @@ def test_sparse_attention_backward_is_deterministic(device):
     grads = []
     for _ in range(2):
         leaves = {n: args[n].clone().requires_grad_() for n in "qkv"}
-        variant.launch(op.validate(**{**args, **leaves}), config).float().square().sum().backward()
+        variant.call(op.validate(**{**args, **leaves}), config).float().square().sum().backward()
         grads.append([x.grad for x in leaves.values()])
     assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))

@@ -228,14 +228,28 @@ def test_default_tiles_compile_without_spills():
     gfx942 and gfx950 compiles (in a process without TRITON_INTERPRET) fit without spills."""
     script = textwrap.dedent("""
         import json
-        from kreg.kernels.common.gsa_layer import VENDOR_TILES, compile_specs
+        import torch
+        from kreg.kernels.common import gsa_layer
         from kreg.core.device import preset
-        from kreg.tuning.compile_check import compile_config
+        from kreg.tuning.compile_check import compile_job
+        from kreg.tuning.launch_record import KernelLaunch, recorded_launches, specialize
 
+        b, t, heads, d = 1, 4096, 16, 128
+        meta = lambda *shape: torch.empty(*shape, device="meta", dtype=torch.bfloat16)
+        q, k, v, gate, o = meta(b, t, heads, d), meta(b, t, heads, d), meta(b, t, heads, d), meta(b, t, heads, d), \
+            meta(b, t, heads, d)
+        inv_freq = torch.empty(d // 2, device="meta", dtype=torch.float32)
         for vendor, targets in (("nvidia", ("h200",)), ("amd", ("mi300x", "mi355x"))):
-            for spec in compile_specs(vendor):
+            tiles = gsa_layer.VENDOR_TILES[vendor]
+            with recorded_launches() as launches:  # the layer's four launches, as it makes them
+                gsa_layer._rope_value_gate_forward(q, k, v, gate, inv_freq, tiles)
+                gsa_layer._rope_value_gate_backward(q, k, v, v, gate, inv_freq, tiles)
+                gsa_layer._output_gate_forward(o, gate, tiles)
+                gsa_layer._output_gate_backward(o, o, gate, tiles)
+            for kernel, args, kwargs in launches:
                 for target in targets:
-                    r = compile_config(spec, VENDOR_TILES[vendor].launch_config(), preset(target))
+                    device = preset(target)
+                    r = compile_job(specialize(KernelLaunch(kernel, args, kwargs, frozenset()), device), device)
                     print(json.dumps({"kernel": r.kernel, "target": target, "fits": r.fits, "spills": r.spills,
                                       "registers": r.registers, "reason": r.reason}))
     """)

@@ -205,17 +205,3 @@ def test_gpu_target_like_shape_with_default_configs():
     _check(case, blocks="select", config=config, seed=7)
 
 
-def test_compile_specs_name_every_role_with_its_kernel():
-    """One spec per launched kernel, tagged with its role, and the role's kernel is the one KERNELS names."""
-    from kreg.kernels.common.nsa_backward import KERNELS, nsa_backward_compile_specs
-
-    config = _default_config("nvidia")
-    specs = nsa_backward_compile_specs(TARGET_KEY, config)
-    assert [s.role for s in specs] == list(ROLES)
-    assert all(s.fn is KERNELS[s.role] for s in specs)
-    slc_dq = next(s for s in specs if s.role == "bwd_slc_dq")
-    assert slc_dq.constexprs["BLOCK_G"] == 16 and slc_dq.values["group"] == 16
-    cmp_dkv = next(s for s in specs if s.role == "bwd_cmp_dkv")
-    # BLOCK_T (queries per split) reaches the kernel as a runtime chunk, not a constexpr.
-    assert "BLOCK_T" not in cmp_dkv.constexprs
-    assert cmp_dkv.values["chunk"] == config["bwd_cmp_dkv"].blocks["BLOCK_T"]

@@ -66,7 +66,7 @@ def test_forward_matches_reference(variant, device, shape):
     args = _inputs(device, **shape)
     expected = reference(**args)
     for config in _configs(variant, args):
-        assert_close(variant.launch(args, config), expected, TOL, what=f"{variant.vendor} {config}")
+        assert_close(variant.call(args, config), expected, TOL, what=f"{variant.vendor} {config}")
 
 
 def test_every_kind_of_invalid_index_and_empty_rows(variant, device):
@@ -78,7 +78,7 @@ def test_every_kind_of_invalid_index_and_empty_rows(variant, device):
     idx[1, 0, :] = -1  # row 1: all invalid
     idx[2, 0, :] = torch.tensor([s_kv + 5] * 12 + [-(2**31)] * 12, dtype=torch.int32)  # row 2: out of range
     args["indices"] = idx.to(device)
-    out, max_logits, lse = variant.launch(args, _configs(variant, args)[0])
+    out, max_logits, lse = variant.call(args, _configs(variant, args)[0])
     expected = reference(**args)
     assert_close((out, max_logits, lse), expected, TOL)
     for row in (1, 2):
@@ -92,7 +92,7 @@ def test_large_sinks(variant, device, sink_value):
     args = _inputs(device, seed=4, s_q=3, s_kv=30, h_q=16, h_kv=1, d_qk=96, d_v=64, topk=20)
     args["attn_sink"] = torch.full((16,), sink_value, device=device)
     args["indices"][1] = -1
-    out = variant.launch(args, _configs(variant, args)[0])
+    out = variant.call(args, _configs(variant, args)[0])
     assert not torch.isnan(out.out).any()
     assert_close(out, reference(**args), TOL)
 
@@ -100,7 +100,7 @@ def test_large_sinks(variant, device, sink_value):
 def test_topk_length_zero_and_over_topk(variant, device):
     args = _inputs(device, seed=5, s_q=3, s_kv=30, h_q=16, h_kv=1, d_qk=96, d_v=64, topk=20)
     args["topk_length"] = torch.tensor([0, 7, 1000], dtype=torch.int32, device=device)
-    out = variant.launch(args, _configs(variant, args)[0])
+    out = variant.call(args, _configs(variant, args)[0])
     assert torch.all(out.lse[0] == float("inf"))
     assert_close(out, reference(**args), TOL)
 
@@ -112,7 +112,7 @@ def _assert_gradients_match(variant, args, config, seed=7):
         leaves["attn_sink"] = args["attn_sink"]
     ours = {n: t.detach().clone().requires_grad_() for n, t in leaves.items()}
     theirs = {n: t.detach().float().requires_grad_() for n, t in leaves.items()}
-    out = variant.launch({**args, **ours}, config).out
+    out = variant.call({**args, **ours}, config).out
     grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed)).to(out.device, out.dtype)
     got = torch.autograd.grad(out, list(ours.values()), grad_out)
     ref_out = reference(**{**args, **theirs}).out
@@ -171,7 +171,7 @@ def test_int64_row_offsets_match(variant, device, monkeypatch):
         results = []
         for deterministic in (False, True):
             q, kv = args["q"].detach().clone().requires_grad_(), args["kv"].detach().clone().requires_grad_()
-            out = variant.launch({**args, "q": q, "kv": kv, "deterministic": deterministic}, config).out
+            out = variant.call({**args, "q": q, "kv": kv, "deterministic": deterministic}, config).out
             results += [out, *torch.autograd.grad(out.float().square().sum(), [q, kv])]
         return results
 
@@ -210,7 +210,7 @@ def test_deterministic_path_is_taken_when_asked(variant, device, monkeypatch):
 
     def backward(**extra):
         q = args["q"].detach().clone().requires_grad_()
-        variant.launch({**args, **extra, "q": q}, config).out.float().sum().backward()
+        variant.call({**args, **extra, "q": q}, config).out.float().sum().backward()
 
     backward()
     assert not calls
@@ -261,7 +261,7 @@ def test_invalid_slots_get_no_gradient(variant, device):
     idx[:, 0, 4:8] = torch.tensor([40, 41, 2**31 - 1, -3], dtype=torch.int32)
     args["indices"] = idx
     kv = args["kv"].detach().clone().requires_grad_()
-    out = variant.launch({**args, "kv": kv}, _configs(variant, args)[0]).out
+    out = variant.call({**args, "kv": kv}, _configs(variant, args)[0]).out
     (grad,) = torch.autograd.grad(out.float().sum(), [kv])
     untouched = torch.ones(40, dtype=torch.bool)
     untouched[[1, 2, 5]] = False
@@ -286,7 +286,7 @@ def test_every_backward_config_of_the_space_matches_reference(variant, device):
         # The defaults run in every other backward test.
         for config in [c for c in configs[:: max(1, len(configs) // 4)] if c != default[role]]:
             call = default.replace(role, config)
-            err = gradient_error(OPS["sparse_mla"], lambda a, c=call: variant.launch(a, c), role_args)
+            err = gradient_error(OPS["sparse_mla"], lambda a, c=call: variant.call(a, c), role_args)
             assert err <= GRAD_TOLERANCE[DTYPE], (role, str(config), err)
 
 
@@ -312,7 +312,7 @@ def test_value_part_in_d_tiles_with_odd_dims(device, d_split):
             continue
         config = variant.default_config(dict(tuning_key(args)), _device_info())
         config = config.replace("fwd", LaunchConfig(blocks={"BLOCK_H": 16, "BLOCK_TOPK": 32, "D_SPLIT": d_split}))
-        assert_close(variant.launch(args, config), expected, TOL, what=f"{variant.vendor}")
+        assert_close(variant.call(args, config), expected, TOL, what=f"{variant.vendor}")
 
 
 def test_interpreter_space_is_small_and_valid():

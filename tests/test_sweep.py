@@ -17,7 +17,7 @@ from kreg.core.records import CallConfig, LaunchConfig
 from kreg.core.space import ConfigSpace
 from kreg.ops import OPS
 from kreg.ops.catalog import load_all
-from kreg.ops.variant import Variant
+from kreg.ops.variant import CallPlan, Variant
 from kreg.tuning.sweep import sweep_op
 from kreg.tuning_db.store import TuningStore
 
@@ -48,8 +48,8 @@ class _Gated(Variant):
     def prune_reason(self, role, config, key, device):
         return "too big" if config.blocks["BLOCK"] == 4 else None
 
-    def launch(self, args, config):
-        block = config["fwd"].blocks["BLOCK"]
+    def launch(self, args, plan):
+        block = plan.config["fwd"].blocks["BLOCK"]
         out = OPS["flash_attention"].reference(**args)
         if block == 2:
             return out + 1
@@ -133,16 +133,22 @@ def test_a_role_with_role_arguments_is_gated_and_timed_with_them():
     seen = []
 
     class Recording(type(real)):
-        def launch(self, args, config):
-            seen.append(args["deterministic"])
-            return super().launch(args, config)
+        def bind(self, plan):
+            run = super().bind(plan)
+
+            def launch(args):
+                seen.append(args["deterministic"])
+                return run(args)
+
+            return launch
 
     args = op.validate(**op.make_inputs(op.presets["tiny"][0], device="cpu", dtype=torch.float16, seed=2))
     variant = Recording()
-    config = variant.default_config(dict(op.tuning_key(args)), CPU)
+    key = dict(op.tuning_key(args))
+    plan = CallPlan(variant.default_config(key, CPU), key, CPU)
     for role, expected in (("bwd_dq", True), ("bwd_fused", False)):
         seen.clear()
-        status, _, error = run_trial(KeyInputs.for_args(op, args), variant, config, role)
+        status, _, error = run_trial(KeyInputs.for_args(op, args), variant, plan, role)
         assert status == "ok", error
         assert seen and set(seen) == {expected}, role
 

@@ -1,7 +1,7 @@
 """The tuning database: trials, runs and tuned winners round trip; device and nearest-key matching; many
 writers, a killed writer and a damaged file.
 
-Spawned worker processes import this module, so it keeps torch (registry.device) out of its top level:
+Spawned worker processes import this module, so it keeps torch (kreg.core.device) out of its top level:
 workers describe their device with `DeviceDescriptor`, which has the same identity fields.
 """
 

@@ -8,6 +8,8 @@ them, and a trial that hangs hangs the call (there is no child process to kill, 
 
 from __future__ import annotations
 
+import functools
+
 from kreg.core.device import DeviceInfo
 from kreg.core.records import TunedConfig, canonical_json
 from kreg.ops.contract import Op
@@ -16,8 +18,9 @@ from kreg.ops.contract import Op
 def autotune_call(op: Op, variants, device_info: DeviceInfo, args: dict, store) -> TunedConfig | None:
     """Tune the key of one call (validated `args`) over `variants`, persist and return the winner
     (None when no config passed the gate)."""
-    from kreg.tuning.sweep import KeyTuner
+    from kreg.tuning.launch_record import meta_like
     from kreg.tuning.trials import KeyInputs, TrialRunner
+    from kreg.tuning.tuner import KeyTuner
 
     dims = dict(op.tuning_key(args))
     key_json = canonical_json(dims)
@@ -26,6 +29,7 @@ def autotune_call(op: Op, variants, device_info: DeviceInfo, args: dict, store) 
     with TrialRunner(op.name, inputs.device, isolate=False) as runner:
         runner.use(inputs)
         tuner = KeyTuner(op, device_info, store, run_id, runner, deadline=None)
-        tuner.tune(variants, dims, key_json, prepare=lambda: None)
+        calls = functools.cache(lambda: meta_like(op.name, args))
+        tuner.tune(variants, dims, key_json, prepare=lambda: None, calls=calls)
     store.finish_run(run_id, "finished")
     return store.best(op.name, device_info, key_json)

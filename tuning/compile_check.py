@@ -1,14 +1,16 @@
 """Offline compiles for a target GPU that is not here: registers, spills and shared memory/LDS.
 
-`compile_config` compiles one kernel (a `CompileSpec`) with one config for a `DeviceInfo` target
-through `triton.compile`, and reads its resources: AMD from the amdgcn text's metadata, NVIDIA from the
-cubin through the `cuobjdump` Triton bundles. Shared memory/LDS is checked against the target's budget
-here, because an overflow does not fail the compile (it fails at launch).
+`check_variant` compiles every kernel one call of a variant launches with a call config for a
+`DeviceInfo` target: what the call launches comes from running its launcher on meta tensors
+(`tuning.launch_record`), typed as the JIT types it for that target, and `triton.compile` builds it
+there. Resources come from the amdgcn text's metadata (AMD) or the cubin through the `cuobjdump`
+Triton bundles (NVIDIA). Shared memory/LDS is checked against the target's budget here, because an
+overflow does not fail the compile (it fails at launch).
 
-TRITON_INTERPRET is read when kernels are decorated, and an interpreted kernel cannot be compiled, so
-these checks run in a process without it: tests and CI call
+TRITON_INTERPRET is read when kernels are decorated, and an interpreted kernel cannot be recorded or
+compiled, so these checks run in a process without it: tests and CI call
 
-    python -m tuning.compile_check --variant flash_attention_tiled --vendor amd --target mi355x
+    python -m kreg.tuning.compile_check --variant flash_attention_tiled --vendor amd --target mi355x
 
 in a subprocess with TRITON_INTERPRET removed from the environment.
 """
@@ -23,14 +25,17 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field, replace
-from typing import TYPE_CHECKING
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
 
-from kreg.core.device import VENDORS, DeviceInfo
-from kreg.core.records import CallConfig, LaunchConfig, canonical_json
+import torch
 
-if TYPE_CHECKING:
-    from kreg.ops.variant import CompileSpec, Variant
+from kreg.core.device import VENDORS, DeviceInfo, preset
+from kreg.core.records import CallConfig, canonical_json
+from kreg.ops import OPS
+from kreg.ops.catalog import load_all
+from kreg.ops.variant import Variant
+from kreg.tuning.launch_record import CompileJob, meta_calls, record_calls, specialize
 
 
 @dataclass(frozen=True)
@@ -41,6 +46,7 @@ class CompileReport:
     per-thread stack/local memory (where ptxas spills; these kernels have no local arrays); AMD, VGPR
     spills (SGPR spills go to VGPR lanes and are only listed in `detail`). None when it did not compile.
     fits: compiled, no spills, shared memory/LDS within the target's budget; reason says why not.
+    roles: the variant roles the kernel belongs to (`launch_record.record_calls`).
     """
 
     registers: int | None
@@ -51,36 +57,7 @@ class CompileReport:
     seconds: float
     kernel: str = ""
     detail: dict[str, int] = field(default_factory=dict)
-
-
-def _full_signature(spec: CompileSpec) -> dict[str, str]:
-    """Every kernel argument in order, constexprs typed "constexpr" as the JIT passes them."""
-    signature = {}
-    for name in spec.fn.arg_names:
-        if name in spec.constexprs:
-            signature[name] = "constexpr"
-        elif name in spec.signature:
-            signature[name] = spec.signature[name]
-        else:
-            raise ValueError(f"spec: argument {name!r} of {spec.fn.__name__}: expected a type or a constexpr")
-    return signature
-
-
-def _as_jit_specializes(spec: CompileSpec) -> CompileSpec:
-    """The JIT's integer specialization at the spec's `values`: an argument equal to 1 becomes a
-    constant (multiples of 16 are marked divisible by `_alignment_attrs`)."""
-    ones = {name: 1 for name, value in spec.values.items() if value == 1 and name in spec.fn.arg_names}
-    return replace(spec, constexprs={**spec.constexprs, **ones}) if ones else spec
-
-
-def _alignment_attrs(spec: CompileSpec, signature: dict[str, str]) -> dict[tuple[int, ...], list]:
-    """What the JIT assumes for typical torch tensors: 16-byte aligned pointers and strides that are
-    multiples of 16 elements (hidden sizes are), so loads vectorize as they would at run time; plus
-    the integer `values` that are multiples of 16 at the checked shape."""
-    divisible = [["tt.divisibility", 16]]
-    aligned = [name for name in spec.fn.arg_names if signature[name] != "constexpr" and (
-        signature[name].startswith("*") or name.startswith("stride") or spec.values.get(name, 1) % 16 == 0)]
-    return {(spec.fn.arg_names.index(name),): divisible for name in aligned}
+    roles: tuple[str, ...] = ()
 
 
 def _nvidia_resources(cubin: bytes, kernel_name: str) -> dict[str, int]:
@@ -104,39 +81,27 @@ def _amd_resources(amdgcn: str) -> dict[str, int]:
     return {name: int(m.group(1)) for name in names if (m := re.search(rf"\.{name}:\s+(\d+)", amdgcn))}
 
 
-def compile_config(spec: CompileSpec, config: LaunchConfig, target: DeviceInfo) -> CompileReport:
-    """Compile `spec` with `config`'s knobs (its role's config) for `target` (no GPU needed) and report
-    its resources.
-
-    A compile error gives a report with fits False and reason "compile_error: ...". Raises
-    RuntimeError when the kernel was decorated under TRITON_INTERPRET (it cannot be compiled then).
-    """
+def compile_job(job: CompileJob, target: DeviceInfo) -> CompileReport:
+    """Compile one specialized launch for `target` (no GPU needed) and report its resources; a compile
+    error is a report with fits False and reason "compile_error: ..."."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from triton.runtime.jit import JITFunction
 
-    if not isinstance(spec.fn, JITFunction):
-        raise RuntimeError(
-            f"spec: {getattr(spec.fn, '__name__', spec.fn)!r} is not a compilable JIT function (was it "
-            "decorated under TRITON_INTERPRET=1?); run `python -m tuning.compile_check` without it")
-    name = spec.fn.__name__
     start = time.perf_counter()
-    spec = _as_jit_specializes(spec)
-    signature = _full_signature(spec)
-    # Gluon kernels (JITFunctions that say so) are lowered from their own source type.
+    roles = tuple(sorted(job.roles))
     source_type = ASTSource
-    if spec.fn.is_gluon():
+    if job.gluon:
         from triton.experimental.gluon._runtime import GluonASTSource as source_type
-    source = source_type(spec.fn, signature, constexprs=dict(spec.constexprs), attrs=_alignment_attrs(spec, signature))
+    source = source_type(job.kernel(), dict(job.signature), dict(job.constexprs),
+                         {path: [list(a) for a in value] for path, value in job.attrs})
     try:
-        kernel = triton.compile(source, target=GPUTarget(*target.target),
-                                options={**config.knobs(), **spec.options})
+        kernel = triton.compile(source, target=GPUTarget(*target.target), options=dict(job.options))
     except Exception as err:  # noqa: BLE001 - any compiler failure is this config's result
         # Triton puts the source excerpt first and the cause last: keep the end.
         message = " ".join(str(err).split())[-500:]
         return CompileReport(None, None, None, False, f"compile_error: {type(err).__name__}: {message}",
-                             time.perf_counter() - start, name)
+                             time.perf_counter() - start, job.name, roles=roles)
     shared = int(kernel.metadata.shared)
     if target.vendor == "amd":
         detail = _amd_resources(kernel.asm["amdgcn"])
@@ -152,10 +117,7 @@ def compile_config(spec: CompileSpec, config: LaunchConfig, target: DeviceInfo) 
     if shared > target.shared_mem_bytes:
         problems.append(f"shared memory {shared} B > {target.shared_mem_bytes} B")
     return CompileReport(registers, spills, shared, not problems, "; ".join(problems) or None,
-                         time.perf_counter() - start, name, detail)
-
-
-_reports: dict[tuple, CompileReport] = {}
+                         time.perf_counter() - start, job.name, detail, roles)
 
 
 def unfit(reports: list[CompileReport]) -> tuple[str, str] | None:
@@ -168,74 +130,70 @@ def unfit(reports: list[CompileReport]) -> tuple[str, str] | None:
     return status, f"{bad[0].kernel}: {bad[0].reason}"
 
 
-def _memo(spec: CompileSpec, config: LaunchConfig, target: DeviceInfo) -> tuple:
-    """What a compile depends on: kernel, signature, constexprs, specialized values, options, target."""
-    return (spec.fn.__name__, tuple(spec.signature.items()), tuple(sorted(spec.constexprs.items())),
-            tuple(sorted(spec.values.items())), tuple(sorted({**config.knobs(), **spec.options}.items())), target)
+# Reports by (job, target) for this process: sweeping many shapes of one head dim, or one role of a call
+# config, compiles each specialization once.
+_reports: dict[tuple[CompileJob, DeviceInfo], CompileReport] = {}
 
 
-def _compile_job(job: tuple) -> CompileReport:
-    """A worker process's compile: the kernel named by (module, attribute), rebuilt from its spec."""
-    import importlib
+def jobs(variant: Variant, calls: list[dict], config: CallConfig, target: DeviceInfo,
+         roles: Iterable[str] | None = None) -> list[CompileJob]:
+    """The distinct specialized launches `calls` make with `config` on `target` (only the kernels of
+    `roles`, when given)."""
+    wanted = None if roles is None else set(roles)
+    out: list[CompileJob] = []
+    for launch in record_calls(variant, calls, config, target):
+        if wanted is not None and not launch.roles & wanted:
+            continue
+        job = specialize(launch, target)
+        if job not in out:
+            out.append(job)
+    return out
 
-    module, name, spec, config, target = job
-    return compile_config(replace(spec, fn=getattr(importlib.import_module(module), name)), config, target)
+
+def check_variant(variant: Variant, calls: list[dict], config: CallConfig, target: DeviceInfo,
+                  roles: Iterable[str] | None = None) -> list[CompileReport]:
+    """Compile every kernel the calls of one tuning key (`launch_record.meta_calls`) launch with this
+    call config on `target`, or only those of `roles`."""
+    reports = []
+    for job in jobs(variant, calls, config, target, roles):
+        if (job, target) not in _reports:
+            _reports[(job, target)] = compile_job(job, target)
+        reports.append(_reports[(job, target)])
+    return reports
 
 
-def check_many(variant: Variant, key: dict, configs: list[CallConfig], target: DeviceInfo,
-               roles: tuple[str, ...] | None = None, workers: int | None = None) -> None:
-    """Compile, in parallel worker processes, what `check_variant` would for each of `configs`, so its
-    later calls find the reports (a sweep does this for a role's whole stage: compiling is CPU work
+def _compile_in_worker(item: tuple[CompileJob, DeviceInfo]) -> CompileReport:
+    return compile_job(*item)
+
+
+def check_many(variant: Variant, calls: list[dict], configs: list[CallConfig], target: DeviceInfo,
+               roles: Iterable[str] | None = None, workers: int | None = None) -> None:
+    """Compile, in parallel worker processes, what `check_variant` would for each of `configs`, so that
+    its later calls find the reports (a sweep does this for a role's whole stage: compiling is CPU work
     that one process does one kernel at a time)."""
     import concurrent.futures
     import multiprocessing
 
-    jobs, memos = [], []
+    todo = []
     for config in configs:
-        for spec in variant.compile_specs(key, config, dtype=key.get("dtype", "fp16")):
-            memo = _memo(spec, config[spec.role], target)
-            if (roles is None or spec.role in roles) and memo not in _reports and memo not in memos:
-                jobs.append((spec.fn.fn.__module__, spec.fn.fn.__name__, replace(spec, fn=None),
-                             config[spec.role], target))
-                memos.append(memo)
-    if len(jobs) < 2:
+        todo += [job for job in jobs(variant, calls, config, target, roles)
+                 if (job, target) not in _reports and job not in todo]
+    if len(todo) < 2:
         return
-    workers = min(len(jobs), workers or max(1, (os.cpu_count() or 2) - 1))
-    context = multiprocessing.get_context("spawn")
+    workers = min(len(todo), workers or max(1, (os.cpu_count() or 2) - 1))
     saved = os.environ.pop("TRITON_INTERPRET", None)  # the workers compile; they must not interpret
     try:
+        context = multiprocessing.get_context("spawn")
         with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
-            for memo, report in zip(memos, pool.map(_compile_job, jobs), strict=True):
-                _reports[memo] = report
+            for job, report in zip(todo, pool.map(_compile_in_worker, [(j, target) for j in todo]), strict=True):
+                _reports[(job, target)] = report
     finally:
         if saved is not None:
             os.environ["TRITON_INTERPRET"] = saved
 
 
-def check_variant(variant: Variant, key: dict, config: CallConfig, target: DeviceInfo,
-                  roles: tuple[str, ...] | None = None) -> list[CompileReport]:
-    """Compile every kernel one call of `variant` with this tuning key and call config launches (or
-    only those of `roles`), each with its role's config.
-
-    Reports are remembered per process by what the compile depends on (kernel, signature,
-    constexprs, options, target), so sweeping many shapes of one head dim, or one role of a call
-    config, compiles each kernel's config once."""
-    specs = [spec for spec in variant.compile_specs(key, config, dtype=key.get("dtype", "fp16"))
-             if roles is None or spec.role in roles]
-    reports = []
-    for spec in specs:
-        role_config = config[spec.role]
-        memo = _memo(spec, role_config, target)
-        if memo not in _reports:
-            _reports[memo] = compile_config(spec, role_config, target)
-        reports.append(_reports[memo])
-    return reports
-
-
 # ----------------------------------------------------------------------------- command line
 def _find_variant(name: str, vendor: str) -> Variant:
-    from kreg.ops.catalog import load_all
-
     for variants in load_all().values():
         for variant in variants:
             if variant.name == name and variant.vendor == vendor:
@@ -244,44 +202,38 @@ def _find_variant(name: str, vendor: str) -> Variant:
     raise ValueError(f"--variant: no variant {name!r} for vendor {vendor!r}; known: {', '.join(known)}")
 
 
-def _preset_keys(op_name: str) -> list[dict]:
-    """The tuning keys of the op's "full" preset shapes, computed from meta tensors (nothing allocated)."""
-    import torch
-
-    from kreg.ops import OPS
-
+def preset_shapes(op_name: str, dtype: torch.dtype, presets: Iterable[str] | None = None) -> dict[str, dict]:
+    """Tuning key (JSON) -> the first preset shape with that key, over the op's presets (or those
+    named), keys computed on meta tensors."""
     op = OPS[op_name]
-    keys = []
-    for shape in op.presets["full"]:
-        args = op.validate(**op.make_inputs(shape, device=torch.device("meta"), dtype=torch.bfloat16, seed=0))
-        key = dict(op.tuning_key(args))
-        if key not in keys:
-            keys.append(key)
-    return keys
+    out: dict[str, dict] = {}
+    for name in presets or op.presets:
+        for shape in op.presets[name]:
+            args = op.validate(**op.make_inputs(shape, device=torch.device("meta"), dtype=dtype, seed=0))
+            out.setdefault(canonical_json(dict(op.tuning_key(args))), shape)
+    return out
 
 
 def shipped_configs(variant: Variant) -> dict[str, list[CallConfig]]:
     """The call configs the shipped tables hold for this variant on its vendor's devices, by tuning key."""
-    from kreg.tuning_db.table_files import ShippedTables
+    from kreg.tuning_db.table_files import shipped_tables
 
     out: dict[str, list[CallConfig]] = {}
-    for tuned in ShippedTables().tuned(variant.op):
+    for tuned in shipped_tables().tuned(variant.op):
         if tuned.variant == variant.name and tuned.variant_vendor == variant.vendor:
             out.setdefault(tuned.tuning_key, []).append(tuned.config)
     return out
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m tuning.compile_check`: one line per (key, target, config), or JSON lines with --json."""
-    from kreg.core.device import preset
-
-    parser = argparse.ArgumentParser(prog="python -m tuning.compile_check",
+    """`python -m kreg.tuning.compile_check`: one line per compiled kernel, or JSON lines with --json."""
+    parser = argparse.ArgumentParser(prog="python -m kreg.tuning.compile_check",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--variant", required=True, help="variant name, e.g. flash_attention_tiled")
     parser.add_argument("--vendor", required=True, choices=VENDORS)
     parser.add_argument("--target", required=True, help="presets, comma-separated (h200, mi300x, mi355x)")
-    parser.add_argument("--key-json", action="append", help="a tuning key as JSON (repeatable); "
-                        "default: the keys of the op's full preset shapes")
+    parser.add_argument("--shape-json", action="append", help="a shape as the op's presets spell it, as JSON "
+                        "(repeatable); default: the op's full preset shapes, one per tuning key")
     parser.add_argument("--config-json", action="append", help="a CallConfig as JSON, by role (repeatable); "
                         "default: the variant's default call config for each key and target")
     parser.add_argument("--space", action="store_true",
@@ -289,6 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tables", action="store_true",
                         help="the shipped tuned configs of this variant (tuning_db/tables) instead of defaults")
     parser.add_argument("--roles", default=None, help="comma-separated kernel roles to compile (default: all)")
+    parser.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16", help="input dtype (default bf16)")
     parser.add_argument("--json", action="store_true", help="print one JSON object per line")
     opts = parser.parse_args(argv)
 
@@ -300,14 +253,29 @@ def main(argv: list[str] | None = None) -> int:
     for target in targets:
         if target.vendor != variant.vendor:
             parser.error(f"--target: expected a target of vendor {variant.vendor}, got {target.key} ({target.vendor})")
-    keys = [json.loads(text) for text in opts.key_json] if opts.key_json else _preset_keys(variant.op)
-    shipped = shipped_configs(variant) if opts.tables else {}
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[opts.dtype]
+    op = OPS[variant.op]
     if opts.tables:
+        shipped = shipped_configs(variant)
         if not shipped:
             parser.error(f"--tables: no shipped table holds {variant.name} ({variant.vendor})")
-        keys = [json.loads(k) for k in shipped]
+        known = {}
+        for dtype_of_key in (torch.bfloat16, torch.float16):
+            known.update({k: (s, dtype_of_key) for k, s in preset_shapes(variant.op, dtype_of_key).items()})
+        shapes = []
+        for key_json in shipped:
+            if key_json not in known:
+                print(f"{variant.name}: no preset shape has the shipped key {key_json}: skipped", file=sys.stderr)
+                continue
+            shapes.append(known[key_json])
+    elif opts.shape_json:
+        shapes = [(json.loads(text), dtype) for text in opts.shape_json]
+    else:
+        shapes = [(s, dtype) for s in preset_shapes(variant.op, dtype, ["full"]).values()]
     all_fit = True
-    for key in keys:
+    for shape, shape_dtype in shapes:
+        calls = meta_calls(variant.op, shape, shape_dtype)
+        key = dict(op.tuning_key(calls[0]))
         for target in targets:
             if not variant.supports(key, target):  # dispatch never runs it there (a window, a head dim)
                 print(f"{target.key}: {variant.name} does not support {canonical_json(key)}: skipped", file=sys.stderr)
@@ -323,10 +291,10 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 configs = [default]
             for config in configs:
-                for report in check_variant(variant, key, config, target, roles):
+                for report in check_variant(variant, calls, config, target, roles):
                     all_fit &= report.fits
                     if opts.json:
-                        row = {"target": target.key, "arch": target.arch, "key": key,
+                        row = {"target": target.key, "arch": target.arch, "key": key, "shape": shape,
                                "config": json.loads(config.to_json()), **asdict(report)}
                         print(json.dumps(row), flush=True)
                     else:

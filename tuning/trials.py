@@ -31,6 +31,7 @@ from kreg.ops.testing import (
     output_error,
     reference_gradients,
 )
+from kreg.ops.variant import CallPlan
 from kreg.tuning.bench import rotating, time_call
 
 # How long one trial (compile, gate, time) may take, and the setup of a key's inputs and reference.
@@ -106,29 +107,30 @@ def _rotation_count(op, args: dict, device: torch.device) -> int:
     return int(min(4, max(1, -(-60e6 // per_call))))
 
 
-def run_trial(inputs: KeyInputs, variant, config: CallConfig, role: str) -> tuple[str, float | None, str | None]:
-    """Gate `config` (varying `role`) on the key's inputs, then time its phase: (status, ms, error)."""
+def run_trial(inputs: KeyInputs, variant, plan: CallPlan, role: str) -> tuple[str, float | None, str | None]:
+    """Gate the plan's call config (varying `role`) on the key's inputs, then time its phase: (status, ms,
+    error)."""
     op, device = inputs.op, inputs.device
     # The role's own arguments (Variant.role_arguments) on top of the key's inputs; the reference ignores them.
     extra = variant.role_arguments.get(role, {})
     gate_args = {**inputs.gate_args, **extra}
     full_sets = [{**args, **extra} for args in inputs.full_sets]
-    launch = variant.launch
+    launch = variant.bind(plan)
     try:
         if is_backward_role(role):
             expected, dout = inputs.reference_gradients()
-            err = gradient_error(op, lambda a: launch(a, config), gate_args, dout, expected)
+            err = gradient_error(op, lambda a: launch(a), gate_args, dout, expected)
             tol = GRAD_TOLERANCE[inputs.dtype]
         else:
-            out = launch(gate_args, config)
+            out = launch(gate_args)
             _synchronize(device)
             err, tol = output_error(op, out, inputs.gate_ref, inputs.gate_args), TOLERANCE[inputs.dtype]
         if not err <= tol:
             return "wrong_result", None, f"relative error {err:.3g} > {tol:.3g}"
         if is_backward_role(role):
-            ms = time_call(backward_call(op, lambda a: launch(a, config), full_sets[0]), device)
+            ms = time_call(backward_call(op, lambda a: launch(a), full_sets[0]), device)
         else:
-            ms = time_call(rotating(lambda a: launch(a, config), full_sets), device)
+            ms = time_call(rotating(lambda a: launch(a), full_sets), device)
         return "ok", ms, None
     except Exception as exc:  # noqa: BLE001 - every failure of a config is a recorded trial, not a crash
         try:
@@ -141,7 +143,7 @@ def run_trial(inputs: KeyInputs, variant, config: CallConfig, role: str) -> tupl
 # ----------------------------------------------------------------------------- the runner
 def _worker(conn) -> None:
     """The child's loop: ("key", op name, shape, device, dtype, seed) prepares a key's inputs,
-    ("trial", variant, config json, role) runs one trial; None ends it."""
+    ("trial", variant, config json, key, device info, role) runs one trial; None ends it."""
     from kreg.ops import OPS
 
     inputs = None
@@ -157,8 +159,8 @@ def _worker(conn) -> None:
             except Exception as exc:  # noqa: BLE001 - reported to the sweep, which stops with it
                 conn.send(("failed", short_error(exc)))
         else:
-            _, variant, config_json, role = message
-            conn.send(run_trial(inputs, variant, CallConfig.from_json(config_json), role))
+            _, variant, config_json, key, device_info, role = message
+            conn.send(run_trial(inputs, variant, CallPlan(CallConfig.from_json(config_json), key, device_info), role))
 
 
 class TrialRunner:
@@ -197,13 +199,13 @@ class TrialRunner:
 
             self._inputs = KeyInputs.for_shape(OPS[self.op_name], shape, self.device, dtype, seed)
 
-    def run(self, variant, config: CallConfig, role: str) -> tuple[str, float | None, str | None]:
+    def run(self, variant, plan: CallPlan, role: str) -> tuple[str, float | None, str | None]:
         """(status, ms, error) of one trial."""
         if not self.isolate:
-            return run_trial(self._inputs, variant, config, role)
+            return run_trial(self._inputs, variant, plan, role)
         if not self._ready:
             self._start_key()
-        self._conn.send(("trial", variant, config.to_json(), role))
+        self._conn.send(("trial", variant, plan.config.to_json(), dict(plan.key), plan.device, role))
         answer = self._answer(self.timeout_s)
         if answer is None:
             return "timeout", None, f"the trial did not finish in {self.timeout_s:g} s; its process was killed"

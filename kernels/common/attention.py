@@ -34,7 +34,7 @@ covers every row. No value is read on the host.
 
 Reads top-down: helpers, forward kernels, backward kernels, launchers, the autograd Function, the
 entry point (`attention_call`), offline compile specs, the variant logic. Semantics:
-`registry.ops.flash_attention.reference` and `registry.ops.sink_attention.reference`.
+`ops.flash_attention.reference` and `ops.sink_attention.reference`.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ import triton.language as tl
 from kreg.core.records import CallConfig, LaunchConfig
 from kreg.kernels.common.launch import LaunchCache, triton_launch
 from kreg.kernels.common.tiles import cdiv, dot_block
-from kreg.ops.variant import CompileSpec
+from kreg.ops.variant import CallPlan
 
 # Kernels can only read globals that are constexprs.
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -1067,51 +1067,6 @@ def attention_call(args: Mapping, config: CallConfig, launch: Callable[..., Any]
     return (out, lse) if args["return_lse"] else out
 
 
-# ----------------------------------------------------------------------------- offline compiles
-_ELEMENT_POINTERS = ("Q", "K", "V", "Out", "DOut", "DQ", "DK", "DV")
-_FP32_POINTERS = ("Lse", "Sinks", "Delta", "Lse2", "DSinks")
-_FLOATS = ("qk_scale", "sm_scale")
-_ROLE_KERNELS = {"fwd": _attention_fwd_kernel, "bwd_pre": _attention_bwd_pre_kernel,
-                 "bwd_dkv": _attention_bwd_dkv_kernel, "bwd_dq": _attention_bwd_dq_kernel}
-
-
-def attention_compile_specs(key: dict, config: CallConfig, roles: tuple[str, ...], dtype: str = "fp16"
-                            ) -> list[CompileSpec]:
-    """The kernels of `roles` a call with this tuning key and call config may launch, typed as the JIT
-    would type them: padded and packed (varlen) inputs share a key, so the forward, dK/dV and dQ
-    kernels are checked both ways (the pre kernel does not depend on it).
-
-    `key["dtype"]` picks the element type when present (`dtype` otherwise); sinks are on when the key
-    says so (sink_attention's keys do); the forward compiles with RETURN_LSE on (the heavier of the
-    two, and what a backward needs); the GQA group is a constexpr (`GROUP`) of the forward, dK/dV
-    and dQ kernels. Lengths and the window compile as plain i32 (neither 1 nor marked divisible).
-    """
-    elem = key.get("dtype", dtype)
-    if elem not in ("fp16", "bf16", "fp32"):
-        raise ValueError(f"dtype: expected fp16, bf16 or fp32, got {elem!r}")
-    group = int(key["h_q"]) // int(key["h_kv"])
-    specs = []
-    for role in roles:
-        fn = _ROLE_KERNELS[role]
-        blocks = config[role].blocks
-        heads = packed_heads(config[role], group)
-        loops, half = forward_loops(config[role], key["window"] if key["causal"] else None,
-                                    blocks.get("BLOCK_M", 1) // heads)
-        for varlen in ((False,) if role == "bwd_pre" else (False, True)):
-            constexprs = {"GROUP": group, "IS_VARLEN": varlen, "IS_CAUSAL": bool(key["causal"]),
-                          "HAS_WINDOW": key["window"] is not None, "HAS_SINKS": bool(key.get("sinks", False)),
-                          "RETURN_LSE": True, "HEAD_DIM": int(key["d"]), "BLOCK_D": dot_block(key["d"]), **blocks,
-                          "HEADS": heads, "KEY_LOOPS": loops, "WINDOW_HALF": half, "POSITIVE_SCALE": True}
-            constexprs = {name: value for name, value in constexprs.items() if name in fn.arg_names}
-            pointers = {name: f"*{elem}" for name in _ELEMENT_POINTERS}
-            pointers.update({name: "*fp32" for name in _FP32_POINTERS})
-            pointers.update({name: "*i32" if varlen else f"*{elem}" for name in ("cu_seqlens_q", "cu_seqlens_k")})
-            signature = {name: pointers.get(name, "fp32" if name in _FLOATS else "i32")
-                         for name in fn.arg_names if name not in constexprs}
-            specs.append(CompileSpec(role, fn, signature, constexprs))
-    return specs
-
-
 # ----------------------------------------------------------------------------- the variants
 # The interpreter's tiles per role, its default first. Every extra tile is another interpreted run of
 # each tiny preset in the conformance test (a backward one, a backward too), so the backward roles
@@ -1141,12 +1096,8 @@ class AttentionTiledBase:
     fp32 inputs are not supported (`supports` is False): dispatch sends them to the reference.
     """
 
-    kernels = dict(_ROLE_KERNELS)
-    # The forward launcher (args, fwd config, keep_lse, launch) -> (out, lse or None) and the backward
-    # launcher (q, k, v, sinks, out, lse, dout, args, call config) -> (dq, dk, dv, dsinks or None); a
-    # variant with other kernels replaces them.
-    run_forward = staticmethod(attention_forward)
-    run_backward = staticmethod(attention_backward)
+    kernels = {"fwd": _attention_fwd_kernel, "bwd_pre": _attention_bwd_pre_kernel,
+               "bwd_dkv": _attention_bwd_dkv_kernel, "bwd_dq": _attention_bwd_dq_kernel}
     HEAD_DIM_DEFAULTS: Mapping[str, tuple[tuple[int, dict], ...]] = {}
 
     def shared_bytes(self, role: str, config: LaunchConfig, block_d: int, elem: int) -> int:
@@ -1213,27 +1164,31 @@ class AttentionTiledBase:
                 break
         return config
 
-    def launch(self, args: dict, config: CallConfig):
-        return attention_call(args, config, forward=self.run_forward, backward=self.run_backward)
+    def launchers(self, plan: CallPlan) -> tuple[Callable[..., tuple], Callable[..., tuple]]:
+        """The forward launcher (args, fwd config, keep_lse, launch) -> (out, lse or None) and the backward
+        launcher (q, k, v, sinks, out, lse, dout, args, call config, launch) -> (dq, dk, dv, dsinks or
+        None) of calls under `plan`: this module's kernels; a variant with other kernels replaces them."""
+        return attention_forward, attention_backward
 
-    def bind(self, config: CallConfig):
-        forward, backward = self.run_forward, self.run_backward
+    def launch(self, args: dict, plan: CallPlan):
+        forward, backward = self.launchers(plan)
+        return attention_call(args, plan.config, forward=forward, backward=backward)
+
+    def bind(self, plan: CallPlan):
+        (forward, backward), config = self.launchers(plan), plan.config
         return lambda args: attention_call(args, config, forward=forward, backward=backward)
 
-    def bind_cached(self, config: CallConfig):
-        launches, forward, backward = LaunchCache(), self.run_forward, self.run_backward
+    def bind_cached(self, plan: CallPlan):
+        (forward, backward), config, launches = self.launchers(plan), plan.config, LaunchCache()
         return lambda args: attention_call(args, config, launches, forward, backward)
 
-    def backward(self, args: dict, config: CallConfig, outputs: tuple, grad: torch.Tensor) -> dict:
+    def backward(self, args: dict, plan: CallPlan, outputs: tuple, grad: torch.Tensor) -> dict:
         """The backward kernels on the forward's saved out and lse (registry/library.py's custom op);
         a call that returned no lse runs the forward again to keep it."""
+        forward, backward = self.launchers(plan)
         out, lse = outputs[0], outputs[1]
         if not lse.numel():
-            out, lse = self.run_forward(args, config["fwd"], keep_lse=True)
+            out, lse = forward(args, plan.config["fwd"], keep_lse=True)
         sinks = args.get("sinks")
-        dq, dk, dv, dsinks = self.run_backward(args["q"], args["k"], args["v"], sinks, out, lse, grad, args, config)
+        dq, dk, dv, dsinks = backward(args["q"], args["k"], args["v"], sinks, out, lse, grad, args, plan.config)
         return {"q": dq, "k": dk, "v": dv, "sinks": dsinks}
-
-    def compile_specs(self, key: dict, config: CallConfig, dtype: str = "fp16") -> list[CompileSpec]:
-        """The kernels of the roles `config` names (a forward-only config: the forward's)."""
-        return attention_compile_specs(key, config, tuple(r for r in self.roles if r in config), dtype)

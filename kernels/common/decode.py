@@ -24,7 +24,7 @@ capacity, or the window plus s_q - 1). Paged caches gather
 keys through the block table: one entry per key tile when a page holds whole tiles (block_size >=
 BLOCK_N, fixed at compile time; a window's first tile is then aligned down to a page-aligned
 multiple of BLOCK_N), else one per key; a block id outside [0, num_blocks) masks its keys, and table
-entries past a sequence's length are never read. Semantics: `registry.ops.decode.reference`
+entries past a sequence's length are never read. Semantics: `ops.decode.reference`
 (docs/op-contracts.md).
 """
 
@@ -41,11 +41,11 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from kreg.core.records import CallConfig, LaunchConfig
+from kreg.core.records import LaunchConfig
 from kreg.core.space import ConfigSpace, Keep
 from kreg.kernels.common.launch import LaunchCache, triton_launch
 from kreg.kernels.common.tiles import cdiv, dot_block, next_pow2
-from kreg.ops.variant import CompileSpec
+from kreg.ops.variant import CallPlan
 
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
@@ -317,26 +317,12 @@ def choose_splits(programs: int, reach: int, num_sms: int, block_n: int, waves: 
     return max(sorted(options), key=filled)
 
 
-@functools.cache
-def _sm_count(device_index: int) -> int:
-    """SMs (CUs) of GPU `device_index`; for -1 (the CPU: the interpreter) its core count."""
-    from kreg.core.device import detect
-
-    return detect(torch.device("cuda", device_index) if device_index >= 0 else "cpu").num_sms
-
-
-@functools.cache
-def programmatic_launch(device_index: int) -> bool:
-    """Whether the combine is launched as a programmatic dependent of the split on GPU `device_index`
-    (NVIDIA sm_90 and later; never for -1, the CPU): its launch then overlaps the split grid's tail.
-    Keyed by index like `_sm_count`, so a call hashes an int, not a torch.device."""
-    return device_index >= 0 and torch.version.hip is None and torch.cuda.get_device_capability(device_index)[0] >= 9
-
-
 @dataclass(frozen=True)
-class DecodePlan:
-    """What a call config fixes for every launch: both roles' tiles and launch knobs, read out of the
-    config once (`DecodeSplitKVBase.bind`) instead of on every call."""
+class DecodeLaunch:
+    """What a call plan fixes for every launch: both roles' tiles and launch knobs, the device's SM count
+    and whether the combine may start as a programmatic dependent of the split (NVIDIA Hopper and later:
+    its launch then overlaps the split grid's tail), read out of the plan once (`DecodeSplitKVBase.bind`)
+    instead of on every call."""
 
     block_n: int
     waves: int
@@ -345,15 +331,18 @@ class DecodePlan:
     chunk: int
     split_knobs: dict
     combine_knobs: dict
+    num_sms: int
+    pdl: bool
 
     @classmethod
-    def of(cls, config: CallConfig) -> DecodePlan:
-        split, combine = config["split"], config["combine"]
+    def of(cls, plan: CallPlan) -> DecodeLaunch:
+        split, combine, device = plan.config["split"], plan.config["combine"], plan.device
+        pdl = device.vendor == "nvidia" and device.arch.startswith("sm_") and int(device.arch[3:]) >= 90
         return cls(split.blocks["BLOCK_N"], split.blocks["WAVES"], split.blocks["KV_HEADS"], combine.blocks["ROWS"],
-                   combine.blocks["CHUNK"], split.knobs(), combine.knobs())
+                   combine.blocks["CHUNK"], split.knobs(), combine.knobs(), device.num_sms, pdl)
 
 
-def decode_forward(args: dict, plan: DecodePlan, launch: Callable[..., Any] = triton_launch):
+def decode_forward(args: dict, plan: DecodeLaunch, launch: Callable[..., Any] = triton_launch):
     """Run the split and combine kernels on the decode contract's validated args: `out`, or
     `(out, lse)` with `return_lse`. Outputs and the workspace are allocated here (a CUDA graph
     captures them with the launches). A 3-D q (one token) is passed with a token stride of 0 and its
@@ -377,11 +366,10 @@ def decode_forward(args: dict, plan: DecodePlan, launch: Callable[..., Any] = tr
     programs = b * (h_kv // kv_heads)
     # Pages holding whole tiles: the kernel aligns a window's first tile down to a multiple of block_n.
     reach = key_range(capacity, s_q, window, block_n if paged and page >= block_n else 1)
-    device_index = q.get_device()
-    splits = args["num_splits"] or choose_splits(programs, reach, _sm_count(device_index), block_n, plan.waves)
+    splits = args["num_splits"] or choose_splits(programs, reach, plan.num_sms, block_n, plan.waves)
     split_len = cdiv(cdiv(reach, splits), block_n) * block_n
     block_d = dot_block(d)
-    pdl = programmatic_launch(device_index)
+    pdl = plan.pdl
     out = torch.empty(q.shape, device=q.device, dtype=q.dtype)
     lse = None
     if args["return_lse"]:
@@ -423,40 +411,6 @@ def decode_forward(args: dict, plan: DecodePlan, launch: Callable[..., Any] = tr
         **plan.combine_knobs,
     )
     return (out, lse) if lse is not None else out
-
-
-# ----------------------------------------------------------------------------- offline compiles
-def decode_compile_specs(key: dict, config: CallConfig, dtype: str = "fp16", pdl: bool = False) -> list[CompileSpec]:
-    """The kernels a call with this key may launch, with sinks and lse: the split kernel writing
-    partials, the combine, and the split kernel of a one-split call writing the outputs itself (`pdl`:
-    with the programmatic-dependent-launch instructions NVIDIA's Hopper build carries)."""
-    elem = f"*{key.get('dtype', dtype)}"
-    group = key["h_q"] // key["h_kv"]
-    split = config["split"].blocks
-    names = _decode_split_kernel.arg_names
-    floats = ("qk_scale",)
-    pointers = {"Q": elem, "K": elem, "V": elem, "SEQLENS": "*i32", "TABLE": "*i32", "O_PART": "*fp32",
-                "LSE_PART": "*fp32", "SINK": "*fp32"}
-    constexprs = {"HEAD_DIM": key["d"], "BLOCK_D": dot_block(key["d"]), "BLOCK_M": rows_block(key["s_q"], group),
-                  "BLOCK_N": split["BLOCK_N"], "KV_HEADS": heads_per_program(key["h_kv"], split["KV_HEADS"]),
-                  "PAGED": bool(key["paged"]), "PAGE": key["block_size"] or 1,
-                  "HAS_WINDOW": key["window"] is not None, "FINAL": False, "HAS_SINK": True, "RETURN_LSE": True,
-                  "PDL": pdl}
-    signature = {n: pointers.get(n, "fp32" if n in floats else "i32") for n in names if n not in constexprs}
-    values = {"s_q": key["s_q"], "group": group, "h_kv": key["h_kv"]}
-    split_spec = CompileSpec("split", _decode_split_kernel, signature, constexprs, values=values)
-    final_spec = CompileSpec("split", _decode_split_kernel, {**signature, "O_PART": elem},
-                             {**constexprs, "FINAL": True, "PDL": False}, values=values)
-    names = _decode_combine_kernel.arg_names
-    pointers = {"O_PART": "*fp32", "LSE_PART": "*fp32", "SINK": "*fp32", "OUT": elem, "LSE": "*fp32"}
-    combine = config["combine"].blocks
-    constexprs = {"HEAD_DIM": key["d"], "BLOCK_D": dot_block(key["d"]), "ROWS": combine["ROWS"],
-                  "CHUNK": combine["CHUNK"], "HAS_SINK": True, "RETURN_LSE": True,
-                  "PDL": pdl}
-    signature = {n: pointers.get(n, "i32") for n in names if n not in constexprs}
-    combine_spec = CompileSpec("combine", _decode_combine_kernel, signature, constexprs,
-                               values={"s_q": key["s_q"], "h_q": key["h_q"]})
-    return [split_spec, combine_spec, final_spec]
 
 
 # ----------------------------------------------------------------------------- the variant
@@ -523,16 +477,13 @@ class DecodeSplitKVBase:
             return f"needs ~{need} B of shared memory/LDS (> {device.shared_mem_bytes})"
         return None
 
-    def launch(self, args: dict, config: CallConfig):
-        return decode_forward(args, DecodePlan.of(config))
+    def launch(self, args: dict, plan: CallPlan):
+        return decode_forward(args, DecodeLaunch.of(plan))
 
-    def bind(self, config: CallConfig):
-        plan = DecodePlan.of(config)
-        return lambda args: decode_forward(args, plan)
+    def bind(self, plan: CallPlan):
+        fixed = DecodeLaunch.of(plan)
+        return lambda args: decode_forward(args, fixed)
 
-    def bind_cached(self, config: CallConfig):
-        plan, launches = DecodePlan.of(config), LaunchCache()
-        return lambda args: decode_forward(args, plan, launches)
-
-    def compile_specs(self, key: dict, config: CallConfig, dtype: str = "fp16") -> list[CompileSpec]:
-        return decode_compile_specs(key, config, dtype, pdl=self.vendor == "nvidia")
+    def bind_cached(self, plan: CallPlan):
+        fixed, launches = DecodeLaunch.of(plan), LaunchCache()
+        return lambda args: decode_forward(args, fixed, launches)

@@ -10,7 +10,7 @@ queries), the gating is applied in registers, and the heads are summed by viewin
 [BLOCK_Q, H_PAD, BLOCK_K]. Nothing per head ever reaches memory; the indexer writes its fp32 output once.
 
 Reads top-down: the shared score helpers, the indexer kernel, its launcher, compile specs, the variant's
-logic. Semantics: `registry.ops.gsa_indexer.reference` (docs/op-contracts.md).
+logic. Semantics: `ops.gsa_indexer.reference` (docs/op-contracts.md).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import triton.language as tl
 from kreg.core.nvtx import nvtx_range
 from kreg.core.records import CallConfig, LaunchConfig
 from kreg.kernels.common.tiles import dot_block
-from kreg.ops.variant import CompileSpec
+from kreg.ops.variant import CallPlan
 
 # Kernels can only read globals that are constexprs.
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -146,7 +146,7 @@ def _gsa_indexer_kernel(
 
 # ----------------------------------------------------------------------------- launcher
 def gsa_indexer_forward(args: dict, config: CallConfig) -> torch.Tensor:
-    """Launch the indexer on validated arguments (registry.ops.gsa_indexer's dict): scores [b, t, t] fp32."""
+    """Launch the indexer on validated arguments (ops.gsa_indexer's dict): scores [b, t, t] fp32."""
     q, k_idx, w, bias = args["q_idx"], args["k_idx"], args["w"], args["bias"]
     b, t, h_i, d_i = q.shape
     h_pad, block_d = index_tiles(h_i, d_i)
@@ -162,27 +162,6 @@ def gsa_indexer_forward(args: dict, config: CallConfig) -> torch.Tensor:
             **config["fwd"].knobs(),
         )
     return out
-
-
-# ----------------------------------------------------------------------------- offline compiles
-def index_signature(fn, constexprs: dict, elem: str, pointers: dict[str, str], floats: tuple[str, ...]
-                    ) -> dict[str, str]:
-    """Type strings of `fn`'s non-constexpr arguments: Q, K and W in the input dtype (W is a projection of
-    the same activations in a layer), BIAS fp32 (a parameter), then `pointers`; fp32 for `floats`, i32
-    for every other scalar."""
-    types = {"Q": elem, "K": elem, "W": elem, "BIAS": "*fp32", **pointers}
-    return {n: types.get(n, "fp32" if n in floats else "i32") for n in fn.arg_names if n not in constexprs}
-
-
-def gsa_indexer_compile_specs(key: dict, config: CallConfig, dtype: str = "bf16") -> list[CompileSpec]:
-    """The indexer kernel as a call with this key and config launches it, for offline compile checks."""
-    h_pad, block_d = index_tiles(key["h_i"], key["d_i"])
-    blocks = config["fwd"].blocks
-    constexprs = {"BLOCK_Q": blocks["BLOCK_Q"], "BLOCK_K": blocks["BLOCK_K"], "H_PAD": h_pad, "BLOCK_D": block_d}
-    elem = f"*{key.get('dtype', dtype)}"
-    signature = index_signature(_gsa_indexer_kernel, constexprs, elem, {"OUT": "*fp32"}, ("qk_scale2",))
-    return [CompileSpec("fwd", _gsa_indexer_kernel, signature, constexprs,
-                        values={"t": key["t"], "h_i": key["h_i"], "d_i": key["d_i"]})]
 
 
 # ----------------------------------------------------------------------------- the variant
@@ -218,14 +197,12 @@ class GSAIndexerTiledBase:
         rows = config.blocks["BLOCK_Q"] * triton.next_power_of_2(key["h_i"])
         return accumulator_reason(rows, config.blocks["BLOCK_K"], config, device, self.ACC_REGS_LIMIT)
 
-    def launch(self, args: dict, config: CallConfig) -> torch.Tensor:
-        return gsa_indexer_forward(args, config)
+    def launch(self, args: dict, plan: CallPlan) -> torch.Tensor:
+        return gsa_indexer_forward(args, plan.config)
 
-    def bind(self, config: CallConfig):
+    def bind(self, plan: CallPlan):
+        config = plan.config
         return lambda args: gsa_indexer_forward(args, config)
-
-    def compile_specs(self, key: dict, config: CallConfig, dtype: str = "bf16") -> list[CompileSpec]:
-        return gsa_indexer_compile_specs(key, config, dtype)
 
 
 # The interpreter's block shapes, both vendors (the default first): odd t leaves partial tiles.

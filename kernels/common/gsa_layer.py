@@ -28,11 +28,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kreg.core.device import detect, interpreter_enabled
+from kreg.core.device import INTERPRETER_VENDOR, detect, interpreter_enabled
 from kreg.core.nvtx import nvtx_range
-from kreg.core.records import LaunchConfig
 from kreg.kernels.common.tiles import cdiv, next_pow2
-from kreg.ops.variant import CompileSpec
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -63,10 +61,6 @@ class ElementwiseTiles:
     elements: int
     heads: int
     num_warps: int
-
-    def launch_config(self) -> LaunchConfig:
-        """The knobs as a LaunchConfig (no loop in these kernels: one stage)."""
-        return LaunchConfig(num_warps=self.num_warps, num_stages=1)
 
 
 # The vendor difference, as data: 4 warps of 32 lanes (NVIDIA) or of 64 (AMD) with 32 values of each
@@ -421,7 +415,7 @@ def _tiles(x: torch.Tensor, vendor: str | None) -> ElementwiseTiles:
         if not interpreter_enabled():
             raise RuntimeError("gsa layer kernels on CPU tensors need the interpreter; set TRITON_INTERPRET=1 "
                                "before importing kreg, or pass CUDA/ROCm tensors")
-        return VENDOR_TILES[vendor or "nvidia"]
+        return VENDOR_TILES[vendor or INTERPRETER_VENDOR]
     info = detect(x.device)
     if vendor is not None and vendor != info.vendor:
         raise ValueError(f"vendor: {vendor!r} kernels cannot run on {info.name} ({info.vendor})")
@@ -496,24 +490,3 @@ def output_gate(o: torch.Tensor, gate: torch.Tensor, *, vendor: str | None = Non
     if torch.is_grad_enabled() and (o.requires_grad or gate.requires_grad):
         return _OutputGateFunction.apply(o, gate, tiles)
     return _output_gate_forward(o, gate, tiles)
-
-
-# ----------------------------------------------------------------------------- offline compiles
-def compile_specs(vendor: str, d: int = 128, heads: int = 16, dtype: str = "bf16") -> list[CompileSpec]:
-    """The four kernels as the layer launches them for head dim d and `heads` heads (q's and k's) on
-    `vendor`'s tiles, for `tuning.compile_check.compile_config` with `VENDOR_TILES[vendor].launch_config()`.
-    Pointers in `dtype` (INV_FREQ fp32, the module's buffer before a dtype cast), strides and sizes i32."""
-    tiles = VENDOR_TILES[vendor]
-    rope = rope_blocks(tiles, d, heads)
-    gate = output_gate_blocks(tiles, heads * d)
-    specs = []
-    for role, fn, constexprs in (("fwd", _gsa_rope_value_gate_kernel, rope),
-                                 ("bwd", _gsa_rope_value_gate_bwd_kernel, rope),
-                                 ("fwd", _gsa_output_gate_kernel, gate),
-                                 ("bwd", _gsa_output_gate_bwd_kernel, gate)):
-        signature = {name: ("*fp32" if name == "INV_FREQ" else f"*{dtype}") if name.isupper() else "i32"
-                     for name in fn.arg_names if name not in constexprs}
-        values = {"t": 4096, "h_q": heads, "h_kv": heads, "rows": 4096, "n": heads * d}
-        specs.append(CompileSpec(role, fn, signature, constexprs,
-                                 values={n: v for n, v in values.items() if n in fn.arg_names}))
-    return specs

@@ -40,7 +40,7 @@ Backward, two passes, no atomics (so gradients are bitwise reproducible):
   group's heads summed after). Duplicate slots appear twice in a list, so they count twice.
 
 Reads top-down: kernels, launchers, the autograd Function, compile specs, the variant's logic.
-Semantics: `registry.ops.gsa_sparse_attention.reference` (docs/op-contracts.md).
+Semantics: `ops.gsa_sparse_attention.reference` (docs/op-contracts.md).
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ from kreg.core.nvtx import nvtx_range
 from kreg.core.records import CallConfig, LaunchConfig
 from kreg.core.space import ConfigSpace
 from kreg.kernels.common.tiles import cdiv, dot_block
-from kreg.ops.variant import CompileSpec
+from kreg.ops.variant import CallPlan
 
 LOG2E = tl.constexpr(1.4426950408889634)
 
@@ -604,7 +604,7 @@ Passes = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
 def gsa_sparse_attention_forward(args: dict, config: CallConfig, passes: Passes = headblock_passes) -> torch.Tensor:
-    """Launch GSA's sparse attention on validated arguments (registry.ops.gsa_sparse_attention's dict)
+    """Launch GSA's sparse attention on validated arguments (ops.gsa_sparse_attention's dict)
     with a variant's forward `passes` and its forward roles' configs; a backward, when autograd asks for
     one, runs the dq and dkv passes with the "bwd_dq" and "bwd_dkv" roles' configs."""
     q, k, v, indices, sm_scale, lengths = (args[n] for n in ("q", "k", "v", "indices", "sm_scale", "topk_length"))
@@ -622,67 +622,6 @@ def gsa_sparse_attention_backward(args: dict, config: CallConfig, grad: torch.Te
     dq, dk, dv = _backward(q, k, v, indices, sm_scale, lengths, out, lse, grad.to(q.dtype), config["bwd_dq"],
                            config["bwd_dkv"])
     return {"q": dq, "k": dk, "v": dv}
-
-
-# ----------------------------------------------------------------------------- offline compiles
-_ROLE_KERNELS = {"fwd": (_gsa_sparse_attn_fwd_kernel, "BLOCK_TOPK", ("qk_scale",)),
-                 "bwd_dq": (_gsa_sparse_attn_bwd_dq_kernel, "BLOCK_TOPK", ("sm_scale",)),
-                 "bwd_dkv": (_gsa_sparse_attn_bwd_dkv_kernel, "BLOCK_Q", ("sm_scale",))}
-
-
-def gsa_sparse_attention_compile_specs(key: dict, config: CallConfig, roles: tuple[str, ...], dtype: str = "bf16"
-                                       ) -> list[CompileSpec]:
-    """The kernels of `roles` as a call with this key and config launches them (with topk_length and
-    int32 row offsets), for offline compile checks."""
-    elem = f"*{key.get('dtype', dtype)}"
-    pointers = {n: elem for n in ("Q", "K", "V", "OUT", "DOUT", "DQ")}
-    pointers.update({n: "*fp32" for n in ("LSE", "DELTA", "DK", "DV")})
-    pointers.update({"IDX": "*i32", "TOPK_LEN": "*i32", "QUERIES": "*i32", "OFFSETS": "*i64"})
-    specs = []
-    for role in roles:
-        fn, tile, floats = _ROLE_KERNELS[role]
-        blocks = config[role].blocks
-        constexprs = {"HEAD_DIM": key["d"], "BLOCK_D": dot_block(key["d"]), "BLOCK_H": blocks["BLOCK_H"],
-                      tile: blocks[tile], "HAS_TOPK_LEN": True, "ROWS_I32": True}
-        constexprs = {n: value for n, value in constexprs.items() if n in fn.arg_names}
-        signature = {n: pointers.get(n, "fp32" if n in floats else "i32") for n in fn.arg_names if n not in constexprs}
-        # t only bounds indices in compares (never a mask the compiler vectorizes by), so the preset
-        # lengths share one compile.
-        sizes = {"h_q": key["h_q"], "topk": key["topk"], "group": key["h_q"] // key["h_kv"]}
-        specs.append(CompileSpec(role, fn, signature, constexprs,
-                                 values={n: value for n, value in sizes.items() if n in signature}))
-    return specs
-
-
-def gsa_dense_compile_specs(key: dict, config: CallConfig, roles: tuple[str, ...], dtype: str = "bf16"
-                            ) -> list[CompileSpec]:
-    """The dense variant's kernels of `roles` as a call with this key and config launches them: the
-    build and dense kernels, and the head-block kernels of "fwd_extras" (its out in fp32), "bwd_dq" and
-    "bwd_dkv" as `gsa_sparse_attention_compile_specs` types them."""
-    elem = f"*{key.get('dtype', dtype)}"
-    pointers = {"Q": elem, "K": elem, "V": elem, "OUT": elem, "OUT2": "*fp32", "LSE2": "*fp32", "LSE": "*fp32"}
-    pointers.update({n: "*i32" for n in ("IDX", "TOPK_LEN", "BITS", "EXTRAS", "DUPS", "KEY_LO", "KEY_HI")})
-    specs = []
-    for role in roles:
-        if role in ("build", "fwd"):
-            fn = _gsa_dense_build_kernel if role == "build" else _gsa_dense_fwd_kernel
-            constexprs = {"HEAD_DIM": key["d"], "BLOCK_D": dot_block(key["d"]), "HAS_TOPK_LEN": True,
-                          **config[role].blocks}
-            constexprs = {n: value for n, value in constexprs.items() if n in fn.arg_names}
-            signature = {n: pointers.get(n, "fp32" if n == "qk_scale" else "i32")
-                         for n in fn.arg_names if n not in constexprs}
-            # The dense kernel masks its tiles' rows and columns by t: the key's length (a power of two,
-            # as the presets' are) specializes it as a call's does. The build kernel only compares by it.
-            values = {"t": key["t"], "group": key["h_q"] // key["h_kv"]} if role == "fwd" else {"topk": key["topk"]}
-            specs.append(CompileSpec(role, fn, signature, constexprs, values=values))
-            continue
-        gather_role = "fwd" if role == "fwd_extras" else role
-        (spec,) = gsa_sparse_attention_compile_specs(key, CallConfig({gather_role: config[role]}), (gather_role,),
-                                                     dtype)
-        if role == "fwd_extras":
-            spec = replace(spec, role=role, signature={**spec.signature, "OUT": "*fp32"})
-        specs.append(spec)
-    return specs
 
 
 # ----------------------------------------------------------------------------- the variant
@@ -719,20 +658,17 @@ class GSASparseAttentionHeadBlockBase:
             return f"a gathered tile holds {per_thread} fp32 values per thread (> {self.TILE_REGS_LIMIT})"
         return None
 
-    def launch(self, args: dict, config: CallConfig) -> torch.Tensor:
-        return gsa_sparse_attention_forward(args, config, self.passes)
+    def launch(self, args: dict, plan: CallPlan) -> torch.Tensor:
+        return gsa_sparse_attention_forward(args, plan.config, self.passes)
 
-    def bind(self, config: CallConfig):
-        passes = self.passes
+    def bind(self, plan: CallPlan):
+        config, passes = plan.config, self.passes
         return lambda args: gsa_sparse_attention_forward(args, config, passes)
 
-    def backward(self, args: dict, config: CallConfig, outputs: tuple, grad: torch.Tensor) -> dict:
+    def backward(self, args: dict, plan: CallPlan, outputs: tuple, grad: torch.Tensor) -> dict:
         """The dq and dkv passes for the custom op's backward (registry/library.py); the op returns no
         lse, so the forward runs again to keep it."""
-        return gsa_sparse_attention_backward(args, config, grad, self.passes)
-
-    def compile_specs(self, key: dict, config: CallConfig, dtype: str = "bf16") -> list[CompileSpec]:
-        return gsa_sparse_attention_compile_specs(key, config, self.roles, dtype)
+        return gsa_sparse_attention_backward(args, plan.config, grad, self.passes)
 
 
 # Where the dense variant serves a key: its bucketed length (at least the call's) at most this many
@@ -775,9 +711,6 @@ class GSASparseAttentionDenseBase(GSASparseAttentionHeadBlockBase):
         if role != "fwd" or key["d"] <= 128 or device.key == "cpu":
             return config
         return self.spaces[role].make({**config.blocks, **config.knobs(), **self.WIDE_HEAD_FWD})
-
-    def compile_specs(self, key: dict, config: CallConfig, dtype: str = "bf16") -> list[CompileSpec]:
-        return gsa_dense_compile_specs(key, config, self.roles, dtype)
 
 
 # The interpreter's block shapes, both vendors (the default first): head blocks narrower and wider than

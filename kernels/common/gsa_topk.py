@@ -40,12 +40,10 @@ blocks of every batch row, then earlier ones) through an atomic counter, which b
 triangle.
 
 Reads top-down: the counting helpers, the placement helpers, the kernel, its launcher, compile specs,
-the variant's logic. Semantics: `registry.ops.gsa_topk.reference`; a tie may break either way.
+the variant's logic. Semantics: `ops.gsa_topk.reference`; a tie may break either way.
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 import triton
@@ -59,10 +57,9 @@ from kreg.kernels.common.gsa_indexer import (
     _load_index_keys,
     _load_index_queries_by_head,
     accumulator_reason,
-    index_signature,
     index_tiles,
 )
-from kreg.ops.variant import CompileSpec
+from kreg.ops.variant import CallPlan
 
 BINS = tl.constexpr(16)  # bins per counting step: two int32 words of eight 4-bit counters
 LOG_BINS = tl.constexpr(4)
@@ -332,17 +329,10 @@ def list_capacity(k: int, t: int, block_k: int) -> int:
     return 3 * max(min(k, t), block_k)
 
 
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    from kreg.core.device import detect
-
-    return detect(device).num_sms
-
-
-def gsa_topk_forward(args: dict, config: CallConfig) -> torch.Tensor:
-    """Launch the fused top-k on validated arguments (registry.ops.gsa_topk's dict): indices [b, t, k] int32.
-    The workspace (a list of CAP int64 entries per query of each program, and the block counter) is
-    allocated here."""
+def gsa_topk_forward(args: dict, config: CallConfig, num_sms: int) -> torch.Tensor:
+    """Launch the fused top-k on validated arguments (ops.gsa_topk's dict): indices [b, t, k] int32, in
+    at most WAVES persistent programs per SM of the device (`num_sms`). The workspace (a list of CAP
+    int64 entries per query of each program, and the block counter) is allocated here."""
     q, k_idx, w, bias, k = args["q_idx"], args["k_idx"], args["w"], args["bias"], args["k"]
     lengths = args["topk_length"]
     b, t, h_i, d_i = q.shape
@@ -351,7 +341,7 @@ def gsa_topk_forward(args: dict, config: CallConfig) -> torch.Tensor:
     blocks = role.blocks
     block_q = blocks["BLOCK_Q"]
     q_blocks = triton.cdiv(t, block_q)
-    programs = min(b * q_blocks, blocks["WAVES"] * _sm_count(q.device))
+    programs = min(b * q_blocks, blocks["WAVES"] * num_sms)
     cap = list_capacity(k, t, blocks["BLOCK_K"])
     out = torch.empty((b, t, k), device=q.device, dtype=torch.int32)
     # The kernel offsets a query block's output rows and lists in int32.
@@ -369,24 +359,6 @@ def gsa_topk_forward(args: dict, config: CallConfig) -> torch.Tensor:
             FLUSH=FLUSH_STEPS, HAS_TOPK_LEN=lengths is not None, **role.knobs(),
         )
     return out
-
-
-# ----------------------------------------------------------------------------- offline compiles
-def gsa_topk_compile_specs(key: dict, config: CallConfig, dtype: str = "bf16") -> list[CompileSpec]:
-    """The top-k kernel as a call with this key and config launches it (with topk_length, the heavier
-    specialization), for offline compile checks."""
-    h_pad, block_d = index_tiles(key["h_i"], key["d_i"])
-    blocks = config["fwd"].blocks
-    constexprs = {"BLOCK_Q": blocks["BLOCK_Q"], "BLOCK_K": blocks["BLOCK_K"], "H_PAD": h_pad, "BLOCK_D": block_d,
-                  "TILE": blocks["TILE"], "FLUSH": FLUSH_STEPS, "HAS_TOPK_LEN": True}
-    elem = f"*{key.get('dtype', dtype)}"
-    pointers = {"TOPK_LEN": "*i32", "OUT": "*i32", "LISTS": "*i64", "NEXT": "*i32"}
-    signature = index_signature(_gsa_topk_radix_kernel, constexprs, elem, pointers, ("qk_scale2",))
-    cap = list_capacity(key["k"], key["t"], blocks["BLOCK_K"])
-    # t masks query rows and bounds loops, never a run the compiler vectorizes along, so the preset
-    # lengths share one compile.
-    return [CompileSpec("fwd", _gsa_topk_radix_kernel, signature, constexprs,
-                        values={"h_i": key["h_i"], "d_i": key["d_i"], "k": key["k"], "cap": cap})]
 
 
 # ----------------------------------------------------------------------------- the variant
@@ -410,14 +382,12 @@ class GSATopkRadixBase:
         rows = config.blocks["BLOCK_Q"] * triton.next_power_of_2(key["h_i"])
         return accumulator_reason(rows, config.blocks["BLOCK_K"], config, device, self.ACC_REGS_LIMIT)
 
-    def launch(self, args: dict, config: CallConfig) -> torch.Tensor:
-        return gsa_topk_forward(args, config)
+    def launch(self, args: dict, plan: CallPlan) -> torch.Tensor:
+        return gsa_topk_forward(args, plan.config, plan.device.num_sms)
 
-    def bind(self, config: CallConfig):
-        return lambda args: gsa_topk_forward(args, config)
-
-    def compile_specs(self, key: dict, config: CallConfig, dtype: str = "bf16") -> list[CompileSpec]:
-        return gsa_topk_compile_specs(key, config, dtype)
+    def bind(self, plan: CallPlan):
+        config, num_sms = plan.config, plan.device.num_sms
+        return lambda args: gsa_topk_forward(args, config, num_sms)
 
 
 # The interpreter's block shapes, both vendors (the default first): 16-key blocks keep CAP (3 max(k',

@@ -57,12 +57,11 @@ offsets inside a tile stay int32, and so do the selected branch's key rows when 
 they fit (`rows_fit_int32`).
 
 Reads top-down: kernels, launchers (`nsa_forward`, `nsa_forward_parts`), offline compile specs, the
-variant's logic. Semantics: `registry.ops.nsa.reference` (docs/op-contracts.md).
+variant's logic. Semantics: `ops.nsa.reference` (docs/op-contracts.md).
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import NamedTuple
 
 import torch
@@ -74,16 +73,15 @@ from kreg.kernels.common.attention import (
     LN2,
     LOG2E,
     _attention_fwd_kernel,
-    attention_compile_specs,
     attention_forward,
     packing_reason,
     tile_blocks,
 )
 from kreg.kernels.common.gsa_sparse_attention import rows_fit_int32
 from kreg.kernels.common.nsa_backward import KERNELS as BACKWARD_KERNELS
-from kreg.kernels.common.nsa_backward import SWA_ROLES, nsa_backward, nsa_backward_compile_specs
+from kreg.kernels.common.nsa_backward import SWA_ROLES, nsa_backward
 from kreg.kernels.common.tiles import cdiv, dot_block, next_pow2
-from kreg.ops.variant import CompileSpec
+from kreg.ops.variant import CallPlan
 
 
 # ----------------------------------------------------------------------------- Triton kernels
@@ -479,7 +477,6 @@ def nsa_gradients(args: dict, config: CallConfig, parts: NSAForward, dout: torch
     return dict(zip(GRAD_INPUTS, grads, strict=True))
 
 
-
 class _NSAFunction(torch.autograd.Function):
     """Autograd for an eager call: the forward keeps its parts (branch outputs, lse, block ids) for the
     backward kernels. The selection is not differentiable; gradients flow to q, k, v and the gates."""
@@ -502,50 +499,13 @@ class _NSAFunction(torch.autograd.Function):
 
 
 def nsa_forward(args: dict, config: CallConfig) -> torch.Tensor:
-    """nsa on validated arguments (registry.ops.nsa's dict) with one config per role: out. Without
+    """nsa on validated arguments (ops.nsa's dict) with one config per role: out. Without
     gradients o_slc and the lse tensors are never stored; with them the call runs under
     `_NSAFunction`, whose backward launches the bwd_* roles."""
     tensors = [args[name] for name in GRAD_INPUTS]
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         return _NSAFunction.apply(*tensors, args, config)
     return _run(args, config, parts=False).out
-
-
-# ----------------------------------------------------------------------------- offline compiles
-def nsa_compile_specs(key: dict, config: CallConfig, dtype: str = "fp16") -> list[CompileSpec]:
-    """The four kernels a call with this key and call config launches, typed as the JIT types them,
-    with the parts stored (the heavier specialization; a backward's forward runs it) and the selection
-    on unless the key says block_indices are given."""
-    elem = f"*{key.get('dtype', dtype)}"
-    d, group = int(key["d"]), int(key["h_q"]) // int(key["h_kv"])
-    block_size, block_count = int(key["block_size"]), int(key["block_count"])
-    pointers = {n: elem for n in ("Q", "K", "V", "KC", "VC", "OCMP", "OSWA", "OUT", "OSLC", "GCMP", "GSLC", "GSWA")}
-    pointers.update({"LSE": "*fp32", "IDX": "*i32"})
-    floats = ("qk_scale", "inv_block_size")
-    sizes = {"group": group, "block_size": block_size, "block_count": block_count}
-    shapes = {"HEAD_DIM": d, "BLOCK_D": dot_block(d)}
-    cmp, slc = config["cmp"].blocks, config["slc"].blocks
-    block_b = min(slc["BLOCK_N"], next_pow2(block_size))
-    roles = {
-        "compress": (_nsa_compress_kernel, {**shapes, "BLOCK_N": config["compress"].blocks["BLOCK_N"]}),
-        "cmp": (_nsa_cmp_kernel, {**shapes, "SELECT": not key["block_indices"], "STORE_LSE": True,
-                                  "BLOCK_G": next_pow2(group), "BLOCK_T": cmp_tokens(cmp["BLOCK_M"], group),
-                                  "BLOCK_N": cmp["BLOCK_N"], "BLOCK_S": next_pow2(block_count)}),
-        "slc": (_nsa_slc_kernel, {**shapes, "STORE_PARTS": True, "ROWS_I32": True, "BLOCK_H": slc_heads(group),
-                                  "BLOCK_N": slc["BLOCK_N"], "BLOCK_B": block_b, "BLOCK_S": next_pow2(block_count)}),
-    }
-    specs = []
-    for role, (fn, constexprs) in roles.items():
-        signature = {n: pointers.get(n, "fp32" if n in floats else "i32") for n in fn.arg_names if n not in constexprs}
-        values = {**sizes, "n_sub": cdiv(block_size, block_b)}
-        specs.append(CompileSpec(role, fn, signature, constexprs,
-                                 values={n: value for n, value in values.items() if n in signature}))
-    window_key = {"dtype": key.get("dtype", dtype), "h_q": key["h_q"], "h_kv": key["h_kv"], "d": d,
-                  "causal": True, "window": key["window"]}
-    for spec in attention_compile_specs(window_key, CallConfig({"fwd": config["swa"]}), ("fwd",), dtype):
-        if not spec.constexprs["IS_VARLEN"]:
-            specs.append(replace(spec, role="swa"))
-    return specs + nsa_backward_compile_specs(key, config, key.get("dtype", dtype))
 
 
 # ----------------------------------------------------------------------------- the variant
@@ -661,16 +621,14 @@ class NSAGroupCentricBase:
                 break
         return config
 
-    def launch(self, args: dict, config: CallConfig) -> torch.Tensor:
-        return nsa_forward(args, config)
+    def launch(self, args: dict, plan: CallPlan) -> torch.Tensor:
+        return nsa_forward(args, plan.config)
 
-    def bind(self, config: CallConfig):
+    def bind(self, plan: CallPlan):
+        config = plan.config
         return lambda args: nsa_forward(args, config)
 
-    def backward(self, args: dict, config: CallConfig, outputs: tuple, grad: torch.Tensor) -> dict:
+    def backward(self, args: dict, plan: CallPlan, outputs: tuple, grad: torch.Tensor) -> dict:
         """The backward kernels for the custom op's autograd: its saved output is `out` alone, so the
         forward runs again to keep the parts (one more forward, about a third of the backward)."""
-        return nsa_gradients(args, config, nsa_forward_parts(args, config), grad)
-
-    def compile_specs(self, key: dict, config: CallConfig, dtype: str = "fp16") -> list[CompileSpec]:
-        return nsa_compile_specs(key, config, dtype)
+        return nsa_gradients(args, plan.config, nsa_forward_parts(args, plan.config), grad)

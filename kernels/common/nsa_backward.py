@@ -1,7 +1,7 @@
 """NSA's backward (Native Sparse Attention: compressed, selected and window branches) as Triton kernels
 that both vendors share, behind one launcher, `nsa_backward`.
 
-The forward is `out = g_cmp * o_cmp + g_slc * o_slc + g_swa * o_swa` (registry.ops.nsa). Branch x sees
+The forward is `out = g_cmp * o_cmp + g_slc * o_slc + g_swa * o_swa` (ops.nsa). Branch x sees
 the cotangent dO_x = g_x * dout, so with dg_x = rowsum(dout * o_x) (the gate's gradient, fp32 per
 (b, t, h_q) row) its FlashAttention-2 Delta is rowsum(dO_x * o_x) = g_x * dg_x, and
 
@@ -68,7 +68,7 @@ window 512, bf16; q-sized tensors are 1 GiB):
 Total ~55-60 ms, against the issue's ~90 ms budget for the backward.
 
 Reads top-down: kernels, the lists, the launcher, offline compile specs, interpreter configs.
-Semantics: autograd of `registry.ops.nsa.reference`.
+Semantics: autograd of `ops.nsa.reference`.
 """
 
 from __future__ import annotations
@@ -87,10 +87,8 @@ from kreg.kernels.common.attention import (
     _attention_bwd_dq_kernel,
     _attention_bwd_pre_kernel,
     attention_backward,
-    attention_compile_specs,
 )
 from kreg.kernels.common.tiles import cdiv, dot_block
-from kreg.ops.variant import CompileSpec
 
 LOG2E = tl.constexpr(1.4426950408889634)
 
@@ -479,7 +477,7 @@ def nsa_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g_cmp: torch
                  ) -> tuple[torch.Tensor, ...]:
     """NSA's gradients (dq, dk, dv, dg_cmp, dg_slc, dg_swa), each in its input's dtype.
 
-    Inputs as registry.ops.nsa validates them; dout like q (any strides). Saved from the forward:
+    Inputs as ops.nsa validates them; dout like q (any strides). Saved from the forward:
     block_indices int32 [b, t, h_kv, block_count] (the selection used, caller's ids included: invalid
     ones are masked, duplicates count), the ungated branch outputs o_x [b, t, h_q, d] in q's dtype (0 for
     a row with no key) and lse_x [b, h_q, t] fp32, natural log (+inf for such a row). `config` holds
@@ -558,7 +556,7 @@ def nsa_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g_cmp: torch
     return dq, dk, dv, dg[0].to(g_cmp.dtype), dg[1].to(g_slc.dtype), dg[2].to(g_swa.dtype)
 
 
-# ----------------------------------------------------------------------------- offline compiles
+# ----------------------------------------------------------------------------- roles
 ROLE_KERNELS = {"bwd_gate": _nsa_bwd_gate_kernel, "bwd_cmp_dq": _nsa_bwd_cmp_dq_kernel,
                 "bwd_cmp_dkv": _nsa_bwd_cmp_dkv_kernel, "bwd_slc_dq": _nsa_bwd_slc_dq_kernel,
                 "bwd_slc_dkv": _nsa_bwd_slc_dkv_kernel}
@@ -566,44 +564,6 @@ ROLE_KERNELS = {"bwd_gate": _nsa_bwd_gate_kernel, "bwd_cmp_dq": _nsa_bwd_cmp_dq_
 KERNELS = {**ROLE_KERNELS, "bwd_swa_pre": _attention_bwd_pre_kernel, "bwd_swa_dkv": _attention_bwd_dkv_kernel,
            "bwd_swa_dq": _attention_bwd_dq_kernel}
 ROLES = tuple(KERNELS)
-_FP32_POINTERS = ("Lse", "DG", "DQAcc", "DKPart", "DVPart")
-_OTHER_POINTERS = {"IDX": "*i32", "Tokens": "*i32", "Offsets": "*i64"}
-_FLOATS = ("qk_scale", "sm_scale", "cmp_scale")
-# Blocks that are launch arguments, not constexprs.
-_RUNTIME_BLOCKS = {"BLOCK_T": "chunk"}
-
-
-def nsa_backward_compile_specs(key: dict, config: CallConfig, dtype: str = "bf16") -> list[CompileSpec]:
-    """Every kernel one backward with this nsa tuning key and call config launches, typed as the JIT
-    types them, each tagged with its role: the five NSA kernels (gates in q's dtype) and the
-    attention family's padded (not varlen) pre, dK/dV and dQ kernels for the window roles."""
-    elem = key.get("dtype", dtype)
-    d, h_q, h_kv = int(key["d"]), int(key["h_q"]), int(key["h_kv"])
-    group = h_q // h_kv
-    pointers = {name: "*fp32" for name in _FP32_POINTERS}
-    pointers.update(_OTHER_POINTERS)
-    sizes = {"group": group, "h_q": h_q, "h_kv": h_kv, "block_size": int(key["block_size"]),
-             "block_count": int(key["block_count"])}
-    if "t" in key:
-        t = int(key["t"])
-        sizes.update({"t": t, "n_cmp": t // sizes["block_size"], "n_blocks": cdiv(t, sizes["block_size"])})
-    specs = []
-    for role, fn in ROLE_KERNELS.items():
-        blocks = dict(config[role].blocks)
-        values = {**sizes, **{_RUNTIME_BLOCKS[n]: blocks.pop(n) for n in list(blocks) if n in _RUNTIME_BLOCKS}}
-        constexprs = {"HEAD_DIM": d, "BLOCK_D": dot_block(d), "BLOCK_G": dot_block(group), **blocks}
-        constexprs = {n: value for n, value in constexprs.items() if n in fn.arg_names}
-        signature = {n: pointers.get(n, f"*{elem}") if n[0].isupper() else ("fp32" if n in _FLOATS else "i32")
-                     for n in fn.arg_names if n not in constexprs}
-        specs.append(CompileSpec(role, fn, signature, constexprs,
-                                 values={n: value for n, value in values.items() if n in signature}))
-    swa_key = {"causal": True, "window": key["window"], "d": d, "dtype": elem, "h_q": h_q, "h_kv": h_kv}
-    names = {name: role for role, name in SWA_ROLES.items()}
-    for spec in attention_compile_specs(swa_key, swa_config(config), tuple(names), elem):
-        if not spec.constexprs.get("IS_VARLEN", False):
-            specs.append(CompileSpec(names[spec.role], spec.fn, spec.signature, spec.constexprs, spec.options,
-                                     spec.values))
-    return specs
 
 
 # ----------------------------------------------------------------------------- interpreter configs

@@ -17,7 +17,7 @@ row's sum into an fp32 workspace) and the sum pass (each kv row adds its workspa
 order).
 
 Reads top-down: forward kernel, backward kernels, launchers, the autograd Function, compile specs.
-Semantics: `registry.ops.sparse_mla.reference` (docs/op-contracts.md).
+Semantics: `ops.sparse_mla.reference` (docs/op-contracts.md).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from kreg.core.records import CallConfig, LaunchConfig
 from kreg.core.space import ConfigSpace
 from kreg.kernels.common.tiles import cdiv, dot_block
 from kreg.ops.sparse_mla import SparseMLAOutput
-from kreg.ops.variant import CompileSpec
+from kreg.ops.variant import CallPlan
 
 # Kernels can only read globals that are constexprs.
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -61,6 +61,20 @@ def _gather_rows(kv_row, offs_d, valid, D_LIMIT: tl.constexpr, BLOCK_D: tl.const
     else:
         mask = valid[:, None]
     return tl.load(kv_row[:, None] + offs_d[None, :], mask=mask, other=0.0)
+
+
+@triton.jit
+def _q_or_dout(q_row, do_row, cols, is_do, mask, BY_SELECT: tl.constexpr):
+    """A tile whose rows are dO where `is_do` and Q elsewhere, from row pointers `q_row`/`do_row` [R, 1]
+    and columns `cols` [1, C]: one load through a select between the two tensors' row pointers, or
+    (BY_SELECT False: AMD, whose pointer canonicalization in Triton 3.6 cannot take such a select once
+    the tensors fit 32-bit offsets) two loads with disjoint masks."""
+    if BY_SELECT:
+        return tl.load(tl.where(is_do[:, None], do_row, q_row) + cols, mask=mask, other=0.0)
+    else:
+        q = tl.load(q_row + cols, mask=mask & ~is_do[:, None], other=0.0)
+        do = tl.load(do_row + cols, mask=mask & is_do[:, None], other=0.0)
+        return q + do
 
 
 @triton.jit
@@ -240,7 +254,7 @@ def _sparse_mla_bwd_fused_kernel(
     stride_dkb, stride_dks, stride_dkh,
     D_V: tl.constexpr, D_TAIL: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DT: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_TOPK: tl.constexpr, HAS_TOPK_LEN: tl.constexpr, ROWS_I32: tl.constexpr,
-    D_SPLIT: tl.constexpr,
+    D_SPLIT: tl.constexpr, ROWS_BY_SELECT: tl.constexpr,
 ):
     """Backward in one pass. One program: BLOCK_H heads of one kv group of one query.
 
@@ -276,12 +290,12 @@ def _sparse_mla_bwd_fused_kernel(
     row_h = hb * BLOCK_H + offs_r % BLOCK_H
     row_ok = row_h < heads_per_group
     rows_h = (g * heads_per_group + row_h).to(tl.int64)
-    z_row = tl.where(is_do[:, None], DOUT + b * stride_dob + t.to(tl.int64) * stride_dos + rows_h[:, None] * stride_doh,
-                     Q + b * stride_qb + t.to(tl.int64) * stride_qs + rows_h[:, None] * stride_qh)
+    q_row = Q + b * stride_qb + t.to(tl.int64) * stride_qs + rows_h[:, None] * stride_qh
+    do_row = DOUT + b * stride_dob + t.to(tl.int64) * stride_dos + rows_h[:, None] * stride_doh
     z = ()
     for c in tl.static_range(D_SPLIT):
-        z = z + (tl.load(z_row + c * BLOCK_DS + offs_d[None, :],
-                         mask=row_ok[:, None] & (offs_d[None, :] < D_V - c * BLOCK_DS), other=0.0),)
+        z = z + (_q_or_dout(q_row, do_row, c * BLOCK_DS + offs_d[None, :], is_do,
+                            row_ok[:, None] & (offs_d[None, :] < D_V - c * BLOCK_DS), ROWS_BY_SELECT),)
     if D_TAIL > 0:
         offs_dt = tl.arange(0, BLOCK_DT)
         q_tail = tl.load(Q + b * stride_qb + t.to(tl.int64) * stride_qs + heads[:, None].to(tl.int64) * stride_qh
@@ -449,6 +463,7 @@ def _sparse_mla_bwd_dkv_kernel(
     stride_wb, stride_ws, stride_wg, stride_wt,
     D_V: tl.constexpr, D_TAIL: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DT: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_TOPK: tl.constexpr, HAS_TOPK_LEN: tl.constexpr, ROWS_I32: tl.constexpr,
+    ROWS_BY_SELECT: tl.constexpr,
 ):
     """Deterministic backward, second pass. One program: the dKV contribution of one top-k tile of one
     query.
@@ -492,9 +507,8 @@ def _sparse_mla_bwd_dkv_kernel(
             row_h = h0 + offs_r % BLOCK_H
             row_ok = row_h < heads_per_group
             rows_h = (g * heads_per_group + row_h).to(tl.int64)
-            qd_ptr = tl.where(is_do[:, None], do_base + rows_h[:, None] * stride_doh,
-                              q_base + rows_h[:, None] * stride_qh)
-            qd = tl.load(qd_ptr + offs_dv[None, :], mask=row_ok[:, None] & (offs_dv[None, :] < D_V), other=0.0)
+            qd = _q_or_dout(q_base + rows_h[:, None] * stride_qh, do_base + rows_h[:, None] * stride_doh,
+                            offs_dv[None, :], is_do, row_ok[:, None] & (offs_dv[None, :] < D_V), ROWS_BY_SELECT)
             pds_col = tl.where(is_do, heads_per_group, 0) + row_h
             pds = tl.load(pds_row + pds_col[None, :], mask=valid[:, None] & row_ok[None, :], other=0.0)
             dkv_main = tl.dot(pds, qd, dkv_main)
@@ -610,11 +624,14 @@ WORKSPACE_BYTES = 512 * 2**20
 
 
 class BackwardPasses(NamedTuple):
-    """A variant's launchers of the two backward passes it may bring its own kernel for: the fused pass
-    (`_fused_pass`'s arguments) and the deterministic backward's dq pass (`_dq_pass`'s)."""
+    """A variant's launchers of the two backward passes it may bring its own kernel for, the fused pass
+    (`_fused_pass`'s arguments) and the deterministic backward's dq pass (`_dq_pass`'s), and how the
+    head-block fused and dkv kernels stack Q and dO rows (`rows_by_select`: one load through a select
+    between the two tensors' pointers; False: two masked loads, what AMD's compiler takes)."""
 
     fused: Callable
     dq: Callable
+    rows_by_select: bool = True
 
 
 def _backward(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, out, lse, dout, config: CallConfig,
@@ -647,10 +664,11 @@ def _backward(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, out, lse, d
             "HAS_TOPK_LEN": topk_length is not None}
     if deterministic:
         _deterministic_passes(q, kv, indices, sm_scale, topk_length, dout, delta, shift, dq, dkv, config, dims,
-                              passes.dq)
+                              passes.dq, passes.rows_by_select)
     else:
         with nvtx_range("sparse_mla/bwd_fused_kernel"):
-            passes.fused(q, kv, indices, sm_scale, topk_length, dout, delta, shift, dq, dkv, config["bwd_fused"], dims)
+            passes.fused(q, kv, indices, sm_scale, topk_length, dout, delta, shift, dq, dkv, config["bwd_fused"],
+                         {**dims, "ROWS_BY_SELECT": passes.rows_by_select})
     dsink = None if dsink_rows is None else dsink_rows.sum((0, 1))
     return dq, dkv.to(kv.dtype), dsink
 
@@ -658,7 +676,8 @@ def _backward(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, out, lse, d
 def _fused_pass(q, kv, indices, sm_scale, topk_length, dout, delta, shift, dq, dkv, config: LaunchConfig,
                 dims: dict) -> None:
     """The head-block fused pass: dq written, every selected row's dkv added to the zeroed fp32 dkv.
-    Delta and the shift are laid out like lse; `dims` holds the kernels' dimension constexprs."""
+    Delta and the shift are laid out like lse; `dims` holds the kernel's dimension constexprs and
+    ROWS_BY_SELECT (`BackwardPasses.rows_by_select`)."""
     b, s_q, h_q, _ = q.shape
     h_kv = kv.shape[2]
     heads_per_group = h_q // h_kv
@@ -692,7 +711,7 @@ def _dq_pass(q, kv, indices, sm_scale, topk_length, dout, delta, shift, dq, pds,
 
 
 def _deterministic_passes(q, kv, indices, sm_scale, topk_length, dout, delta, shift, dq, dkv, config: CallConfig,
-                          dims: dict, run_dq) -> None:
+                          dims: dict, run_dq, rows_by_select: bool) -> None:
     """dq and the fp32 dkv without atomics, a chunk of queries at a time: the dq pass (`run_dq`: dq, and
     dS and P into a workspace), the dkv pass (each selected row's contribution into a second workspace)
     and the sum pass, which adds those rows into dkv in the order of a stable sort of the chunk's slots
@@ -735,12 +754,17 @@ def _deterministic_passes(q, kv, indices, sm_scale, topk_length, dout, delta, sh
                 s_kv, topk, heads_per_group, topk_tiles,
                 *_strides(q_c, 3), *_strides(idx_c, 3), *_strides(len_c, 2), *_strides(dout, 3), *_strides(pds, 4),
                 *_strides(ws_c, 4),
-                **dims, ROWS_I32=topk * d_qk < 2**31, **dkv_blocks, **config["bwd_dkv"].knobs(),
+                **dims, ROWS_I32=topk * d_qk < 2**31, ROWS_BY_SELECT=rows_by_select, **dkv_blocks,
+                **config["bwd_dkv"].knobs(),
             )
         with nvtx_range("sparse_mla/bwd_sum_kernel"):
             _sparse_mla_bwd_sum_kernel[(rows, cdiv(d_qk, sum_blocks["BLOCK_D"]))](
                 ws_c, order, segments, dkv, d_qk, **sum_blocks, **config["bwd_sum"].knobs(),
             )
+
+
+# The head-block kernels' backward passes (a variant with kernels of its own replaces some).
+HEAD_BLOCK_PASSES = BackwardPasses(_fused_pass, _dq_pass)
 
 
 class _SparseMLAFunction(torch.autograd.Function):
@@ -768,7 +792,7 @@ class _SparseMLAFunction(torch.autograd.Function):
 
 
 def sparse_mla_forward(args: dict, config: CallConfig, run_forward, passes: BackwardPasses) -> SparseMLAOutput:
-    """Launch sparse MLA on validated arguments (registry.ops.sparse_mla's dict) with the "fwd" role's
+    """Launch sparse MLA on validated arguments (ops.sparse_mla's dict) with the "fwd" role's
     config; a backward, when autograd asks for one, runs the "bwd_pre" and "bwd_fused" roles (or, when
     deterministic, "bwd_pre", "bwd_dq", "bwd_dkv" and "bwd_sum"). `run_forward` is the forward launcher
     (batched-layout tensors in, (out, max_logits, lse) out) and `passes` the backward passes' (see
@@ -790,55 +814,6 @@ def sparse_mla_forward(args: dict, config: CallConfig, run_forward, passes: Back
     return SparseMLAOutput(out, max_logits, lse)
 
 
-# ----------------------------------------------------------------------------- offline compiles
-def _compile_signature(names: list[str], pointers: dict[str, str], floats: tuple[str, ...]) -> dict[str, str]:
-    """Type strings for a kernel's non-constexpr arguments: the given pointers, fp32 scalars, i32 otherwise."""
-    return {n: pointers.get(n, "fp32" if n in floats else "i32") for n in names}
-
-
-_ROLE_KERNELS = {"fwd": (_sparse_mla_fwd_kernel, ("qk_scale",)),
-                 "bwd_pre": (_sparse_mla_bwd_pre_kernel, ()),
-                 "bwd_fused": (_sparse_mla_bwd_fused_kernel, ("sm_scale",)),
-                 "bwd_dq": (_sparse_mla_bwd_dq_kernel, ("sm_scale",)),
-                 "bwd_dkv": (_sparse_mla_bwd_dkv_kernel, ()),
-                 "bwd_sum": (_sparse_mla_bwd_sum_kernel, ())}
-
-
-def sparse_mla_compile_specs(key: dict, config: CallConfig, roles: tuple[str, ...], dtype: str = "bf16"
-                             ) -> list[CompileSpec]:
-    """The head-block kernels of `roles` as a call with this key and config launches them (with sink
-    and topk_length, the heaviest variants, and int32 row offsets), for offline compile checks."""
-    block_dv, block_dt = dim_blocks(key["d_qk"], key["d_v"])
-    elem = f"*{key.get('dtype', dtype)}"
-    pointers = {n: elem for n in ("Q", "KV", "OUT", "DOUT", "DQ", "PDS")}
-    pointers.update({n: "*fp32" for n in ("SINK", "MAX_LOGITS", "LSE", "DKV", "DSINK", "DELTA", "SHIFT", "WS")})
-    pointers.update({n: "*i32" for n in ("IDX", "TOPK_LEN")})
-    pointers.update({n: "*i64" for n in ("ORDER", "SEGMENTS")})
-    heads_per_group = key["h_q"] // key["h_kv"]
-    specs = []
-    for role in roles:
-        fn, floats = _ROLE_KERNELS[role]
-        if role == "bwd_fused":
-            blocks = fused_blocks(config[role], heads_per_group, block_dv)
-        elif "BLOCK_H" in config[role].blocks:
-            blocks = _capped(config[role], heads_per_group)
-        else:
-            blocks = dict(config[role].blocks)
-        constexprs = {"D_V": key["d_v"], "D_TAIL": key["d_qk"] - key["d_v"], "BLOCK_DV": block_dv,
-                      "BLOCK_DT": block_dt, "HAS_SINK": True, "HAS_TOPK_LEN": True, "ROWS_I32": True, **blocks}
-        constexprs = {n: v for n, v in constexprs.items() if n in fn.arg_names}
-        names = [n for n in fn.arg_names if n not in constexprs]
-        signature = _compile_signature(names, {n: t for n, t in pointers.items() if n in names}, floats)
-        sizes = {"topk": key["topk"], "heads_per_group": heads_per_group, "d_qk": key["d_qk"]}
-        if "BLOCK_H" in blocks:
-            sizes["head_blocks"] = cdiv(heads_per_group, blocks["BLOCK_H"])
-        if "BLOCK_TOPK" in blocks:
-            sizes["topk_tiles"] = cdiv(key["topk"], blocks["BLOCK_TOPK"])
-        specs.append(CompileSpec(role, fn, signature, constexprs,
-                                 values={n: v for n, v in sizes.items() if n in names}))
-    return specs
-
-
 # ----------------------------------------------------------------------------- the variants
 def heads_fit_group(config: LaunchConfig, key: dict) -> bool:
     """Keep: a head block (dkv's head chunk too) no wider than the group's heads rounded up to a power
@@ -853,17 +828,17 @@ class SparseMLALaunch:
     that run them."""
 
     run_forward = staticmethod(_forward)
-    passes = BackwardPasses(_fused_pass, _dq_pass)
+    passes = HEAD_BLOCK_PASSES
     role_arguments = {role: {"deterministic": True} for role in ("bwd_dq", "bwd_dkv", "bwd_sum")}
 
-    def launch(self, args: dict, config: CallConfig) -> SparseMLAOutput:
-        return sparse_mla_forward(args, config, self.run_forward, self.passes)
+    def launch(self, args: dict, plan: CallPlan) -> SparseMLAOutput:
+        return sparse_mla_forward(args, plan.config, self.run_forward, self.passes)
 
-    def bind(self, config: CallConfig):
-        run_forward, passes = self.run_forward, self.passes
+    def bind(self, plan: CallPlan):
+        config, run_forward, passes = plan.config, self.run_forward, self.passes
         return lambda args: sparse_mla_forward(args, config, run_forward, passes)
 
-    def backward(self, args: dict, config: CallConfig, outputs: tuple, grad: torch.Tensor) -> dict:
+    def backward(self, args: dict, plan: CallPlan, outputs: tuple, grad: torch.Tensor) -> dict:
         """The backward passes on the forward's saved out and lse (what `_SparseMLAFunction` runs)."""
         batched = args["q"].dim() == 4
         q, kv, indices, lengths, out, lse, dout = (
@@ -871,7 +846,7 @@ class SparseMLALaunch:
             for t in (args["q"], args["kv"], args["indices"], args["topk_length"], outputs[0], outputs[2], grad))
         deterministic = args["deterministic"] or torch.are_deterministic_algorithms_enabled()
         dq, dkv, dsink = _backward(q, kv, indices, args["sm_scale"], args["d_v"], args["attn_sink"], lengths, out,
-                                   lse, dout, config, deterministic, self.passes)
+                                   lse, dout, plan.config, deterministic, self.passes)
         if not batched:
             dq, dkv = dq[0], dkv[0]
         return {"q": dq, "kv": dkv, "attn_sink": dsink}
@@ -945,9 +920,6 @@ class SparseMLAHeadBlockBase(SparseMLALaunch):
         if smem > device.shared_mem_bytes:
             return f"needs ~{smem} B of shared memory/LDS (> {device.shared_mem_bytes})"
         return None
-
-    def compile_specs(self, key: dict, config: CallConfig, dtype: str = "bf16") -> list[CompileSpec]:
-        return sparse_mla_compile_specs(key, config, self.roles, dtype)
 
 
 # The interpreter's block shapes, shared by both vendors (their defaults first).

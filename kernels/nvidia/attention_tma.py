@@ -76,11 +76,6 @@ def descriptor(t: torch.Tensor, rows: int, heads: int = 1) -> TensorDescriptor:
     return TensorDescriptor(t, list(t.shape), _strides(t), [1, rows, heads, d], layout)
 
 
-def descriptor_type(elem: str, rows: int, head_dim: int, heads: int = 1) -> str:
-    """The JIT's signature type of a `descriptor` argument (what `triton.runtime.jit.mangle_type` gives)."""
-    return f"tensordesc<{elem}[1, {rows}, {heads}, {head_dim}],{_block_layout(rows, head_dim, elem, heads)!r}>"
-
-
 def padded_outputs(q: torch.Tensor, keep_lse: bool, return_lse: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """out like a padded [b, s, h, d] q, and lse [b, h, s] in fp32 when it is returned or kept for a
     backward (None otherwise): what the Gluon forwards write."""

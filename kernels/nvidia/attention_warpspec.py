@@ -33,8 +33,8 @@ descriptor cannot address (a base not 16-byte aligned, a row or head stride not 
 elements) share a tuning key with padded ones, so this forward hands them to the tiled kernel itself
 (with the tiled variant's default forward config for the key). Gluon kernels do not run in the Triton
 interpreter: CI compiles this one for sm_90 (tests/test_attention_warpspec.py) and the GPU tests
-compare it with the reference in bf16. Semantics: `registry.ops.flash_attention.reference`,
-`registry.ops.sink_attention.reference`.
+compare it with the reference in bf16. Semantics: `ops.flash_attention.reference`,
+`ops.sink_attention.reference`.
 """
 
 from __future__ import annotations
@@ -56,13 +56,12 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from kreg.core.records import CallConfig, LaunchConfig
 from kreg.core.space import ConfigSpace
-from kreg.kernels.common.attention import attention_backward, attention_compile_specs, attention_forward
+from kreg.kernels.common.attention import attention_backward, attention_forward
 from kreg.kernels.common.launch import triton_launch
 from kreg.kernels.nvidia.attention_tma import (
     LOG2E,
     PRODUCER_REGS,
     descriptor,
-    descriptor_type,
     key_tiles,
     padded_outputs,
     query_tile,
@@ -76,13 +75,11 @@ from kreg.kernels.nvidia.attention_warpspec_bwd import (
     DQ_SPACE,
     _attention_bwd_dkv_ws_kernel,
     _attention_bwd_dq_ws_kernel,
-    dkv_compile_spec,
     dkv_shared_bytes,
-    dq_compile_spec,
     dq_shared_bytes,
     warpspec_backward,
 )
-from kreg.ops.variant import CompileSpec
+from kreg.ops.variant import CallPlan
 
 LN2 = gl.constexpr(0.6931471805599453)
 HEAD_DIMS = (64, 128)
@@ -482,62 +479,35 @@ class AttentionWarpSpecHopper:
             return f"needs ~{need} B of shared memory (> {device.shared_mem_bytes} B)"
         return None
 
-    def run_forward(self, args: Mapping, config: LaunchConfig, keep_lse: bool,
-                    launch: Callable[..., Any] = triton_launch) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """This kernel, or for varlen calls and inputs TMA cannot address, the tiled forward with the
-        tiled variant's default forward config for the call's key."""
-        if _served(args, args["q"], args["k"], args["v"]):
-            return warpspec_forward(args, config, keep_lse, launch)
-        return attention_forward(args, self.fallback_config(args), keep_lse, launch)
+    def launchers(self, plan: CallPlan) -> tuple[Callable[..., tuple], Callable[..., tuple]]:
+        """This forward, and the tiled pre kernel followed by the warp-specialized dK/dV and dQ kernels;
+        varlen calls and inputs TMA cannot address go to the tiled kernels with the tiled variant's
+        default configs for the plan's key and device."""
+        tiled = self.fallback(plan)
 
-    def run_backward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None,
+        def forward(args: Mapping, config: LaunchConfig, keep_lse: bool,
+                    launch: Callable[..., Any] = triton_launch) -> tuple[torch.Tensor, torch.Tensor | None]:
+            if _served(args, args["q"], args["k"], args["v"]):
+                return warpspec_forward(args, config, keep_lse, launch)
+            return attention_forward(args, tiled["fwd"], keep_lse, launch)
+
+        def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None,
                      out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor, args: Mapping, config: CallConfig,
                      launch: Callable[..., Any] = triton_launch
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """The tiled pre kernel, then the warp-specialized dK/dV and dQ kernels, or for the calls the
-        forward hands over, the tiled backward with the tiled variant's default dK/dV and dQ configs."""
-        if _served(args, q, k, v):
-            return warpspec_backward(q, k, v, sinks, out, lse, dout, args, config, launch)
-        call = {**args, "q": q, "k": k, "v": v, "sinks": sinks}  # the autograd path passes the rest only
-        tiled = config
-        for role in ("bwd_dkv", "bwd_dq"):
-            tiled = tiled.replace(role, self.fallback_config(call, role))
-        return attention_backward(q, k, v, sinks, out, lse, dout, args, tiled, launch)
+            if _served(args, q, k, v):
+                return warpspec_backward(q, k, v, sinks, out, lse, dout, args, config, launch)
+            handed = config.replace("bwd_dkv", tiled["bwd_dkv"]).replace("bwd_dq", tiled["bwd_dq"])
+            return attention_backward(q, k, v, sinks, out, lse, dout, args, handed, launch)
 
-    def fallback_config(self, args: Mapping, role: str = "fwd") -> LaunchConfig:
-        """The tiled variant's default config of `role` for the call's tuning key and device."""
-        from kreg.core.device import detect
-        from kreg.ops.dense_attention import dense_tuning_key
+        return forward, backward
 
-        key = dict(dense_tuning_key(args))
-        device = detect(args["q"].device)
+    def fallback(self, plan: CallPlan) -> CallConfig:
+        """The tiled variant's default call config for the plan's key and device: what the calls this
+        kernel hands over run (made once per key and device)."""
         cache = self.__dict__.setdefault("_fallbacks", {})
-        found = cache.get((role, tuple(key.items()), device.key))
+        where = (plan.device.key, tuple(sorted(plan.key.items())))
+        found = cache.get(where)
         if found is None:
-            found = cache[(role, tuple(key.items()), device.key)] = self.tiled().role_default(role, key, device)
+            found = cache[where] = self.tiled().default_config(dict(plan.key), plan.device)
         return found
-
-    def compile_specs(self, key: dict, config: CallConfig, dtype: str = "bf16") -> list[CompileSpec]:
-        """This forward (with sinks when the key has them, and lse), the dK/dV and dQ kernels, and the
-        tiled pre kernel."""
-        elem = key.get("dtype", dtype)
-        specs = [forward_compile_spec(key, config["fwd"], elem)] if "fwd" in config else []
-        if "bwd_dkv" in config:
-            specs.append(dkv_compile_spec(key, config["bwd_dkv"], elem))
-        if "bwd_dq" in config:
-            specs.append(dq_compile_spec(key, config["bwd_dq"], elem))
-        tiled = tuple(r for r in self.roles if r in config and r not in _OWN_ROLES)
-        return specs + attention_compile_specs(key, config, tiled, dtype)
-
-
-def forward_compile_spec(key: Mapping, config: LaunchConfig, elem: str) -> CompileSpec:
-    """The warp-specialized forward as a call with this key launches it (RETURN_LSE on, the heavier)."""
-    fn = _attention_fwd_ws_kernel
-    d, rows, keys = int(key["d"]), config.blocks["BLOCK_M"], config.blocks["BLOCK_N"]
-    constexprs = {"GROUP": int(key["h_q"]) // int(key["h_kv"]), "IS_CAUSAL": bool(key["causal"]),
-                  "HAS_SINKS": bool(key.get("sinks", False)), "RETURN_LSE": True, "HEAD_DIM": d, **config.blocks}
-    signature = {"q_desc": descriptor_type(elem, rows, d), "o_desc": descriptor_type(elem, rows, d),
-                 "k_desc": descriptor_type(elem, keys, d), "v_desc": descriptor_type(elem, keys, d),
-                 "Sinks": "*fp32", "Lse": "*fp32", "qk_scale": "fp32",
-                 "seqlen_q": "i32", "seqlen_k": "i32", "stride_lb": "i32", "stride_lh": "i32"}
-    return CompileSpec("fwd", fn, signature, constexprs, {"num_warps": 4})

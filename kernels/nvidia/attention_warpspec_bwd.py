@@ -59,13 +59,11 @@ from kreg.kernels.nvidia.attention_tma import (
     LOG2E,
     PRODUCER_REGS,
     descriptor,
-    descriptor_type,
     key_tiles,
     query_tile,
     release,
     tma_addressable,
 )
-from kreg.ops.variant import CompileSpec
 
 
 # ----------------------------------------------------------------------------- shared pieces
@@ -495,16 +493,6 @@ DKV_HEAD_DIM_DEFAULTS = ((64, {"BLOCK_M": 64, "NUM_STAGES": 2}), (128, {}))
 
 
 # ----------------------------------------------------------------------------- offline compiles
-def dkv_compile_spec(key: Mapping, config: LaunchConfig, elem: str) -> CompileSpec:
-    """The dK/dV kernel as a call with this key launches it."""
-    d, rows, keys = int(key["d"]), config.blocks["BLOCK_M"], config.blocks["BLOCK_N"]
-    constexprs = {"GROUP": int(key["h_q"]) // int(key["h_kv"]), "IS_CAUSAL": bool(key["causal"]), "HEAD_DIM": d,
-                  **config.blocks}
-    signature = {**{name: descriptor_type(elem, rows, d) for name in ("q_desc", "do_desc")},
-                 **{name: descriptor_type(elem, keys, d) for name in ("k_desc", "v_desc", "dk_desc", "dv_desc")},
-                 "Lse2": "*fp32", "Delta": "*fp32", "qk_scale": "fp32", "sm_scale": "fp32",
-                 "seqlen_q": "i32", "diag": "i32", "stride_lb": "i32", "stride_lh": "i32"}
-    return CompileSpec("bwd_dkv", _attention_bwd_dkv_ws_kernel, signature, constexprs, {"num_warps": 4})
 
 
 # ----------------------------------------------------------------------------- dQ config space
@@ -538,13 +526,3 @@ DQ_SPACE = ConfigSpace(
 DQ_HEAD_DIM_DEFAULTS = ((128, {}),)
 
 
-def dq_compile_spec(key: Mapping, config: LaunchConfig, elem: str) -> CompileSpec:
-    """The dQ kernel as a call with this key launches it."""
-    d, rows, keys = int(key["d"]), config.blocks["BLOCK_M"], config.blocks["BLOCK_N"]
-    constexprs = {"GROUP": int(key["h_q"]) // int(key["h_kv"]), "IS_CAUSAL": bool(key["causal"]), "HEAD_DIM": d,
-                  **config.blocks}
-    signature = {**{name: descriptor_type(elem, rows, d) for name in ("q_desc", "do_desc", "dq_desc")},
-                 **{name: descriptor_type(elem, keys, d) for name in ("k_desc", "v_desc")},
-                 "Lse2": "*fp32", "Delta": "*fp32", "qk_scale": "fp32", "sm_scale": "fp32",
-                 "seqlen_q": "i32", "seqlen_k": "i32", "stride_lb": "i32", "stride_lh": "i32"}
-    return CompileSpec("bwd_dq", _attention_bwd_dq_ws_kernel, signature, constexprs, {"num_warps": 4})

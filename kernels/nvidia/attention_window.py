@@ -16,7 +16,7 @@ softmax, no rescaling. Near a sequence's start (the window's first key below 0) 
 start at key 0 and take every mask, as the tiled kernel's clamped copy does. Rows and keys past a
 sequence come back from TMA as zeros and rows past s_q are dropped by the TMA store, so the kernel
 serves padded [b, s, h, d] calls only; `window_tma_served` says which (the caller runs the tiled
-kernel otherwise). Semantics: `registry.ops.sink_attention.reference`.
+kernel otherwise). Semantics: `ops.sink_attention.reference`.
 """
 
 from __future__ import annotations
@@ -36,12 +36,12 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from kreg.core.records import CallConfig, LaunchConfig
+from kreg.core.records import LaunchConfig
 from kreg.core.space import ConfigSpace
-from kreg.kernels.common.attention import attention_compile_specs, attention_forward, causal_window, window_reason
+from kreg.kernels.common.attention import attention_backward, attention_forward, causal_window, window_reason
 from kreg.kernels.common.launch import triton_launch
-from kreg.kernels.nvidia.attention_tma import LOG2E, descriptor, descriptor_type, padded_outputs, tma_addressable
-from kreg.ops.variant import CompileSpec
+from kreg.kernels.nvidia.attention_tma import LOG2E, descriptor, padded_outputs, tma_addressable
+from kreg.ops.variant import CallPlan
 
 LN2 = gl.constexpr(0.6931471805599453)
 FLOAT32_LOWEST = gl.constexpr(-3.4028234663852886e38)
@@ -312,35 +312,16 @@ class AttentionWindowTmaHopper:
             return f"needs ~{need} B of shared memory (> {device.shared_mem_bytes} B)"
         return None
 
-    def run_forward(self, args: Mapping, config: LaunchConfig, keep_lse: bool,
+    def launchers(self, plan: CallPlan) -> tuple[Callable[..., tuple], Callable[..., tuple]]:
+        """This forward, or for the calls it hands over the tiled forward in the same no-loop form; the
+        tiled backward."""
+
+        def forward(args: Mapping, config: LaunchConfig, keep_lse: bool,
                     launch: Callable[..., Any] = triton_launch) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if window_tma_served(args, config):
-            return window_tma_forward(args, config, keep_lse, launch)
-        return attention_forward(args, tiled_equivalent(config), keep_lse, launch)
+            if window_tma_served(args, config):
+                return window_tma_forward(args, config, keep_lse, launch)
+            return attention_forward(args, tiled_equivalent(config), keep_lse, launch)
 
-    def compile_specs(self, key: dict, config: CallConfig, dtype: str = "bf16") -> list[CompileSpec]:
-        """This forward (lse on, the heavier), the tiled forward its handed-over calls run, and the
-        tiled backward roles."""
-        elem = key.get("dtype", dtype)
-        specs = []
-        if "fwd" in config:
-            specs.append(forward_compile_spec(key, config["fwd"], elem))
-            specs += attention_compile_specs(key, CallConfig({"fwd": tiled_equivalent(config["fwd"])}), ("fwd",), elem)
-        tiled = tuple(r for r in self.roles if r in config and r != "fwd")
-        return specs + attention_compile_specs(key, config, tiled, elem)
+        return forward, attention_backward
 
 
-def forward_compile_spec(key: Mapping, config: LaunchConfig, elem: str) -> CompileSpec:
-    """This forward as a call with this key launches it (RETURN_LSE on)."""
-    d, tokens, heads = int(key["d"]), config.blocks["TOKENS"], config.blocks["HEADS"]
-    half = min(key["window"], key["s_k"]) // 2
-    constexprs = {"GROUP": int(key["h_q"]) // int(key["h_kv"]), "HAS_SINKS": bool(key.get("sinks", False)),
-                  "RETURN_LSE": True, "HEAD_DIM": d, "TOKENS": tokens, "HEADS": heads, "HALF": half,
-                  "NUM_WARPS": config.num_warps}
-    rows, keys, tail = (descriptor_type(elem, tokens, d, heads), descriptor_type(elem, half, d),
-                        descriptor_type(elem, TAIL.value, d))
-    signature = {"q_desc": rows, "k_desc": keys, "v_desc": keys, "kt_desc": tail, "vt_desc": tail, "o_desc": rows,
-                 "Sinks": "*fp32", "Lse": "*fp32", "qk_scale": "fp32", "seqlen_q": "i32", "seqlen_k": "i32",
-                 "window": "i32", "stride_lb": "i32", "stride_lh": "i32"}
-    return CompileSpec("fwd", _attention_fwd_window_tma_kernel, signature, constexprs,
-                       {"num_warps": config.num_warps, "maxnreg": config.blocks["MAX_REGS"]})

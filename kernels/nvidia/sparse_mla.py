@@ -31,7 +31,7 @@ the V3.2 shape, its warps waiting at CTA barriers around layout conversions and 
   current pair's last products run.
 
 One program owns 64 heads (wgmma's M per warpgroup) of one kv group of one query, as in the head-block
-kernel with BLOCK_H 64. Semantics: `registry.ops.sparse_mla.reference`.
+kernel with BLOCK_H 64. Semantics: `ops.sparse_mla.reference`.
 
 It copies 16-byte chunks, so it needs kv rows aligned to 16 elements: the tuning key says whether
 they are (`kv_aligned`), and `supports` leaves unaligned calls to the head-block kernel.
@@ -42,7 +42,6 @@ Gluon kernels do not run in the Triton interpreter: CI compiles this one for sm_
 
 from __future__ import annotations
 
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -53,7 +52,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from kreg.core.records import CallConfig, LaunchConfig
+from kreg.core.records import LaunchConfig
 from kreg.core.space import ConfigSpace
 from kreg.kernels.common.sparse_mla import (
     BWD_PRE_SPACE,
@@ -64,10 +63,8 @@ from kreg.kernels.common.sparse_mla import (
     INTERPRETER_SUM,
     BackwardPasses,
     SparseMLAHeadBlockBase,
-    _compile_signature,
     forward_launch,
     heads_fit_group,
-    sparse_mla_compile_specs,
 )
 from kreg.kernels.nvidia.attention_tma import release
 from kreg.kernels.nvidia.sparse_mla_gather import (
@@ -80,10 +77,9 @@ from kreg.kernels.nvidia.sparse_mla_gather import (
     _rows_to_shared,
 )
 from kreg.kernels.nvidia.sparse_mla_warpspec_bwd import _sparse_mla_bwd_ws_kernel, dq_pass_ws, fused_pass_ws
-from kreg.kernels.nvidia.sparse_mla_warpspec_bwd import compile_spec as bwd_compile_spec
 from kreg.kernels.nvidia.sparse_mla_warpspec_bwd import shared_bytes as bwd_shared_bytes
 from kreg.ops.catalog import register
-from kreg.ops.variant import CompileSpec, Variant
+from kreg.ops.variant import Variant
 
 
 @register
@@ -567,23 +563,3 @@ class SparseMLAWarpSpecializedHopper(SparseMLAHeadBlockNvidia):
         if need > device.shared_mem_bytes:
             return f"needs {need} B of shared memory (> {device.shared_mem_bytes})"
         return None
-
-    def compile_specs(self, key: dict, config: CallConfig, dtype: str = "bf16") -> list[CompileSpec]:
-        """This forward (with sink and topk_length), fused backward pass and deterministic dq pass, and
-        the head-block variant's other backward kernels."""
-        fn = _sparse_mla_fwd_ws_kernel
-        constexprs = {"D_V": key["d_v"], "D_TAIL": key["d_qk"] - key["d_v"], "HAS_SINK": True, "HAS_TOPK_LEN": True,
-                      **config["fwd"].blocks}
-        names = [n for n in fn.arg_names if n not in constexprs]
-        elem = f"*{key.get('dtype', dtype)}"
-        pointers = {"Q": elem, "KV": elem, "OUT": elem, "IDX": "*i32", "TOPK_LEN": "*i32", "SINK": "*fp32",
-                    "MAX_LOGITS": "*fp32", "LSE": "*fp32"}
-        heads_per_group = key["h_q"] // key["h_kv"]
-        values = {"topk": key["topk"], "heads_per_group": heads_per_group,
-                  "head_blocks": triton.cdiv(heads_per_group, BLOCK_H.value)}
-        forward = CompileSpec("fwd", fn, _compile_signature(names, pointers, ("qk_scale",)), constexprs,
-                              {"num_warps": 4}, values)
-        others = tuple(r for r in self.roles if r not in GLUON_ROLES)
-        return [forward, bwd_compile_spec(key, config["bwd_fused"], dtype),
-                bwd_compile_spec(key, config["bwd_dq"], dtype, role="bwd_dq"),
-                *sparse_mla_compile_specs(key, config, others, dtype)]

@@ -33,7 +33,6 @@ reference's autograd in bf16.
 
 from __future__ import annotations
 
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -44,7 +43,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from kreg.core.records import LaunchConfig
-from kreg.kernels.common.sparse_mla import LOG2E, _compile_signature, _grid, _strides
+from kreg.kernels.common.sparse_mla import LOG2E, _grid, _strides
 from kreg.kernels.nvidia.sparse_mla_gather import (
     COLS,
     PRODUCER_REGS,
@@ -54,7 +53,6 @@ from kreg.kernels.nvidia.sparse_mla_gather import (
     _query_slots,
     _rows_to_shared,
 )
-from kreg.ops.variant import CompileSpec
 
 # Kernels can only read globals that are constexprs (Python code reads `.value`).
 BLOCK_H = gl.constexpr(64)  # heads per program: wgmma's M for one warpgroup
@@ -363,22 +361,3 @@ def shared_bytes(d_v: int, d_tail: int) -> int:
             + 4 * stages * slots + 8 * (2 * stages + 4))
 
 
-def compile_spec(key: dict, config: LaunchConfig, dtype: str, role: str = "bwd_fused") -> CompileSpec:
-    """The kernel as a call with this key launches it (with topk_length) in `role`: "bwd_fused" (dkv
-    atomics) or "bwd_dq" (the workspace), for offline compile checks."""
-    fn = _sparse_mla_bwd_ws_kernel
-    constexprs = {"D_V": key["d_v"], "D_TAIL": key["d_qk"] - key["d_v"], "HAS_TOPK_LEN": True,
-                  "DKV_ATOMICS": role == "bwd_fused", **config.blocks}
-    names = [n for n in fn.arg_names if n not in constexprs]
-    elem = f"*{key.get('dtype', dtype)}"
-    pointers = {"Q": elem, "KV": elem, "DOUT": elem, "DQ": elem, "IDX": "*i32", "TOPK_LEN": "*i32",
-                "DELTA": "*fp32", "SHIFT": "*fp32", "DKV": "*fp32", "PDS": elem}
-    if role == "bwd_dq":  # no dkv: the workspace stands in for it
-        pointers["DKV"] = elem
-    else:  # no workspace: dkv stands in for it
-        pointers["PDS"] = "*fp32"
-    heads_per_group = key["h_q"] // key["h_kv"]
-    values = {"topk": key["topk"], "heads_per_group": heads_per_group,
-              "head_blocks": triton.cdiv(heads_per_group, BLOCK_H.value)}
-    return CompileSpec(role, fn, _compile_signature(names, pointers, ("qk_scale", "sm_scale")), constexprs,
-                       {"num_warps": 4}, values)
