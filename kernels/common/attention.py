@@ -47,13 +47,12 @@ import triton
 import triton.language as tl
 
 from kreg.core.records import CallConfig, LaunchConfig
+from kreg.kernels.common.constants import LN2, LOG2E
 from kreg.kernels.common.launch import LaunchCache, triton_launch
 from kreg.kernels.common.tiles import cdiv, dot_block
 from kreg.ops.variant import CallPlan
 
 # Kernels can only read globals that are constexprs.
-LOG2E = tl.constexpr(1.4426950408889634)
-LN2 = tl.constexpr(0.6931471805599453)
 FLOAT32_LOWEST = tl.constexpr(-3.4028234663852886e38)
 
 

@@ -43,12 +43,11 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from kreg.core.records import LaunchConfig
 from kreg.core.space import ConfigSpace, Keep
+from kreg.kernels.common.constants import LN2, LOG2E
 from kreg.kernels.common.launch import LaunchCache, triton_launch
 from kreg.kernels.common.tiles import cdiv, dot_block, next_pow2
 from kreg.ops.variant import CallPlan
 
-LOG2E = tl.constexpr(1.4426950408889634)
-LN2 = tl.constexpr(0.6931471805599453)
 MAX_SPLITS = 256
 
 

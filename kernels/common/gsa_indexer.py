@@ -21,11 +21,11 @@ import triton.language as tl
 
 from kreg.core.nvtx import nvtx_range
 from kreg.core.records import CallConfig, LaunchConfig
+from kreg.kernels.common.constants import LOG2E
 from kreg.kernels.common.tiles import dot_block
 from kreg.ops.variant import CallPlan
 
 # Kernels can only read globals that are constexprs.
-LOG2E = tl.constexpr(1.4426950408889634)
 
 
 def index_tiles(h_i: int, d_i: int) -> tuple[int, int]:

@@ -55,10 +55,9 @@ import triton.language as tl
 from kreg.core.nvtx import nvtx_range
 from kreg.core.records import CallConfig, LaunchConfig
 from kreg.core.space import ConfigSpace
-from kreg.kernels.common.tiles import cdiv, dot_block
+from kreg.kernels.common.constants import LOG2E
+from kreg.kernels.common.tiles import cdiv, dot_block, rows_fit_int32
 from kreg.ops.variant import CallPlan
-
-LOG2E = tl.constexpr(1.4426950408889634)
 
 
 # ----------------------------------------------------------------------------- Triton kernels
@@ -440,11 +439,6 @@ def _gsa_dense_fwd_kernel(
 
 
 # ----------------------------------------------------------------------------- launchers
-def rows_fit_int32(*tensors: torch.Tensor) -> bool:
-    """Whether every row offset a kernel gathers (index * row stride, plus the heads and the row) of
-    these [b, t, h, d] tensors fits in int32 (64-bit address arithmetic costs registers)."""
-    return all((x.shape[1] - 1) * x.stride(1) + (x.shape[2] - 1) * x.stride(2) + x.shape[3] < 2**31
-               for x in tensors)
 
 
 def _lengths_strides(topk_length: torch.Tensor | None) -> tuple[int, int]:

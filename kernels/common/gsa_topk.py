@@ -51,8 +51,8 @@ import triton.language as tl
 
 from kreg.core.nvtx import nvtx_range
 from kreg.core.records import CallConfig, LaunchConfig
+from kreg.kernels.common.constants import LOG2E
 from kreg.kernels.common.gsa_indexer import (
-    LOG2E,
     _gated_scores_by_key,
     _load_index_keys,
     _load_index_queries_by_head,

@@ -71,16 +71,15 @@ import triton.language as tl
 from kreg.core.records import CallConfig, LaunchConfig
 from kreg.kernels.common.attention import (
     LN2,
-    LOG2E,
     _attention_fwd_kernel,
     attention_forward,
     packing_reason,
     tile_blocks,
 )
-from kreg.kernels.common.gsa_sparse_attention import rows_fit_int32
+from kreg.kernels.common.constants import LOG2E
 from kreg.kernels.common.nsa_backward import KERNELS as BACKWARD_KERNELS
 from kreg.kernels.common.nsa_backward import SWA_ROLES, nsa_backward
-from kreg.kernels.common.tiles import cdiv, dot_block, next_pow2
+from kreg.kernels.common.tiles import cdiv, dot_block, next_pow2, rows_fit_int32
 from kreg.ops.variant import CallPlan
 
 

@@ -88,9 +88,8 @@ from kreg.kernels.common.attention import (
     _attention_bwd_pre_kernel,
     attention_backward,
 )
+from kreg.kernels.common.constants import LOG2E
 from kreg.kernels.common.tiles import cdiv, dot_block
-
-LOG2E = tl.constexpr(1.4426950408889634)
 
 # The window branch's roles, by the attention family's role names.
 SWA_ROLES = {"bwd_swa_pre": "bwd_pre", "bwd_swa_dkv": "bwd_dkv", "bwd_swa_dq": "bwd_dq"}

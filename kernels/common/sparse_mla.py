@@ -32,13 +32,12 @@ import triton.language as tl
 from kreg.core.nvtx import nvtx_range
 from kreg.core.records import CallConfig, LaunchConfig
 from kreg.core.space import ConfigSpace
+from kreg.kernels.common.constants import LN2, LOG2E
 from kreg.kernels.common.tiles import cdiv, dot_block
 from kreg.ops.sparse_mla import SparseMLAOutput
 from kreg.ops.variant import CallPlan
 
 # Kernels can only read globals that are constexprs.
-LOG2E = tl.constexpr(1.4426950408889634)
-LN2 = tl.constexpr(0.6931471805599453)
 
 
 def dim_blocks(d_qk: int, d_v: int) -> tuple[int, int]:

@@ -16,7 +16,6 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-LOG2E = gl.constexpr(1.4426950408889634)
 # A producer only issues TMA copies and waits on barriers: the fewest registers setmaxnreg allows.
 PRODUCER_REGS = gl.constexpr(24)
 _ELEMENT_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16"}

@@ -57,9 +57,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from kreg.core.records import CallConfig, LaunchConfig
 from kreg.core.space import ConfigSpace
 from kreg.kernels.common.attention import attention_backward, attention_forward
+from kreg.kernels.common.constants import LN2, LOG2E
 from kreg.kernels.common.launch import triton_launch
 from kreg.kernels.nvidia.attention_tma import (
-    LOG2E,
     PRODUCER_REGS,
     descriptor,
     key_tiles,
@@ -81,7 +81,6 @@ from kreg.kernels.nvidia.attention_warpspec_bwd import (
 )
 from kreg.ops.variant import CallPlan
 
-LN2 = gl.constexpr(0.6931471805599453)
 HEAD_DIMS = (64, 128)
 
 

@@ -54,9 +54,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from kreg.core.records import CallConfig, LaunchConfig
 from kreg.core.space import ConfigSpace
 from kreg.kernels.common.attention import backward_pre
+from kreg.kernels.common.constants import LOG2E
 from kreg.kernels.common.launch import triton_launch
 from kreg.kernels.nvidia.attention_tma import (
-    LOG2E,
     PRODUCER_REGS,
     descriptor,
     key_tiles,

@@ -39,11 +39,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from kreg.core.records import LaunchConfig
 from kreg.core.space import ConfigSpace
 from kreg.kernels.common.attention import attention_backward, attention_forward, causal_window, window_reason
+from kreg.kernels.common.constants import LN2, LOG2E
 from kreg.kernels.common.launch import triton_launch
-from kreg.kernels.nvidia.attention_tma import LOG2E, descriptor, padded_outputs, tma_addressable
+from kreg.kernels.nvidia.attention_tma import descriptor, padded_outputs, tma_addressable
 from kreg.ops.variant import CallPlan
 
-LN2 = gl.constexpr(0.6931471805599453)
 FLOAT32_LOWEST = gl.constexpr(-3.4028234663852886e38)
 TAIL = gl.constexpr(16)  # keys of the diagonal piece: the block's tokens fit one 16-key product
 

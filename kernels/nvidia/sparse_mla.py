@@ -54,6 +54,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from kreg.core.records import LaunchConfig
 from kreg.core.space import ConfigSpace
+from kreg.kernels.common.constants import LN2
 from kreg.kernels.common.sparse_mla import (
     BWD_PRE_SPACE,
     INTERPRETER_DKV,
@@ -139,7 +140,6 @@ class SparseMLAHeadBlockNvidia(SparseMLAHeadBlockBase, Variant):
 
 
 # ----------------------------------------------------------------------------- warp-specialized forward
-LN2 = gl.constexpr(0.6931471805599453)
 # Kernels can only read globals that are constexprs (Python code reads `.value`).
 BLOCK_H = gl.constexpr(64)  # heads per program: wgmma's M for one warpgroup; both warpgroups share them
 BLOCK_TOPK = gl.constexpr(64)  # slots per block: each warpgroup's scores are one 64 x 64 x d_qk product

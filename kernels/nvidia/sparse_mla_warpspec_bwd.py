@@ -43,7 +43,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from kreg.core.records import LaunchConfig
-from kreg.kernels.common.sparse_mla import LOG2E, _grid, _strides
+from kreg.kernels.common.constants import LOG2E
+from kreg.kernels.common.sparse_mla import _grid, _strides
 from kreg.kernels.nvidia.sparse_mla_gather import (
     COLS,
     PRODUCER_REGS,
