@@ -14,21 +14,25 @@ $(VENV)/.installed: pyproject.toml scripts/make_venv.sh
 	scripts/make_venv.sh $(if $(HAS_GPU),gpu,cpu) $(PYTHON) $(VENV)
 	touch $@
 
+# Test workers (pytest-xdist): every core of a CPU machine; 8 on a GPU machine, which share its GPU
+# (each test allocates little, and nothing is timed).
+TEST_WORKERS ?= $(if $(HAS_GPU),8,auto)
+
 test: $(VENV)/.installed
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS)
 
 # On a GPU a full sweep takes hours: each `make sweep` runs a slice and the next one resumes it.
 SWEEP_ARGS ?= $(if $(HAS_GPU),--max-minutes 30 --resume,)
 
 sweep: $(VENV)/.installed
-	$(PY) -m tuning.sweep --device auto $(SWEEP_ARGS)
+	$(PY) -m kreg.tuning.sweep --device auto $(SWEEP_ARGS)
 ifneq ($(HAS_GPU),1)
 	# No GPU here: also compile every tiny-preset config for the MI355X (gfx950) and print its resources.
-	$(PY) -m tuning.sweep --device mi355x --compile-only
+	$(PY) -m kreg.tuning.sweep --device mi355x --compile-only
 endif
 
 bench: $(VENV)/.installed
-	$(PY) -m benchmarks.run
+	$(PY) -m kreg.benchmarks.run
 
 lint: $(VENV)/.installed
 	$(PY) -m ruff check .

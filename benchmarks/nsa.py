@@ -112,7 +112,7 @@ def _backward_rows(name: str, shape: dict, args: dict, dtype: torch.dtype) -> li
 
 def run(dtype: torch.dtype = torch.bfloat16) -> list[Measurement]:
     """The rows of the module docstring; kernel times and skipped rows go to `notes()`."""
-    from kreg.kernels.common.nsa import nsa_forward_parts
+    from kreg.kernels.common.nsa.forward import nsa_forward_parts
 
     _NOTES.clear()
     handle = registry.get("nsa")

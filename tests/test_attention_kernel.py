@@ -1,4 +1,4 @@
-"""The attention kernel family (kernels/common/attention.py: flash_attention_tiled and
+"""The attention kernel family (kernels/common/attention/: flash_attention_tiled and
 sink_attention_flash, NVIDIA and AMD, one body) against the references, forward and backward.
 
 Without a GPU the kernels run in the Triton interpreter in fp16, so shapes are tiny (on a GPU: bf16,
@@ -454,14 +454,14 @@ KEY = {"causal": True, "d": 128, "dtype": "bf16", "h_kv": 8, "h_q": 32, "s_k": 8
 
 
 def test_variants_are_registered_with_the_family_kernels():
-    from kreg.kernels.common import attention
+    from kreg.kernels.common.attention import backward
 
     names = {(v.op, v.name, v.vendor) for v in _variants()}
     assert names == {(op, name, vendor) for op, name in ((F, "flash_attention_tiled"), (S, "sink_attention_flash"))
                      for vendor in VENDORS}
     for variant in _variants():
         assert variant.roles == ROLES and variant.priority == 0
-        assert variant.kernels["bwd_dkv"] is attention._attention_bwd_dkv_kernel
+        assert variant.kernels["bwd_dkv"] is backward._attention_bwd_dkv_kernel
         assert len(variant.source_hash) == 16
     assert len({v.source_hash for v in _variants()}) == 1  # one kernel family for both ops and vendors
 

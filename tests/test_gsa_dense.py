@@ -19,7 +19,8 @@ import torch
 
 from kreg.core.device import preset
 from kreg.core.records import LaunchConfig
-from kreg.kernels.common.gsa_sparse_attention import dense_key_sets, dense_passes, headblock_passes
+from kreg.kernels.common.gsa_sparse_attention.dense import dense_key_sets, dense_passes
+from kreg.kernels.common.gsa_sparse_attention.headblock import headblock_passes
 from kreg.ops import OPS
 from kreg.ops.catalog import load_all
 from kreg.registry import dispatch

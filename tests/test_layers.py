@@ -116,3 +116,19 @@ def test_the_checks_see_the_whole_package():
     assert {_folder(m) for m in graph} >= set(_layer_table())
     assert "kreg.ops.catalog" in graph["kreg.kernels.nvidia.decode"]
     assert "kreg.tuning.autotune" in graph["kreg.registry.dispatch"]
+
+
+def test_kernels_take_the_device_and_key_from_their_plan():
+    """Dispatch binds a variant with a CallPlan (config, key, device): no kernel module detects a device
+    or computes a tuning key. The GSA layer's elementwise kernels, called directly and not through
+    dispatch (docs/architecture.md, "Kernels outside the registry"), pick their tiles from the device."""
+    found = []
+    for path in (ROOT / "kernels").rglob("*.py"):
+        if path.name == "gsa_layer.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.ImportFrom) else []
+            called = node.func.attr if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) else None
+            if "detect" in names or called in ("tuning_key", "get_device_capability", "get_device_properties"):
+                found.append(str(path.relative_to(ROOT)))
+    assert not found, found

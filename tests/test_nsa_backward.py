@@ -1,4 +1,4 @@
-"""NSA's backward kernels (kernels/common/nsa_backward.py) against torch.autograd of the op's fp32
+"""NSA's backward kernels (kernels/common/nsa/backward.py) against torch.autograd of the op's fp32
 reference, with the same block ids: odd lengths, a sequence shorter than one block, fewer blocks than
 block_count, windows of 1 and longer than the sequence, GQA ratios 1, 4 and 16, caller ids with -1,
 out-of-range ids, duplicates and rows without a valid id, and the reference's own selection.
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from kreg.core.records import CallConfig, LaunchConfig
-from kreg.kernels.common.nsa_backward import INTERPRETER, ROLES, block_lists, nsa_backward
+from kreg.kernels.common.nsa.backward import INTERPRETER, ROLES, block_lists, nsa_backward
 from kreg.ops.nsa import _compressed, reference, select_blocks, validate
 from kreg.ops.testing import GRAD_TOLERANCE, relative_error
 

@@ -16,8 +16,8 @@ import torch
 
 from kreg.core.device import CPU, detect, preset
 from kreg.core.records import LaunchConfig
-from kreg.kernels.common.nsa import NSAForward, nsa_forward_parts
-from kreg.kernels.common.nsa_backward import ROLES as BACKWARD_ROLES
+from kreg.kernels.common.nsa.backward import ROLES as BACKWARD_ROLES
+from kreg.kernels.common.nsa.forward import NSAForward, nsa_forward_parts
 from kreg.ops import OPS
 from kreg.ops.catalog import load_all
 from kreg.ops.nsa import ambiguous_selections, select_blocks

@@ -241,9 +241,10 @@ def test_any_layer_imports_first_without_a_cycle():
     import sys
     from pathlib import Path
 
-    modules = ["kreg.kernels.nvidia.sparse_mla", "kreg.kernels.amd.flash_attention", "kreg.kernels.common.sparse_mla",
-               "kreg.ops.variant", "kreg.ops.sparse_mla", "kreg.core.device", "kreg.registry.dispatch",
-               "kreg.tuning.sweep", "kreg.layers.gated_sparse_attention", "kreg.kernels.common.gsa_layer"]
+    modules = ["kreg.kernels.nvidia.sparse_mla", "kreg.kernels.amd.flash_attention",
+               "kreg.kernels.common.sparse_mla.variant", "kreg.ops.variant", "kreg.ops.sparse_mla", "kreg.core.device",
+               "kreg.registry.dispatch", "kreg.tuning.sweep", "kreg.layers.gated_sparse_attention",
+               "kreg.kernels.common.gsa_layer"]
     check = ("import importlib, sys; importlib.import_module(sys.argv[1]); import registry; "
              "assert 'get' in vars(registry) and '__getattr__' not in vars(registry); "
              "assert registry.variants('sparse_mla')")

@@ -162,7 +162,7 @@ def test_backward_with_large_and_infinite_sinks(variant, device):
 def test_int64_row_offsets_match(variant, device, monkeypatch):
     """The 64-bit row-offset path (taken when s_kv * row stride does not fit in int32) gives the same
     forward and gradients as the int32 one that every other test takes."""
-    from kreg.kernels.common import sparse_mla as kernel_module
+    from kreg.kernels.common.sparse_mla import backward, forward
 
     args = _inputs(device, seed=9, s_q=3, s_kv=50, h_q=16, h_kv=1, d_qk=96, d_v=64, topk=30, sink=True)
     config = _configs(variant, args)[0]
@@ -176,7 +176,9 @@ def test_int64_row_offsets_match(variant, device, monkeypatch):
         return results
 
     narrow = run()
-    monkeypatch.setattr(kernel_module, "_rows_fit_int32", lambda *tensors: False)
+    # The forward's and the backward passes' launchers each read the name from their own module.
+    for launchers in (forward, backward):
+        monkeypatch.setattr(launchers, "_rows_fit_int32", lambda *tensors: False)
     wide = run()
     for a, b in zip(narrow, wide, strict=True):
         assert_close(a.float(), b.float(), TOL)
@@ -187,24 +189,24 @@ def test_deterministic_backward_in_query_chunks(variant, device, monkeypatch):
     them; topk_length shrinking from query to query leaves earlier queries' values in the slots a later
     query does not visit, which must not leak into its gradients; two batch rows make the chunks
     strided views."""
-    from kreg.kernels.common import sparse_mla as kernel_module
+    from kreg.kernels.common.sparse_mla import backward
 
     args = _inputs(device, seed=10, b=2, s_q=3, s_kv=90, h_q=40, h_kv=1, d_qk=96, d_v=64, topk=70)
     args["topk_length"] = torch.tensor([[70, 20, 5], [3, 70, 0]], dtype=torch.int32, device=device)
     args["indices"][0, 1, 0, 3] = -1
     args["deterministic"] = True
-    monkeypatch.setattr(kernel_module, "WORKSPACE_BYTES", 1)
+    monkeypatch.setattr(backward, "WORKSPACE_BYTES", 1)
     _assert_gradients_match(variant, args, _configs(variant, args)[0], seed=11)
 
 
 def test_deterministic_path_is_taken_when_asked(variant, device, monkeypatch):
     """deterministic=True, or torch's deterministic mode, runs the passes without atomics; the default
     runs the fused pass."""
-    from kreg.kernels.common import sparse_mla as kernel_module
+    from kreg.kernels.common.sparse_mla import backward
 
     calls = []
-    passes = kernel_module._deterministic_passes
-    monkeypatch.setattr(kernel_module, "_deterministic_passes", lambda *a: calls.append(1) or passes(*a))
+    passes = backward._deterministic_passes
+    monkeypatch.setattr(backward, "_deterministic_passes", lambda *a: calls.append(1) or passes(*a))
     args = _inputs(device, seed=15, s_q=2, s_kv=20, h_q=16, h_kv=1, d_qk=96, d_v=64, topk=16)
     config = _configs(variant, args)[0]
 

@@ -1,7 +1,7 @@
-"""The Hopper Gluon variant of sparse_mla (kernels/nvidia/sparse_mla.py and its backward,
-sparse_mla_warpspec_bwd.py): where it runs, its config spaces, dispatch's choice of the head-block
-kernel for kv layouts it cannot copy from; on an sm_90 GPU, every config of its forward and fused
-backward spaces against the reference. (The shared correctness tests in
+"""The Hopper Gluon variant of sparse_mla (kernels/nvidia/sparse_mla.py, its forward
+sparse_mla_warpspec_fwd.py and its backward sparse_mla_warpspec_bwd.py): where it runs, its config
+spaces, dispatch's choice of the head-block kernel for kv layouts it cannot copy from; on an sm_90
+GPU, every config of its forward and fused backward spaces against the reference. (The shared correctness tests in
 test_sparse_mla_kernel.py run it on sm_90 too; its offline sm_90 compiles are in
 test_shipped_and_default_configs.py.)"""
 
@@ -59,8 +59,8 @@ def test_space_and_pruning():
     the compiler allocates, give or take the alignment of the small buffers. The other backward roles
     are the head-block variant's, capped by the group's heads; the deterministic dq pass is the fused
     pass's kernel, with its space."""
-    from kreg.kernels.nvidia.sparse_mla import shared_bytes
     from kreg.kernels.nvidia.sparse_mla_warpspec_bwd import shared_bytes as bwd_shared_bytes
+    from kreg.kernels.nvidia.sparse_mla_warpspec_fwd import shared_bytes
 
     target = preset("h200")
     space = WARPSPEC.space(V32, target)["fwd"]

@@ -1,5 +1,5 @@
 """flash_attention on AMD CDNA3/CDNA4 (MI300X gfx942, MI355X gfx950): the shared attention kernel
-family (kernels/common/attention.py) with AMD's config spaces and knobs. sink_attention's AMD variant
+family (kernels/common/attention/) with AMD's config spaces and knobs. sink_attention's AMD variant
 (kernels/amd/sink_attention.py) takes the same data.
 
 Two GEMMs (three or four in the backward) are fused in one loop, so num_stages 1 (no software
@@ -12,7 +12,8 @@ BLOCK_M 64 with BLOCK_N 32. kpack is forced to 1 on gfx950, so the spaces offer 
 
 from kreg.core.records import LaunchConfig
 from kreg.core.space import ConfigSpace
-from kreg.kernels.common.attention import INTERPRETER_TILES, AttentionTiledBase, one_loop_only_for_windows
+from kreg.kernels.common.attention.tile_rules import one_loop_only_for_windows
+from kreg.kernels.common.attention.variant import INTERPRETER_TILES, AttentionTiledBase
 from kreg.ops.catalog import register
 from kreg.ops.variant import Variant
 

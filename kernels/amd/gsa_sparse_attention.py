@@ -15,7 +15,7 @@ the head-block spaces.
 
 from kreg.core.space import ConfigSpace
 from kreg.kernels.amd.flash_attention import rows_per_wavefront_of
-from kreg.kernels.common.gsa_sparse_attention import (
+from kreg.kernels.common.gsa_sparse_attention.variant import (
     INTERPRETER_DENSE,
     INTERPRETER_DKV,
     INTERPRETER_FWD,

@@ -1,4 +1,4 @@
-"""nsa on AMD CDNA3/CDNA4 (MI300X gfx942, MI355X gfx950): the shared NSA kernels (kernels/common/nsa.py)
+"""nsa on AMD CDNA3/CDNA4 (MI300X gfx942, MI355X gfx950): the shared NSA kernels (kernels/common/nsa/)
 with AMD's config spaces and knobs; the window role takes flash_attention's AMD forward space and
 head-dim rules unchanged.
 
@@ -15,8 +15,9 @@ from dataclasses import replace
 from kreg.core.records import LaunchConfig
 from kreg.core.space import ConfigSpace
 from kreg.kernels.amd.flash_attention import AttentionAmd
-from kreg.kernels.common.nsa import INTERPRETER_TILES, NSAGroupCentricBase, cmp_tokens, slc_heads
-from kreg.kernels.common.nsa_backward import INTERPRETER, SWA_ROLES
+from kreg.kernels.common.nsa.backward import INTERPRETER, SWA_ROLES
+from kreg.kernels.common.nsa.forward import cmp_tokens, slc_heads
+from kreg.kernels.common.nsa.variant import INTERPRETER_TILES, NSAGroupCentricBase
 from kreg.kernels.common.tiles import dot_block, next_pow2
 from kreg.ops.catalog import register
 from kreg.ops.variant import Variant
@@ -61,7 +62,7 @@ class NSAGroupCentricAmd(NSAGroupCentricBase, Variant):
             defaults={"*": {"BLOCK_N": 64, "num_warps": 4, "num_stages": 1, **_DEFAULT_KNOBS}},
             interpreter=INTERPRETER_TILES["slc"],
         ),
-        # Backward (kernels/common/nsa_backward.py). Defaults compile without spills for gfx942 and
+        # Backward (kernels/common/nsa/backward.py). Defaults compile without spills for gfx942 and
         # gfx950 at d 128, group 16; 8-warp 64-row dK/dV tiles spill on gfx942.
         "bwd_gate": ConfigSpace(
             blocks={"BLOCK_M": (16, 32, 64)}, knobs={"num_warps": (4, 8), "num_stages": (1,)},

@@ -6,9 +6,9 @@ kpack is forced to 1 on gfx950 by Triton, so the space offers it there only.
 """
 
 from kreg.core.space import ConfigSpace
-from kreg.kernels.common.sparse_mla import (
+from kreg.kernels.common.sparse_mla.backward import HEAD_BLOCK_PASSES
+from kreg.kernels.common.sparse_mla.variant import (
     BWD_PRE_SPACE,
-    HEAD_BLOCK_PASSES,
     INTERPRETER_DKV,
     INTERPRETER_DQ,
     INTERPRETER_FUSED,

@@ -3,7 +3,7 @@ schedule; flash_attention and sink_attention register it (kernels/nvidia/flash_a
 kernels/nvidia/sink_attention.py). Their backward runs the tiled pre kernel, then the
 warp-specialized dK/dV and dQ kernels of kernels/nvidia/attention_warpspec_bwd.py (`run_backward`).
 
-Why a vendor file: the plain-Triton forward (kernels/common/attention.py) stays near 0.8x torch SDPA at
+Why a vendor file: the plain-Triton forward (kernels/common/attention/forward.py) stays near 0.8x torch SDPA at
 d 128 on an H200 (benchmarks/NOTES.md): each of its warps loads, multiplies and exponentiates in turn,
 and Triton 3.6's own warp specialization of that loop was wrong under masks. Gluon lets the kernel say
 who does what, as sparse_mla's warp-specialized forward does:
@@ -56,7 +56,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from kreg.core.records import CallConfig, LaunchConfig
 from kreg.core.space import ConfigSpace
-from kreg.kernels.common.attention import attention_backward, attention_forward
+from kreg.kernels.common.attention.backward import attention_backward
+from kreg.kernels.common.attention.forward import attention_forward
 from kreg.kernels.common.constants import LN2, LOG2E
 from kreg.kernels.common.launch import triton_launch
 from kreg.kernels.nvidia.attention_tma import (

@@ -1,6 +1,6 @@
 """The attention family's dK/dV and dQ backward as warp-specialized Gluon kernels for Hopper (sm_90),
 beside the warp-specialized forward (kernels/nvidia/attention_warpspec.py), whose variants launch them
-after the tiled pre kernel (kernels/common/attention.py).
+after the tiled pre kernel (kernels/common/attention/backward.py).
 
 Why: the tiled backward reaches ~220 TFLOP/s of matmul work at d 128 on an H200: its dK/dV kernel
 holds 242-255 registers at 8 warps, one CTA per SM, and each warp loads, multiplies and exponentiates
@@ -53,7 +53,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from kreg.core.records import CallConfig, LaunchConfig
 from kreg.core.space import ConfigSpace
-from kreg.kernels.common.attention import backward_pre
+from kreg.kernels.common.attention.backward import backward_pre
 from kreg.kernels.common.constants import LOG2E
 from kreg.kernels.common.launch import triton_launch
 from kreg.kernels.nvidia.attention_tma import (

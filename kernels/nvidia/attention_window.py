@@ -1,4 +1,4 @@
-"""The attention family's short-window forward (KEY_LOOPS 2 of kernels/common/attention.py) as a Gluon
+"""The attention family's short-window forward (KEY_LOOPS 2 of kernels/common/attention/forward.py) as a Gluon
 kernel for Hopper whose K/V tiles arrive by TMA: the tiled kernel's no-loop form, without its global
 loads staged through registers.
 
@@ -38,7 +38,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from kreg.core.records import LaunchConfig
 from kreg.core.space import ConfigSpace
-from kreg.kernels.common.attention import attention_backward, attention_forward, causal_window, window_reason
+from kreg.kernels.common.attention.backward import attention_backward
+from kreg.kernels.common.attention.forward import attention_forward
+from kreg.kernels.common.attention.tile_rules import causal_window, window_reason
 from kreg.kernels.common.constants import LN2, LOG2E
 from kreg.kernels.common.launch import triton_launch
 from kreg.kernels.nvidia.attention_tma import descriptor, padded_outputs, tma_addressable

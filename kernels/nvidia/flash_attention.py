@@ -1,5 +1,5 @@
 """flash_attention on NVIDIA Hopper (H100/H200): the shared attention kernel family
-(kernels/common/attention.py) with NVIDIA's config spaces. sink_attention's NVIDIA variant
+(kernels/common/attention/) with NVIDIA's config spaces. sink_attention's NVIDIA variant
 (kernels/nvidia/sink_attention.py) takes the same data: a sink adds O(rows) work to O(rows * keys).
 
 Triton pipelines the streamed tiles through shared memory with `num_stages` buffers each, next to the
@@ -15,7 +15,8 @@ kernels/nvidia/attention_warpspec_bwd.py in place of the tiled one.
 
 from kreg.core.records import LaunchConfig
 from kreg.core.space import ConfigSpace
-from kreg.kernels.common.attention import INTERPRETER_TILES, AttentionTiledBase, one_loop_only_for_windows
+from kreg.kernels.common.attention.tile_rules import one_loop_only_for_windows
+from kreg.kernels.common.attention.variant import INTERPRETER_TILES, AttentionTiledBase
 from kreg.kernels.nvidia.attention_warpspec import AttentionWarpSpecHopper
 from kreg.ops.catalog import register
 from kreg.ops.variant import Variant
@@ -56,7 +57,7 @@ class AttentionNvidia:
         "fwd": ConfigSpace(
             # HEADS: query heads of one kv head per program, packed along the rows (BLOCK_M // HEADS
             # tokens each); it must divide the GQA group. KEY_LOOPS: 3 loops over the key blocks, 1, or
-            # 2: no loop (short windows, see kernels/common/attention.py).
+            # 2: no loop (short windows, see kernels/common/attention/forward.py).
             blocks={"BLOCK_M": (64, 128), "BLOCK_N": (32, 64, 128), "HEADS": (1, 2, 4, 8, 16), "KEY_LOOPS": (3, 1, 2)},
             knobs={"num_warps": (4, 8), "num_stages": (2, 3, 4, 5)},
             keep=forward_tiles,

@@ -10,7 +10,7 @@ tiles. Its extras pass and backward are the head-block kernels, with the head-bl
 """
 
 from kreg.core.space import ConfigSpace
-from kreg.kernels.common.gsa_sparse_attention import (
+from kreg.kernels.common.gsa_sparse_attention.variant import (
     INTERPRETER_DENSE,
     INTERPRETER_DKV,
     INTERPRETER_FWD,

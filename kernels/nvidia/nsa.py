@@ -1,4 +1,4 @@
-"""nsa on NVIDIA Hopper (H100/H200): the shared NSA kernels (kernels/common/nsa.py) with NVIDIA's config
+"""nsa on NVIDIA Hopper (H100/H200): the shared NSA kernels (kernels/common/nsa/) with NVIDIA's config
 spaces; the window role takes flash_attention's NVIDIA forward space and head-dim rules unchanged.
 
 The compressed branch is a FlashAttention forward whose rows are tokens x the GQA group's heads, a
@@ -13,8 +13,9 @@ from dataclasses import replace
 
 from kreg.core.records import LaunchConfig
 from kreg.core.space import ConfigSpace
-from kreg.kernels.common.nsa import INTERPRETER_TILES, NSAGroupCentricBase, cmp_tokens, slc_heads
-from kreg.kernels.common.nsa_backward import INTERPRETER, SWA_ROLES
+from kreg.kernels.common.nsa.backward import INTERPRETER, SWA_ROLES
+from kreg.kernels.common.nsa.forward import cmp_tokens, slc_heads
+from kreg.kernels.common.nsa.variant import INTERPRETER_TILES, NSAGroupCentricBase
 from kreg.kernels.common.tiles import dot_block, next_pow2
 from kreg.kernels.nvidia.flash_attention import AttentionNvidia
 from kreg.ops.catalog import register
@@ -54,7 +55,7 @@ class NSAGroupCentricNvidia(NSAGroupCentricBase, Variant):
             defaults={"*": {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3}},
             interpreter=INTERPRETER_TILES["slc"],
         ),
-        # Backward (kernels/common/nsa_backward.py). Defaults: the H200 sweep's picks at the target (t
+        # Backward (kernels/common/nsa/backward.py). Defaults: the H200 sweep's picks at the target (t
         # 65536, d 128, group 16; backward 102.8 -> 69.1 ms), no spills on sm_90. The selected-branch
         # dK/dV runs 32 key rows against 64 query rows a step at 4 warps (64 key rows need 8 warps and
         # fit only 32 query rows; half the rows a step was 1.7x slower there).

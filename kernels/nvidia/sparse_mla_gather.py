@@ -1,8 +1,8 @@
 """What the two warp-specialized sparse_mla kernels for Hopper share: the program's grid coordinates,
 its query's slot count and index row, and the cp.async of a program's rows of Q (or dO) into shared
 memory; and the backward's producer partition, which gathers the selected latent rows into a ring of
-shared-memory stages. The forward is in kernels/nvidia/sparse_mla.py (its producer fills two buffers
-half by half, its own), the backward in kernels/nvidia/sparse_mla_warpspec_bwd.py.
+shared-memory stages. The forward is in kernels/nvidia/sparse_mla_warpspec_fwd.py (its producer fills
+two buffers half by half, its own), the backward in kernels/nvidia/sparse_mla_warpspec_bwd.py.
 
 Both producers write each slot's row index beside the rows (-1 for an invalid index or a slot past
 topk_length): the consumers mask their scores and address their dkv atomics with it, never reading
@@ -24,7 +24,7 @@ PRODUCER_REGS = gl.constexpr(56)  # registers per producer thread
 @gluon.jit
 def _program_coords(head_blocks):
     """(query t, kv group g, head block hb, batch row b as int64) of this program, in the grid of
-    kernels.common.sparse_mla._grid."""
+    kernels.common.sparse_mla.gather._grid."""
     return (gl.program_id(0), gl.program_id(1) // head_blocks, gl.program_id(1) % head_blocks,
             gl.program_id(2).to(gl.int64))
 

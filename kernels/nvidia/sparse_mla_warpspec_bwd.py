@@ -1,6 +1,6 @@
 """sparse_mla's fused backward pass as a warp-specialized Gluon kernel for Hopper (sm_90), the backward
 of the `sparse_mla_warpspec` variant (kernels/nvidia/sparse_mla.py), after the shared pre pass
-(Delta, the shift of P, the sink's terms: kernels/common/sparse_mla.py).
+(Delta, the shift of P, the sink's terms: kernels/common/sparse_mla/backward.py).
 
 Why: the head-block kernel's fused pass (same math, plain Triton) reaches ~178 TFLOP/s on an H200 at
 the V3.2 shape: one CTA of 8 warps per SM at 255 registers runs each top-k tile as a serial chain of
@@ -44,7 +44,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from kreg.core.records import LaunchConfig
 from kreg.kernels.common.constants import LOG2E
-from kreg.kernels.common.sparse_mla import _grid, _strides
+from kreg.kernels.common.sparse_mla.gather import _grid, _strides
 from kreg.kernels.nvidia.sparse_mla_gather import (
     COLS,
     PRODUCER_REGS,
@@ -319,14 +319,14 @@ def _sparse_mla_bwd_ws_kernel(
 
 def fused_pass_ws(q, kv, indices, sm_scale, topk_length, dout, delta, shift, dq, dkv, config: LaunchConfig,
                   dims: dict) -> None:
-    """The fused pass of the warp-specialized variant (see kernels.common.sparse_mla._fused_pass)."""
+    """The fused pass of the warp-specialized variant (see kernels.common.sparse_mla.backward._fused_pass)."""
     _launch(q, kv, indices, sm_scale, topk_length, dout, delta, shift, dq, dkv, None, config, dims)
 
 
 def dq_pass_ws(q, kv, indices, sm_scale, topk_length, dout, delta, shift, dq, pds, config: LaunchConfig,
                dims: dict) -> None:
     """The deterministic backward's dq pass of the warp-specialized variant (see
-    kernels.common.sparse_mla._dq_pass): the fused pass's kernel without its dkv atomics."""
+    kernels.common.sparse_mla.backward._dq_pass): the fused pass's kernel without its dkv atomics."""
     _launch(q, kv, indices, sm_scale, topk_length, dout, delta, shift, dq, None, pds, config, dims)
 
 

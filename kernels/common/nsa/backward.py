@@ -15,8 +15,9 @@ Roles (one LaunchConfig each in the call's CallConfig) and what one program of e
 - `bwd_gate` (`_nsa_bwd_gate_kernel`): BLOCK_M rows (token, head) of one batch entry: dg of the three
   gates (fp32) and dO_swa = g_swa * dout in q's dtype, which the window branch needs as a tensor.
 - `bwd_swa_pre`, `bwd_swa_dkv`, `bwd_swa_dq`: the window branch is causal attention with a window, so
-  it runs kernels/common/attention.py's `attention_backward` on (o_swa, lse_swa, dO_swa), its roles
-  `bwd_pre`, `bwd_dkv`, `bwd_dq` renamed. Its gradients come back in q's dtype (one rounding).
+  it runs kernels/common/attention/backward.py's `attention_backward` on (o_swa, lse_swa, dO_swa),
+  its roles `bwd_pre`, `bwd_dkv`, `bwd_dq` renamed. Its gradients come back in q's dtype (one
+  rounding).
 - `bwd_cmp_dq` (`_nsa_bwd_cmp_dq_kernel`): BLOCK_M consecutive (token, head) rows of one kv group (the
   group's heads packed as rows, as the forward does) against the compressed keys they see (block c
   is visible to token i iff (c + 1) * block_size - 1 <= i); writes dq_acc = dq_cmp + dq_swa in fp32.
@@ -67,7 +68,7 @@ window 512, bf16; q-sized tensors are 1 GiB):
   rows from L2.
 Total ~55-60 ms, against the issue's ~90 ms budget for the backward.
 
-Reads top-down: kernels, the lists, the launcher, offline compile specs, interpreter configs.
+Reads top-down: kernels, the lists, the launcher, the roles' kernels, interpreter configs.
 Semantics: autograd of `ops.nsa.reference`.
 """
 
@@ -81,13 +82,13 @@ import triton
 import triton.language as tl
 
 from kreg.core.records import CallConfig
-from kreg.kernels.common.attention import (
-    INTERPRETER_TILES,
+from kreg.kernels.common.attention.backward import (
     _attention_bwd_dkv_kernel,
     _attention_bwd_dq_kernel,
     _attention_bwd_pre_kernel,
     attention_backward,
 )
+from kreg.kernels.common.attention.variant import INTERPRETER_TILES
 from kreg.kernels.common.constants import LOG2E
 from kreg.kernels.common.tiles import cdiv, dot_block
 

@@ -1,10 +1,6 @@
-"""Sparse MLA (DeepSeek-V3.2, FlashMLA's sparse prefill): the Triton kernel bodies both vendors share.
-
-The idea that matters: every head of a kv group reads the same gathered latent row per selected index.
-One program owns BLOCK_H heads of one query (of one group), gathers each BLOCK_TOPK tile of indexed
-rows once and reuses it for all of them, both as keys (all d_qk dims: the d_v "value" part plus the
-rope tail) and as values (the first d_v dims). Q is loaded once, outside the top-k loop. A program with
-too few heads re-gathers the same rows many times; the config spaces therefore offer BLOCK_H up to 128.
+"""sparse_mla's head-block backward: its Triton kernels, their launchers and `_backward`, which runs
+them in order, for both vendors; `BackwardPasses`, through which a variant brings its own fused and dq
+passes (the Gluon ones for Hopper: kernels/nvidia/sparse_mla_warpspec_bwd.py).
 
 The backward starts with a small pre pass (Delta = rowsum(dO * O), the shift of P, the sink's
 per-query terms). By default one fused pass follows, in the forward's program layout: per top-k tile it
@@ -14,10 +10,7 @@ atomics, so every gathered tile is read once for all of it. With `deterministic`
 bits every run) three passes run per chunk of queries instead: the dq pass (dQ, and dS and P into a
 16-bit workspace), the dkv pass (one top-k tile of one query, dS^T Q + P^T dO over all heads, each
 row's sum into an fp32 workspace) and the sum pass (each kv row adds its workspace rows in a fixed
-order).
-
-Reads top-down: forward kernel, backward kernels, launchers, the autograd Function, compile specs.
-Semantics: `ops.sparse_mla.reference` (docs/op-contracts.md).
+order). Chunks are sized so that the workspaces stay under WORKSPACE_BYTES.
 """
 
 from __future__ import annotations
@@ -31,35 +24,19 @@ import triton.language as tl
 
 from kreg.core.nvtx import nvtx_range
 from kreg.core.records import CallConfig, LaunchConfig
-from kreg.core.space import ConfigSpace
-from kreg.kernels.common.constants import LN2, LOG2E
-from kreg.kernels.common.tiles import cdiv, dot_block
-from kreg.ops.sparse_mla import SparseMLAOutput
-from kreg.ops.variant import CallPlan
+from kreg.kernels.common.constants import LOG2E
+from kreg.kernels.common.sparse_mla.gather import (
+    _gather_rows,
+    _grid,
+    _row_offsets,
+    _rows_fit_int32,
+    _strides,
+    dim_blocks,
+    group_head_cap,
+)
+from kreg.kernels.common.tiles import cdiv
 
 # Kernels can only read globals that are constexprs.
-
-
-def dim_blocks(d_qk: int, d_v: int) -> tuple[int, int]:
-    """(BLOCK_DV, BLOCK_DT): power-of-two tiles for the value part and the tail d_qk - d_v (0: none)."""
-    tail = d_qk - d_v
-    return dot_block(d_v), (dot_block(tail) if tail else 0)
-
-
-def group_head_cap(heads_per_group: int) -> int:
-    """The widest useful head tile: the group's heads rounded up to a power of two (at least 16, tl.dot's M)."""
-    return dot_block(heads_per_group)
-
-
-# ----------------------------------------------------------------------------- Triton kernels
-@triton.jit
-def _gather_rows(kv_row, offs_d, valid, D_LIMIT: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Load [BLOCK_TOPK, BLOCK_D] from gathered row pointers; invalid slots and pad columns read 0."""
-    if D_LIMIT < BLOCK_D:
-        mask = valid[:, None] & (offs_d[None, :] < D_LIMIT)
-    else:
-        mask = valid[:, None]
-    return tl.load(kv_row[:, None] + offs_d[None, :], mask=mask, other=0.0)
 
 
 @triton.jit
@@ -74,120 +51,6 @@ def _q_or_dout(q_row, do_row, cols, is_do, mask, BY_SELECT: tl.constexpr):
         q = tl.load(q_row + cols, mask=mask & ~is_do[:, None], other=0.0)
         do = tl.load(do_row + cols, mask=mask & is_do[:, None], other=0.0)
         return q + do
-
-
-@triton.jit
-def _row_offsets(idx, valid, stride, ROWS_I32: tl.constexpr):
-    """Element offsets of the gathered rows (row 0 stands in for invalid slots, which stay masked).
-    int32 arithmetic when the launcher proved s_kv * stride fits: 64-bit offsets cost the registers
-    that decide whether the wide head blocks spill on sm_90."""
-    safe = tl.where(valid, idx, 0)
-    if not ROWS_I32:
-        safe = safe.to(tl.int64)
-    return safe * stride
-
-
-@triton.jit
-def _sparse_mla_fwd_kernel(
-    Q, KV, IDX, SINK, TOPK_LEN, OUT, MAX_LOGITS, LSE,
-    s_kv, topk, heads_per_group, head_blocks, qk_scale,
-    stride_qb, stride_qs, stride_qh,
-    stride_kvb, stride_kvs, stride_kvh,
-    stride_ib, stride_is, stride_ih,
-    stride_lb, stride_ls,
-    stride_ob, stride_os, stride_oh,
-    stride_mb, stride_ms,
-    D_V: tl.constexpr, D_TAIL: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DT: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_TOPK: tl.constexpr, HAS_SINK: tl.constexpr, HAS_TOPK_LEN: tl.constexpr,
-    ROWS_I32: tl.constexpr, D_SPLIT: tl.constexpr,
-):
-    """One program: BLOCK_H heads of one kv group of one query (of one batch row).
-
-    Online softmax over the query's top-k slots in tiles of BLOCK_TOPK, in log2 units (`qk_scale` is
-    sm_scale * log2(e)). Writes out [BLOCK_H, d_v], max_logits and the natural-log lse; a row with no
-    valid slot writes out 0, max_logits -inf and lse +inf.
-
-    D_SPLIT (1 or 2) cuts the value part of d_qk into that many D tiles of BLOCK_DV / D_SPLIT columns
-    (the rope tail is its own tile either way): each tile is its own dot for the scores and its own
-    accumulator for out, so every operand a dot stages is that much smaller (what lets wider top-k
-    tiles fit in gfx942's 64 KiB of LDS), for twice the dots.
-    """
-    t = tl.program_id(0)
-    g = tl.program_id(1) // head_blocks
-    hb = tl.program_id(1) % head_blocks
-    b = tl.program_id(2).to(tl.int64)
-
-    offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
-    head_ok = offs_h < heads_per_group
-    heads = g * heads_per_group + offs_h
-    BLOCK_DS: tl.constexpr = BLOCK_DV // D_SPLIT
-    offs_dv = tl.arange(0, BLOCK_DS)
-    offs_t = tl.arange(0, BLOCK_TOPK)
-
-    q_row = Q + b * stride_qb + t.to(tl.int64) * stride_qs + heads[:, None].to(tl.int64) * stride_qh
-    q_main = tl.load(q_row + offs_dv[None, :], mask=head_ok[:, None] & (offs_dv[None, :] < D_V), other=0.0)
-    if D_SPLIT == 2:
-        q_high = tl.load(q_row + BLOCK_DS + offs_dv[None, :],
-                         mask=head_ok[:, None] & (offs_dv[None, :] < D_V - BLOCK_DS), other=0.0)
-    if D_TAIL > 0:
-        offs_dt = tl.arange(0, BLOCK_DT)
-        q_tail = tl.load(q_row + D_V + offs_dt[None, :], mask=head_ok[:, None] & (offs_dt[None, :] < D_TAIL),
-                         other=0.0)
-
-    n_slots = topk
-    if HAS_TOPK_LEN:
-        n_slots = tl.minimum(tl.load(TOPK_LEN + b * stride_lb + t.to(tl.int64) * stride_ls), topk)
-    idx_row = IDX + b * stride_ib + t.to(tl.int64) * stride_is + g.to(tl.int64) * stride_ih
-    kv_base = KV + b * stride_kvb + g.to(tl.int64) * stride_kvh
-
-    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_DS], tl.float32)
-    if D_SPLIT == 2:
-        acc_high = tl.zeros([BLOCK_H, BLOCK_DS], tl.float32)
-    for start in range(0, n_slots, BLOCK_TOPK):
-        slots = start + offs_t
-        idx = tl.load(idx_row + slots, mask=slots < n_slots, other=-1)
-        # Any index outside [0, s_kv) is invalid; it is never dereferenced (row 0 stands in, masked).
-        valid = (idx >= 0) & (idx < s_kv)
-        kv_row = kv_base + _row_offsets(idx, valid, stride_kvs, ROWS_I32)
-        kv_main = _gather_rows(kv_row, offs_dv, valid, D_V, BLOCK_DS)
-        scores = tl.dot(q_main, tl.trans(kv_main))
-        if D_SPLIT == 2:
-            kv_high = _gather_rows(kv_row + BLOCK_DS, offs_dv, valid, D_V - BLOCK_DS, BLOCK_DS)
-            scores += tl.dot(q_high, tl.trans(kv_high))
-        if D_TAIL > 0:
-            kv_tail = _gather_rows(kv_row + D_V, offs_dt, valid, D_TAIL, BLOCK_DT)
-            scores += tl.dot(q_tail, tl.trans(kv_tail))
-        scores = tl.where(valid[None, :], scores * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        # Rows with no valid slot so far keep m = -inf: shift by 0 so exp2 gives 0 instead of NaN.
-        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(scores - m_shift[:, None])
-        alpha = tl.math.exp2(m_i - m_shift)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(kv_main.dtype), kv_main)
-        if D_SPLIT == 2:
-            acc_high = acc_high * alpha[:, None] + tl.dot(p.to(kv_high.dtype), kv_high)
-        m_i = m_new
-
-    empty = l_i == 0.0
-    lse = tl.where(empty, float("inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * LN2)
-    scale = tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, l_i))
-    if HAS_SINK:
-        sink = tl.load(SINK + heads, mask=head_ok, other=0.0)
-        # sigmoid(lse - sink); empty rows are already scaled to 0 whatever the sink.
-        scale = scale * tl.where(empty, 0.0, 1.0 / (1.0 + tl.exp(sink - tl.where(empty, 0.0, lse))))
-    out = acc * scale[:, None]
-    o_ptr = OUT + b * stride_ob + t.to(tl.int64) * stride_os + heads[:, None].to(tl.int64) * stride_oh
-    tl.store(o_ptr + offs_dv[None, :], out.to(OUT.dtype.element_ty),
-             mask=head_ok[:, None] & (offs_dv[None, :] < D_V))
-    if D_SPLIT == 2:
-        tl.store(o_ptr + BLOCK_DS + offs_dv[None, :], (acc_high * scale[:, None]).to(OUT.dtype.element_ty),
-                 mask=head_ok[:, None] & (offs_dv[None, :] < D_V - BLOCK_DS))
-    m_off = b * stride_mb + t.to(tl.int64) * stride_ms + heads
-    tl.store(MAX_LOGITS + m_off, m_i * LN2, mask=head_ok)
-    tl.store(LSE + m_off, lse, mask=head_ok)
 
 
 @triton.jit
@@ -549,60 +412,6 @@ def _sparse_mla_bwd_sum_kernel(WS, ORDER, SEGMENTS, DKV, d_qk, BLOCK_D: tl.const
 
 
 # ----------------------------------------------------------------------------- launchers
-def _batched(x: torch.Tensor | None, batched: bool) -> torch.Tensor | None:
-    return x if x is None or batched else x.unsqueeze(0)
-
-
-def _strides(t: torch.Tensor | None, n: int) -> tuple[int, ...]:
-    """The first n strides of a tensor (zeros for an absent one)."""
-    return tuple(t.stride()[:n]) if t is not None else (0,) * n
-
-
-def _grid(s_q: int, h_q: int, h_kv: int, b: int, block_h: int) -> tuple[tuple[int, int, int], int]:
-    heads_per_group = h_q // h_kv
-    head_blocks = cdiv(heads_per_group, block_h)
-    return (s_q, h_kv * head_blocks, b), head_blocks
-
-
-def _rows_fit_int32(kv: torch.Tensor, *others: torch.Tensor) -> bool:
-    """Whether every gathered row offset (index * row stride, plus the row) of kv and of same-shaped
-    tensors fits in int32, so the kernels can skip 64-bit address arithmetic."""
-    s_kv, d_qk = kv.shape[1], kv.shape[-1]
-    return all((s_kv - 1) * t.stride(1) + d_qk < 2**31 for t in (kv, *others))
-
-
-def forward_launch(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, block_h: int):
-    """What every sparse_mla forward kernel takes (they share their leading parameters): the outputs
-    (out, max_logits, lse), the grid, the positional arguments and the shared constexprs."""
-    b, s_q, h_q, d_qk = q.shape
-    s_kv, h_kv = kv.shape[1], kv.shape[2]
-    out = torch.empty((b, s_q, h_q, d_v), device=q.device, dtype=q.dtype)
-    max_logits = torch.empty((b, s_q, h_q), device=q.device, dtype=torch.float32)
-    lse = torch.empty_like(max_logits)
-    grid, head_blocks = _grid(s_q, h_q, h_kv, b, block_h)
-    args = (q, kv, indices, attn_sink, topk_length, out, max_logits, lse,
-            s_kv, indices.shape[-1], h_q // h_kv, head_blocks, sm_scale * LOG2E.value,
-            *_strides(q, 3), *_strides(kv, 3), *_strides(indices, 3), *_strides(topk_length, 2),
-            *_strides(out, 3), *_strides(lse, 2))
-    constexprs = {"D_V": d_v, "D_TAIL": d_qk - d_v, "HAS_SINK": attn_sink is not None,
-                  "HAS_TOPK_LEN": topk_length is not None}
-    return (out, max_logits, lse), grid, args, constexprs
-
-
-def _forward(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, config: LaunchConfig):
-    """Run the forward kernel on batched-layout tensors; returns (out, max_logits, lse)."""
-    blocks = config.blocks
-    block_dv, block_dt = dim_blocks(q.shape[-1], d_v)
-    outputs, grid, args, constexprs = forward_launch(q, kv, indices, sm_scale, d_v, attn_sink, topk_length,
-                                                     blocks["BLOCK_H"])
-    _sparse_mla_fwd_kernel[grid](
-        *args, **constexprs, BLOCK_DV=block_dv, BLOCK_DT=block_dt, BLOCK_H=blocks["BLOCK_H"],
-        BLOCK_TOPK=blocks["BLOCK_TOPK"], ROWS_I32=_rows_fit_int32(kv), D_SPLIT=blocks["D_SPLIT"],
-        **config.knobs(),
-    )
-    return outputs
-
-
 def _capped(config: LaunchConfig, heads_per_group: int) -> dict:
     """A backward role's blocks as launched: the head block no wider than the group's heads rounded up."""
     return {**config.blocks, "BLOCK_H": min(config.blocks["BLOCK_H"], group_head_cap(heads_per_group))}
@@ -764,171 +573,3 @@ def _deterministic_passes(q, kv, indices, sm_scale, topk_length, dout, delta, sh
 
 # The head-block kernels' backward passes (a variant with kernels of its own replaces some).
 HEAD_BLOCK_PASSES = BackwardPasses(_fused_pass, _dq_pass)
-
-
-class _SparseMLAFunction(torch.autograd.Function):
-    """Autograd for sparse MLA. The default backward adds each query's dkv rows with fp32 atomics, so
-    its summation order, and the last bits of dkv, vary between runs; with `deterministic` (or
-    torch.use_deterministic_algorithms) it takes the passes without atomics."""
-
-    @staticmethod
-    def forward(ctx, launchers, q, kv, indices, sm_scale, d_v, attn_sink, topk_length, config: CallConfig,
-                deterministic: bool):
-        run_forward, ctx.passes = launchers
-        out, max_logits, lse = run_forward(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, config["fwd"])
-        ctx.save_for_backward(q, kv, indices, attn_sink, topk_length, out, lse)
-        ctx.sm_scale, ctx.d_v, ctx.config, ctx.deterministic = sm_scale, d_v, config, deterministic
-        ctx.mark_non_differentiable(max_logits, lse)
-        return out, max_logits, lse
-
-    @staticmethod
-    def backward(ctx, dout, _dmax, _dlse):
-        q, kv, indices, attn_sink, topk_length, out, lse = ctx.saved_tensors
-        deterministic = ctx.deterministic or torch.are_deterministic_algorithms_enabled()
-        dq, dkv, dsink = _backward(q, kv, indices, ctx.sm_scale, ctx.d_v, attn_sink, topk_length, out, lse,
-                                   dout, ctx.config, deterministic, ctx.passes)
-        return None, dq, dkv, None, None, None, dsink, None, None, None
-
-
-def sparse_mla_forward(args: dict, config: CallConfig, run_forward, passes: BackwardPasses) -> SparseMLAOutput:
-    """Launch sparse MLA on validated arguments (ops.sparse_mla's dict) with the "fwd" role's
-    config; a backward, when autograd asks for one, runs the "bwd_pre" and "bwd_fused" roles (or, when
-    deterministic, "bwd_pre", "bwd_dq", "bwd_dkv" and "bwd_sum"). `run_forward` is the forward launcher
-    (batched-layout tensors in, (out, max_logits, lse) out) and `passes` the backward passes' (see
-    BackwardPasses): this module's head-block kernels, or another variant's."""
-    q, kv, indices = args["q"], args["kv"], args["indices"]
-    batched = q.dim() == 4
-    qb, kvb, ib = _batched(q, batched), _batched(kv, batched), _batched(indices, batched)
-    lengths = _batched(args["topk_length"], batched)
-    sink = args["attn_sink"]
-    wants_grad = torch.is_grad_enabled() and (q.requires_grad or kv.requires_grad
-                                              or (sink is not None and sink.requires_grad))
-    if wants_grad:
-        out, max_logits, lse = _SparseMLAFunction.apply((run_forward, passes), qb, kvb, ib, args["sm_scale"],
-                                                        args["d_v"], sink, lengths, config, args["deterministic"])
-    else:
-        out, max_logits, lse = run_forward(qb, kvb, ib, args["sm_scale"], args["d_v"], sink, lengths, config["fwd"])
-    if not batched:
-        out, max_logits, lse = out[0], max_logits[0], lse[0]
-    return SparseMLAOutput(out, max_logits, lse)
-
-
-# ----------------------------------------------------------------------------- the variants
-def heads_fit_group(config: LaunchConfig, key: dict) -> bool:
-    """Keep: a head block (dkv's head chunk too) no wider than the group's heads rounded up to a power
-    of two; a wider one would only compute masked rows."""
-    return config.blocks["BLOCK_H"] <= group_head_cap(key["h_q"] // key["h_kv"])
-
-
-class SparseMLALaunch:
-    """`launch` and `bind` of every sparse_mla variant: its forward launcher (`run_forward`) and backward
-    passes (`passes`: the fused pass and the deterministic dq pass) around this module's backward. The deterministic
-    backward's roles are gated and timed under `deterministic=True` (`role_arguments`), the only calls
-    that run them."""
-
-    run_forward = staticmethod(_forward)
-    passes = HEAD_BLOCK_PASSES
-    role_arguments = {role: {"deterministic": True} for role in ("bwd_dq", "bwd_dkv", "bwd_sum")}
-
-    def launch(self, args: dict, plan: CallPlan) -> SparseMLAOutput:
-        return sparse_mla_forward(args, plan.config, self.run_forward, self.passes)
-
-    def bind(self, plan: CallPlan):
-        config, run_forward, passes = plan.config, self.run_forward, self.passes
-        return lambda args: sparse_mla_forward(args, config, run_forward, passes)
-
-    def backward(self, args: dict, plan: CallPlan, outputs: tuple, grad: torch.Tensor) -> dict:
-        """The backward passes on the forward's saved out and lse (what `_SparseMLAFunction` runs)."""
-        batched = args["q"].dim() == 4
-        q, kv, indices, lengths, out, lse, dout = (
-            _batched(t, batched)
-            for t in (args["q"], args["kv"], args["indices"], args["topk_length"], outputs[0], outputs[2], grad))
-        deterministic = args["deterministic"] or torch.are_deterministic_algorithms_enabled()
-        dq, dkv, dsink = _backward(q, kv, indices, args["sm_scale"], args["d_v"], args["attn_sink"], lengths, out,
-                                   lse, dout, plan.config, deterministic, self.passes)
-        if not batched:
-            dq, dkv = dq[0], dkv[0]
-        return {"q": dq, "kv": dkv, "attn_sink": dsink}
-
-
-class SparseMLAHeadBlockBase(SparseMLALaunch):
-    """The head-block variant's logic; each vendor file subclasses it with `Variant` and sets its data:
-
-    spaces: a ConfigSpace per role: "fwd" (blocks BLOCK_H, BLOCK_TOPK and D_SPLIT, the value part of
-        d_qk in 1 or 2 D tiles); the default backward's "bwd_pre" (BLOCK_H) and "bwd_fused" (BLOCK_H,
-        BLOCK_TOPK and D_SPLIT, the value part of [Q; dO] in that many column chunks); the deterministic
-        backward's "bwd_dq" (BLOCK_H, BLOCK_TOPK), "bwd_dkv" (BLOCK_H, its head chunk, and BLOCK_TOPK)
-        and "bwd_sum" (BLOCK_D columns per program); each with a head block keeps `heads_fit_group`;
-    ACC_REGS_LIMIT: the fp32 accumulator registers per thread (out's BLOCK_H * BLOCK_DV, dq's the same,
-        dkv's BLOCK_TOPK * BLOCK_DV, over the threads) above which a config cannot avoid spilling on
-        that vendor (AMD's unified VGPR/AGPR file is larger), further capped at half of each thread's
-        share of the register file;
-    Q_IN_SHARED: whether Q stays in shared memory for the whole loop (Hopper's wgmma reads its A
-        operand from there) or only passes through it once on its way to registers (AMD).
-    """
-
-    op = "sparse_mla"
-    name = "sparse_mla_headblock"
-    kernels = {"fwd": _sparse_mla_fwd_kernel, "bwd_pre": _sparse_mla_bwd_pre_kernel,
-               "bwd_fused": _sparse_mla_bwd_fused_kernel, "bwd_dq": _sparse_mla_bwd_dq_kernel,
-               "bwd_dkv": _sparse_mla_bwd_dkv_kernel, "bwd_sum": _sparse_mla_bwd_sum_kernel}
-    ACC_REGS_LIMIT = 128
-    Q_IN_SHARED = True
-
-    def supports(self, key: dict, device) -> bool:
-        return key["dtype"] in ("fp16", "bf16") and key["d_qk"] <= 1024
-
-    def role_default(self, role: str, key: dict, device) -> LaunchConfig:
-        """The space's default with its head block capped by the group's heads."""
-        config = super().role_default(role, key, device)
-        cap = group_head_cap(key["h_q"] // key["h_kv"])
-        if config.blocks.get("BLOCK_H", 0) <= cap:
-            return config
-        return config.model_copy(update={"blocks": {**config.blocks, "BLOCK_H": cap}})
-
-    def prune_reason(self, role: str, config: LaunchConfig, key: dict, device) -> str | None:
-        """Static pruning of what cannot fit; loose on purpose (the compile check is authoritative)."""
-        if device.key == "cpu" or role == "bwd_sum":
-            return None
-        block_dv, block_dt = dim_blocks(key["d_qk"], key["d_v"])
-        blocks = config.blocks
-        threads = config.num_warps * device.warp_size
-        # The accumulator may take at most half of a thread's share of the register file.
-        limit = min(self.ACC_REGS_LIMIT, device.registers_per_sm // threads // 2)
-        rows = blocks["BLOCK_TOPK"] if role == "bwd_dkv" else blocks["BLOCK_H"]
-        acc_regs = rows * block_dv // threads
-        if acc_regs > limit:
-            return f"accumulator needs {acc_regs} registers per thread (> {limit})"
-        if role not in ("fwd", "bwd_fused"):
-            return None
-        tiles = blocks["D_SPLIT"]
-        if block_dv // tiles < 16:
-            return f"D tiles of {block_dv // tiles} columns (< 16, tl.dot's K)"
-        # The value part dominates the tiles: the gathered kv tile stays resident for the pipeline's
-        # stages in flight; Q (the fused backward: [Q; dO] and Q's tail) stays resident on NVIDIA and
-        # passes through once on AMD, where the operands go through LDS one dot (one D tile) at a time.
-        if role == "fwd":
-            kv_tile = blocks["BLOCK_TOPK"] * block_dv * 2
-            q_tile = blocks["BLOCK_H"] * block_dv * 2
-            resident = kv_tile * max(1, config.num_stages - 1)
-        else:
-            kv_tile = blocks["BLOCK_TOPK"] * (block_dv + block_dt) * 2
-            q_tile = blocks["BLOCK_H"] * (2 * block_dv + block_dt) * 2
-            resident = kv_tile * max(1, config.num_stages)
-        smem = resident + q_tile if self.Q_IN_SHARED else max(resident, q_tile) // tiles
-        if smem > device.shared_mem_bytes:
-            return f"needs ~{smem} B of shared memory/LDS (> {device.shared_mem_bytes})"
-        return None
-
-
-# The interpreter's block shapes, shared by both vendors (their defaults first).
-INTERPRETER_FWD = ({"BLOCK_H": 16, "BLOCK_TOPK": 16, "D_SPLIT": 1}, {"BLOCK_H": 16, "BLOCK_TOPK": 32, "D_SPLIT": 2})
-INTERPRETER_PRE = ({"BLOCK_H": 16},)
-# The pre pass (Delta, shift, sink terms: row reductions, no products) has no vendor-specific knob:
-# both vendors' variants take this space.
-BWD_PRE_SPACE = ConfigSpace(blocks={"BLOCK_H": (16, 32)}, knobs={"num_warps": (4,)}, keep=heads_fit_group,
-                            defaults={"*": {"BLOCK_H": 16, "num_warps": 4}}, interpreter=INTERPRETER_PRE)
-INTERPRETER_FUSED = ({"BLOCK_H": 16, "BLOCK_TOPK": 16, "D_SPLIT": 2}, {"BLOCK_H": 32, "BLOCK_TOPK": 32, "D_SPLIT": 1})
-INTERPRETER_DQ = ({"BLOCK_H": 32, "BLOCK_TOPK": 64}, {"BLOCK_H": 16, "BLOCK_TOPK": 32})
-INTERPRETER_DKV = ({"BLOCK_H": 16, "BLOCK_TOPK": 64}, {"BLOCK_H": 16, "BLOCK_TOPK": 32})
-INTERPRETER_SUM = ({"BLOCK_D": 64},)
