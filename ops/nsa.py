@@ -388,7 +388,7 @@ def reduce_shape(shape: dict) -> dict:
 presets = {
     "tiny": [
         # The selected branch runs one program per (token, kv head): few tokens keep the interpreter fast.
-        {"b": 2, "t": 21, "h_q": 8, "h_kv": 2, "d": 16, "block_size": 4, "block_count": 3, "window": 6},
+        {"b": 2, "t": 13, "h_q": 8, "h_kv": 2, "d": 16, "block_size": 4, "block_count": 3, "window": 6},
         {"b": 1, "t": 20, "h_q": 4, "h_kv": 1, "d": 32, "block_size": 4, "block_count": 4, "window": 6,
          "block_indices": True},
     ],

@@ -1,7 +1,8 @@
 """Every variant's default call configs (at its op's full preset keys) and every shipped tuned call
 config compile for their targets with no spills and within shared memory/LDS: sm_90 for NVIDIA
-variants, gfx942 and gfx950 for AMD ones; every kernel role of the call (forward and backward passes).
-Compiles run in a subprocess without TRITON_INTERPRET."""
+variants, gfx942 and gfx950 for AMD ones; every kernel the calls launch, forward and backward, in every
+specialization (`tuning.launch_record`). One compile-check process per variant, defaults and tables
+together (a kernel both use compiles once). Compiles run in a subprocess without TRITON_INTERPRET."""
 
 import json
 import os
@@ -13,27 +14,29 @@ import pytest
 
 from kreg.ops.catalog import load_all
 from kreg.tuning.compile_check import shipped_configs
+from kreg.tuning_db.table_files import shipped_tables
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGETS = {"nvidia": "h200", "amd": "mi300x,mi355x"}
 ALL = sorted((v for vs in load_all().values() for v in vs), key=lambda v: (v.op, v.name, v.vendor))
-# Only variants that shipped tables name are checked against tables: a parameter with nothing to check
-# would pass having checked nothing.
-CASES = [(v, "defaults") for v in ALL] + [(v, "tables") for v in ALL if shipped_configs(v)]
+# Only variants that shipped tables name are checked against tables: an empty check would pass having
+# checked nothing.
+TABLES = {(v.name, v.vendor) for v in ALL if shipped_configs(v)}
 
 
-@pytest.mark.parametrize("variant,what", CASES, ids=[f"{v.name}-{v.vendor}-{what}" for v, what in CASES])
-def test_configs_compile_without_spills(variant, what):
+@pytest.mark.parametrize("variant", ALL, ids=[f"{v.name}-{v.vendor}" for v in ALL])
+def test_configs_compile_without_spills(variant):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    argv = ["--variant", variant.name, "--vendor", variant.vendor, "--target", TARGETS[variant.vendor], "--json"]
-    if what == "tables":
-        argv.append("--tables")
+    with_tables = (variant.name, variant.vendor) in TABLES
+    argv = ["--variant", variant.name, "--vendor", variant.vendor, "--target", TARGETS[variant.vendor], "--json",
+            "--defaults", *(["--tables"] if with_tables else [])]
     proc = subprocess.run([sys.executable, "-m", "kreg.tuning.compile_check", *argv], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=900)
+                          capture_output=True, text=True, timeout=1500)
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    unfit = [(r["arch"], r["key"], r["config"], r["kernel"], r["reason"]) for r in rows if not r["fits"]]
+    unfit = [(r["arch"], r["source"], r["key"], r["config"], r["kernel"], r["reason"]) for r in rows if not r["fits"]]
     assert proc.returncode == 0 and not unfit, unfit or proc.stderr[-2000:]
     assert rows and all(r["spills"] == 0 for r in rows), proc.stderr[-2000:]
+    assert {r["source"] for r in rows} == ({"default", "table"} if with_tables else {"default"})
     # Every role's kernel was compiled, for every target (and any kernel a variant hands calls to).
     kernels = {kernel.fn.__name__ for kernel in variant.kernels.values()}
     for arch in {r["arch"] for r in rows}:
@@ -41,11 +44,6 @@ def test_configs_compile_without_spills(variant, what):
     assert len({r["arch"] for r in rows}) == len(TARGETS[variant.vendor].split(","))
 
 
-def test_every_variant_is_checked():
-    """The defaults of every registered variant are compiled above, and every variant a shipped table
-    names has its tables compiled."""
-    assert {(v.name, v.vendor) for v, what in CASES if what == "defaults"} == {(v.name, v.vendor) for v in ALL}
-    from kreg.tuning_db.table_files import ShippedTables
-
-    named = {(t.variant, t.variant_vendor) for t in ShippedTables().tuned()}
-    assert named == {(v.name, v.vendor) for v, what in CASES if what == "tables"}
+def test_every_variant_a_table_names_has_its_tables_compiled():
+    named = {(t.variant, t.variant_vendor) for t in shipped_tables().tuned()}
+    assert named == TABLES and named <= {(v.name, v.vendor) for v in ALL}

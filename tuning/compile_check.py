@@ -35,7 +35,7 @@ from kreg.core.records import CallConfig, canonical_json
 from kreg.ops import OPS
 from kreg.ops.catalog import load_all
 from kreg.ops.variant import Variant
-from kreg.tuning.launch_record import CompileJob, meta_calls, record_calls, specialize
+from kreg.tuning.launch_record import CompileJob, distinct, meta_calls, record_calls, specialize
 
 
 @dataclass(frozen=True)
@@ -141,7 +141,7 @@ def jobs(variant: Variant, calls: list[dict], config: CallConfig, target: Device
     `roles`, when given)."""
     wanted = None if roles is None else set(roles)
     out: list[CompileJob] = []
-    for launch in record_calls(variant, calls, config, target):
+    for launch in distinct(record_calls(variant, calls, config, target)):
         if wanted is not None and not launch.roles & wanted:
             continue
         job = specialize(launch, target)
@@ -234,12 +234,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--target", required=True, help="presets, comma-separated (h200, mi300x, mi355x)")
     parser.add_argument("--shape-json", action="append", help="a shape as the op's presets spell it, as JSON "
                         "(repeatable); default: the op's full preset shapes, one per tuning key")
-    parser.add_argument("--config-json", action="append", help="a CallConfig as JSON, by role (repeatable); "
-                        "default: the variant's default call config for each key and target")
+    parser.add_argument("--config-json", action="append", help="a CallConfig as JSON, by role (repeatable)")
+    parser.add_argument("--defaults", action="store_true",
+                        help="the variant's default call config at each shape (what runs without --config-json, "
+                             "--space or --tables)")
     parser.add_argument("--space", action="store_true",
                         help="every config of each role's space not pruned (the other roles at their defaults)")
     parser.add_argument("--tables", action="store_true",
-                        help="the shipped tuned configs of this variant (tuning_db/tables) instead of defaults")
+                        help="the shipped tuned configs of this variant (tuning_db/tables), at a preset shape of "
+                             "each shipped key")
     parser.add_argument("--roles", default=None, help="comma-separated kernel roles to compile (default: all)")
     parser.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16", help="input dtype (default bf16)")
     parser.add_argument("--json", action="store_true", help="print one JSON object per line")
@@ -254,52 +257,53 @@ def main(argv: list[str] | None = None) -> int:
         if target.vendor != variant.vendor:
             parser.error(f"--target: expected a target of vendor {variant.vendor}, got {target.key} ({target.vendor})")
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[opts.dtype]
-    op = OPS[variant.op]
+    defaults = opts.defaults or not (opts.tables or opts.space or opts.config_json)
+    shapes = [(json.loads(text), dtype) for text in opts.shape_json or ()]
+    if not shapes and (defaults or opts.space or opts.config_json):
+        shapes = [(s, dtype) for s in preset_shapes(variant.op, dtype, ["full"]).values()]
+    given = {canonical_json(dict(OPS[variant.op].tuning_key(meta_calls(variant.op, s, d)[0]))) for s, d in shapes}
+    shipped = {}
     if opts.tables:
         shipped = shipped_configs(variant)
         if not shipped:
             parser.error(f"--tables: no shipped table holds {variant.name} ({variant.vendor})")
         known = {}
-        for dtype_of_key in (torch.bfloat16, torch.float16):
+        for dtype_of_key in (torch.float16, torch.bfloat16):
             known.update({k: (s, dtype_of_key) for k, s in preset_shapes(variant.op, dtype_of_key).items()})
-        shapes = []
         for key_json in shipped:
             if key_json not in known:
                 print(f"{variant.name}: no preset shape has the shipped key {key_json}: skipped", file=sys.stderr)
-                continue
-            shapes.append(known[key_json])
-    elif opts.shape_json:
-        shapes = [(json.loads(text), dtype) for text in opts.shape_json]
-    else:
-        shapes = [(s, dtype) for s in preset_shapes(variant.op, dtype, ["full"]).values()]
+            elif key_json not in given:
+                shapes.append(known[key_json])
     all_fit = True
     for shape, shape_dtype in shapes:
         calls = meta_calls(variant.op, shape, shape_dtype)
-        key = dict(op.tuning_key(calls[0]))
+        key = dict(OPS[variant.op].tuning_key(calls[0]))
+        key_json = canonical_json(key)
         for target in targets:
             if not variant.supports(key, target):  # dispatch never runs it there (a window, a head dim)
-                print(f"{target.key}: {variant.name} does not support {canonical_json(key)}: skipped", file=sys.stderr)
+                print(f"{target.key}: {variant.name} does not support {key_json}: skipped", file=sys.stderr)
                 continue
             default = variant.default_config(key, target)
-            if opts.tables:
-                configs = [variant.complete(c, key, target) for c in shipped[canonical_json(key)]]
-            elif opts.config_json:
-                configs = [variant.complete(CallConfig.from_json(text), key, target) for text in opts.config_json]
-            elif opts.space:
-                configs = [default.replace(role, c) for role, space in variant.space(key, target).items()
-                           for c in space if variant.prune_reason(role, c, key, target) is None]
-            else:
-                configs = [default]
-            for config in configs:
+            configs = []
+            if defaults and key_json in given:
+                configs.append(("default", default))
+            configs += [("table", variant.complete(c, key, target)) for c in shipped.get(key_json, ())]
+            configs += [("given", variant.complete(CallConfig.from_json(text), key, target))
+                        for text in opts.config_json or ()]
+            if opts.space:
+                configs += [("space", default.replace(role, c)) for role, space in variant.space(key, target).items()
+                            for c in space if variant.prune_reason(role, c, key, target) is None]
+            for source, config in configs:
                 for report in check_variant(variant, calls, config, target, roles):
                     all_fit &= report.fits
                     if opts.json:
                         row = {"target": target.key, "arch": target.arch, "key": key, "shape": shape,
-                               "config": json.loads(config.to_json()), **asdict(report)}
+                               "source": source, "config": json.loads(config.to_json()), **asdict(report)}
                         print(json.dumps(row), flush=True)
                     else:
                         why = f" ({report.reason})" if report.reason else ""
-                        print(f"{target.key} {target.arch} {canonical_json(key)} [{config}] {report.kernel}: "
+                        print(f"{target.key} {target.arch} {key_json} {source} [{config}] {report.kernel}: "
                               f"regs={report.registers} spills={report.spills} shared={report.shared_bytes} "
                               f"fits={report.fits}{why}", flush=True)
     return 0 if all_fit else 1

@@ -143,6 +143,34 @@ def record_calls(variant: Variant, calls: list[dict], config: CallConfig, device
     return out
 
 
+def _identity(value: Any) -> Any:
+    """What Triton can specialize a launch argument on, in hashable form: a tensor's dtype, shape,
+    strides, offset and storage size (alignment and 32-bit pointer ranges follow from them), a
+    descriptor's tensor, shape, strides, block shape and layout, any other value itself."""
+    if isinstance(value, torch.Tensor):
+        return ("tensor", value.dtype, tuple(value.shape), tuple(value.stride()), value.storage_offset(),
+                value.untyped_storage().nbytes())
+    if hasattr(value, "block_shape") and hasattr(value, "base"):
+        return ("descriptor", _identity(value.base), tuple(value.shape), tuple(value.strides),
+                tuple(value.block_shape), repr(getattr(value, "layout", None)))
+    if isinstance(value, list | tuple):
+        return tuple(_identity(v) for v in value)
+    return (type(value), value)
+
+
+def distinct(launches: list[KernelLaunch]) -> list[KernelLaunch]:
+    """The launches that differ in anything Triton specializes on (a call's chunk loop repeats the same
+    launch many times), in order."""
+    seen, out = set(), []
+    for launch in launches:
+        identity = (id(launch.kernel), launch.roles, _identity(launch.args),
+                    tuple(sorted((k, _identity(v)) for k, v in launch.kwargs.items())))
+        if identity not in seen:
+            seen.add(identity)
+            out.append(launch)
+    return out
+
+
 # ----------------------------------------------------------------------------- typing for a target
 _backends: dict[tuple, Any] = {}
 
@@ -163,15 +191,26 @@ def _frozen(value: Any) -> Any:
     return value
 
 
+def _binder(kernel: JITFunction, device: DeviceInfo):
+    """The kernel's argument binder for the target's backend, as `JITFunction.create_binder` makes it."""
+    found = _binders.get((kernel, device.target))
+    if found is None:
+        found = _binders[(kernel, device.target)] = create_function_from_signature(
+            kernel.signature, kernel.params, _backend(device))
+    return found
+
+
+_binders: dict[tuple, Any] = {}
+
+
 def specialize(launch: KernelLaunch, device: DeviceInfo) -> CompileJob:
     """The launch typed for `device` as Triton's JIT types it at run time (`JITFunction.run`'s binder
     and argument packing, for the target's backend)."""
     from triton import knobs
 
-    kernel, backend = launch.kernel, _backend(device)
+    kernel, backend, binder = launch.kernel, _backend(device), _binder(launch.kernel, device)
     kwargs = {**launch.kwargs, "debug": launch.kwargs.get("debug", kernel.debug) or knobs.runtime.debug,
               "instrumentation_mode": knobs.compilation.instrumentation_mode}
-    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
     bound, specialization, options = binder(*launch.args, **kwargs)
     options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound, specialization, options)
     return CompileJob(
