@@ -14,9 +14,9 @@ $(VENV)/.installed: pyproject.toml scripts/make_venv.sh
 	scripts/make_venv.sh $(if $(HAS_GPU),gpu,cpu) $(PYTHON) $(VENV)
 	touch $@
 
-# Test workers (pytest-xdist): every core of a CPU machine; 8 on a GPU machine, which share its GPU
-# (each test allocates little, and nothing is timed).
-TEST_WORKERS ?= $(if $(HAS_GPU),8,auto)
+# Test workers (pytest-xdist), one per core; on a GPU machine they share its GPU (each test allocates
+# little, and nothing is timed).
+TEST_WORKERS ?= auto
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q -n $(TEST_WORKERS)

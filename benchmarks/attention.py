@@ -16,7 +16,7 @@ Ours and every peer whose output we can compare are checked against the referenc
 gradients on the op's reduced shape, where the fp32 reference's autograd fits).
 
 `python -m benchmarks.attention` (main below) times the forward of named variants side by side with
-SDPA at the issue's forward shapes, each forced by name (so the tiled variant runs its tuned entries and
+SDPA at the forward target shapes (docs/performance.md), each forced by name (so the tiled variant runs its tuned entries and
 the warp-specialized one its default), and explores forward configs with `--configs`.
 """
 
@@ -175,7 +175,7 @@ def _dense(b: int, s: int, h_q: int, h_kv: int, d: int, causal: bool) -> dict:
     return {"b": b, "s_q": s, "s_k": s, "h_q": h_q, "h_kv": h_kv, "d": d, "causal": causal, "window": None}
 
 
-# The issue's forward targets (op, shape): the dense shapes against SDPA, gpt-oss with sinks against SDPA
+# The forward targets (op, shape): the dense shapes against SDPA, gpt-oss with sinks against SDPA
 # without them.
 FORWARD_SHAPES = [
     (FLASH, _dense(2, 8192, 16, 16, 128, True)),

@@ -194,7 +194,7 @@ def _default_config(vendor: str) -> CallConfig:
 
 @gpu
 def test_gpu_target_like_shape_with_default_configs():
-    """The issue's head layout (d 128, 16 query heads per kv head, block 64, 16 blocks, window 512) on a
+    """The target's head layout (d 128, 16 query heads per kv head, block 64, 16 blocks, window 512) on a
     longer sequence, the variant's default configs, both id sources; bitwise reproducible. (The defaults'
     offline compiles for sm_90/gfx942/gfx950 are tests/test_shipped_and_default_configs.py's.)"""
     from kreg.core.device import detect

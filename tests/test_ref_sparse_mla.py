@@ -282,7 +282,7 @@ def test_make_inputs_are_valid_and_causal_like(shape):
 def test_presets_and_reduce_shape():
     full = OP.presets["full"]
     assert {(s["s_q"], s["h_q"]) for s in full} >= {(4096, 128), (8192, 128), (16384, 128), (8192, 64)}
-    # The axes: s_q from 1 to 16384, topk 512/1024/2048, h_q 16/64/128, all at V3.2 head dims.
+    # The target axes: s_q from 1 to 16384, topk 512/1024/2048, h_q 16/64/128, all at V3.2 head dims.
     assert {s["s_q"] for s in full} >= {1, 16384} and {s["topk"] for s in full} == {512, 1024, 2048}
     assert {s["h_q"] for s in full} == {16, 64, 128}
     for shape in full:

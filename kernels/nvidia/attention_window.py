@@ -3,7 +3,7 @@ kernel for Hopper whose K/V tiles arrive by TMA: the tiled kernel's no-loop form
 loads staged through registers.
 
 Why: a window-128 CTA of the tiled kernel lives for three products and spends most of its time
-waiting on its own loads (ncu on an H100, benchmarks/NOTES.md session 15: long-scoreboard stalls, the
+waiting on its own loads (ncu on an H100, benchmarks/NOTES.md: long-scoreboard stalls, the
 L1/TEX unit 76% busy moving 44 KB per CTA from LDG registers into shared memory). Here one thread
 issues every copy of the CTA at its start (Q and the three K pieces on one mbarrier, the three V
 pieces on another), the copies land in shared memory where the tensor cores read them, and the

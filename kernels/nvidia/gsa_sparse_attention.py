@@ -54,7 +54,7 @@ class GSASparseAttentionHeadBlockNvidia(GSASparseAttentionHeadBlockBase, Variant
 class GSASparseAttentionDenseNvidia(GSASparseAttentionDenseBase, Variant):
     vendor = "nvidia"
     # The defaults compile without spills for sm_90 at d 128; the H100 and H200 tables hold swept configs
-    # (benchmarks/NOTES.md, "GSA sparse attention, dense masked tiles" and session 11).
+    # (benchmarks/NOTES.md, "GSA sparse attention, dense masked tiles").
     spaces = dense_spaces(GSASparseAttentionHeadBlockNvidia.spaces, ConfigSpace(
         blocks={"BLOCK_M": (64, 128), "BLOCK_N": (32, 64, 128)},
         knobs={"num_warps": (4, 8), "num_stages": (2, 3)}, keep=two_warpgroups("BLOCK_M"),

@@ -53,7 +53,7 @@ tokens select (block 0 in trained models) gives one program t entries while the 
 t * block_count / n_blocks. That program is bounded by t entries (~18 ms at the target below on one SM)
 and starts first (low block ids come first in the grid); splitting long lists would need partial sums.
 
-Predicted costs at the issue's target (H200, b 1, t 65536, h_q 64, h_kv 4, d 128, block 64, 16 blocks,
+Predicted costs at the long-context target (H200, b 1, t 65536, h_q 64, h_kv 4, d 128, block 64, 16 blocks,
 window 512, bf16; q-sized tensors are 1 GiB):
 - bwd_gate: reads dout and three outputs, writes dO_swa: ~5.4 GB, ~1.4 ms.
 - window (attention_backward): its pre reads 2 GB (~0.5 ms); dK/dV and dQ over 2.1e9 (query, key)
@@ -66,7 +66,7 @@ window 512, bf16; q-sized tensors are 1 GiB):
   fastest), ~15-20 ms, L2 bound.
 - bwd_slc_dkv: 4.3e9 pairs x 4 GEMMs (4.4 TFLOP) at M = 64 keys, ~15 ms; gathers 34 GB of Q/dout
   rows from L2.
-Total ~55-60 ms, against the issue's ~90 ms budget for the backward.
+Total ~55-60 ms, against a ~90 ms budget for the backward at that shape.
 
 Reads top-down: kernels, the lists, the launcher, the roles' kernels, interpreter configs.
 Semantics: autograd of `ops.nsa.reference`.
