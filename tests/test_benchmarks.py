@@ -10,6 +10,12 @@ from kreg.benchmarks.common import CSV_FIELDS, Measurement, long_rows, write_csv
 from kreg.benchmarks.run import families, main
 
 
+@pytest.fixture
+def no_gpu(monkeypatch):
+    """The tools as a machine without a GPU sees them (on a GPU machine they would run the benchmarks)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+
 def test_families_are_discovered():
     found = families()
     assert {"attention", "decode", "sparse_mla"} <= set(found)
@@ -36,22 +42,24 @@ def test_long_rows_hold_quantiles_units_and_versions(tmp_path):
     assert tuple(read[0]) == CSV_FIELDS and len(read) == 4
 
 
-def test_without_a_gpu_the_runner_says_so(capsys):
+def test_without_a_gpu_the_runner_says_so(capsys, no_gpu):
     assert main([]) == 2
     assert "need a CUDA or ROCm GPU" in capsys.readouterr().err
 
 
-def test_dispatch_stub_timing_runs_without_a_gpu():
-    """The dispatch-alone timing (stub launcher) that `python -m benchmarks.dispatch` prints."""
+def test_dispatch_stub_timing_runs_anywhere():
+    """The dispatch-alone timing (stub launcher) that `python -m benchmarks.dispatch` prints (CPU tensors
+    through the interpreter's variants when there is no GPU)."""
     import torch
 
     from kreg.benchmarks.dispatch import stub_dispatch_us
 
-    validate_us, dispatch_us = stub_dispatch_us("decode", "cpu", torch.float16, "nvidia", iters=20, repeats=2)
+    device, vendor = ("cuda", None) if torch.cuda.is_available() else ("cpu", "nvidia")
+    validate_us, dispatch_us = stub_dispatch_us("decode", device, torch.float16, vendor, iters=20, repeats=2)
     assert 0 < validate_us and 0 < dispatch_us
 
 
-def test_gsa_tool_without_a_gpu_and_its_arguments(capsys):
+def test_gsa_tool_without_a_gpu_and_its_arguments(capsys, no_gpu):
     """`python -m benchmarks.gsa`: argument errors before anything runs, the no-GPU message, the
     layer's FLOP count."""
     from kreg.benchmarks import gsa
@@ -107,7 +115,7 @@ def test_gsa_causal_topk_indices_are_distinct_causal_keys():
             assert len(keys) == min(k, i + 1) == len(set(keys)) and all(0 <= j <= i for j in keys)
 
 
-def test_attention_forward_tool_without_a_gpu_and_its_arguments(capsys):
+def test_attention_forward_tool_without_a_gpu_and_its_arguments(capsys, no_gpu):
     """`python -m benchmarks.attention`: its variant kinds name registered variants of each op, a wrong
     kind or --preset is an argument error, and without a GPU it says so."""
     from kreg.benchmarks import attention

@@ -195,8 +195,8 @@ def test_every_role_of_every_variant_is_launched_at_a_full_preset(tmp_path):
 
 
 def test_recording_takes_only_the_recording_threads_launches(tmp_path):
-    """While one thread records, a launch in another thread goes to Triton (here, with no GPU, it
-    fails in Triton's driver lookup) and is not recorded."""
+    """While one thread records, a launch in another thread goes to Triton and is not recorded: its CPU
+    tensor fails there (in the driver lookup without a GPU, as a CPU pointer with one)."""
     rows = _script(tmp_path, """
         import json, threading
         import torch
@@ -213,7 +213,7 @@ def test_recording_takes_only_the_recording_threads_launches(tmp_path):
 
         def other():
             try:
-                _fill[(1,)](x, BLOCK=16)
+                _fill[(1,)](torch.empty(16), BLOCK=16)
                 outcome["other"] = "ran"
             except Exception as err:
                 outcome["other"] = type(err).__name__

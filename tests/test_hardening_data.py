@@ -8,8 +8,10 @@
 - Malformed JSON, URLs and read-only databases give one clear error, not a traceback; read-only
   commands create no file or folder.
 
-Dispatch runs on CPU tensors through the interpreter (`vendor="nvidia"`), which is enough: nothing here
-launches a kernel except one call that proves a call still runs.
+Dispatch runs on the suite's device (a GPU when there is one, else CPU tensors through the interpreter,
+`vendor="nvidia"`), with entries keyed by that device and the shipped tables set aside where a test
+counts its sources; nothing here launches a kernel except one call that proves a call still runs. The
+data tests key their entries by the CPU.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from sqlalchemy.dialects import registry as sqlalchemy_dialects
 from sqlalchemy.dialects.sqlite.pysqlite import SQLiteDialect_pysqlite
 
 from kreg import registry
-from kreg.core.device import CPU
+from kreg.core.device import CPU, DeviceInfo, detect
 from kreg.core.records import CallConfig, LaunchConfig, TunedConfig, canonical_json
 from kreg.ops import OPS
 from kreg.ops.testing import TOLERANCE, assert_close
@@ -42,8 +44,12 @@ from kreg.tuning_db.errors import TuningDatabaseError, redact, safe_url
 from kreg.tuning_db.store import TuningStore
 from kreg.tuning_db.table_files import TableError, TableFile, read_table
 
+from .conftest import HAS_GPU
+
 OP = "flash_attention"
 VARIANT = "flash_attention_tiled"
+DEVICE = "cuda" if HAS_GPU else "cpu"
+HERE = detect(DEVICE)  # the device dispatch sees
 SECRET = "s3cretPW"
 BAD_URLS = {
     "malformed port": f"postgresql://kreg:{SECRET}@db.example:notaport/kreg",
@@ -84,6 +90,15 @@ sqlalchemy_dialects.register("kregfile", __name__, "FileDialect")
 sqlalchemy_dialects.register("kregrefuse", __name__, "RefusingDialect")
 
 
+@pytest.fixture
+def no_shipped_tables(tmp_path, monkeypatch):
+    """An empty tables folder, so that only the sources a test sets up answer (on a GPU the shipped
+    tables of its device would)."""
+    empty = tmp_path / "no_tables"
+    empty.mkdir()
+    monkeypatch.setattr(table_files, "SHIPPED_TABLES", empty)
+
+
 @pytest.fixture(autouse=True)
 def _fresh_dispatch():
     """Each test resolves keys anew and sees every warning."""
@@ -95,10 +110,11 @@ def _fresh_dispatch():
 
 
 def _args(s: int, seed: int = 5) -> dict:
-    """flash_attention inputs of length `s` (keys bucket s: 37 -> 64, 100 -> 128), fp16 on the CPU."""
+    """flash_attention inputs of length `s` (keys bucket s: 37 -> 64, 100 -> 128), fp16 on DEVICE."""
     gen = torch.Generator().manual_seed(seed)
     shapes = {"q": (2, s, 4, 64), "k": (2, s, 2, 64), "v": (2, s, 2, 64)}
-    return {name: torch.randn(shape, generator=gen).half() for name, shape in shapes.items()} | {"causal": True}
+    tensors = {name: torch.randn(shape, generator=gen).half().to(DEVICE) for name, shape in shapes.items()}
+    return tensors | {"causal": True}
 
 
 def _key(s: int) -> str:
@@ -106,11 +122,12 @@ def _key(s: int) -> str:
     return canonical_json(dict(op.tuning_key(op.validate(**_args(s)))))
 
 
-def _tuned(key_json: str, block_m: int = 32, block_n: int = 16, source_hash: str | None = None) -> TunedConfig:
+def _tuned(key_json: str, block_m: int = 32, block_n: int = 16, source_hash: str | None = None,
+           device: DeviceInfo = CPU) -> TunedConfig:
     from kreg.ops.catalog import load_all
 
     current = next(v for v in load_all()[OP] if v.name == VARIANT and v.vendor == "nvidia").source_hash
-    return TunedConfig(op=OP, device_key=CPU.key, tuning_key=key_json, variant=VARIANT, vendor="nvidia",
+    return TunedConfig(op=OP, device_key=device.key, tuning_key=key_json, variant=VARIANT, vendor="nvidia",
                        source_hash=source_hash or current,
                        config=CallConfig({"fwd": LaunchConfig(blocks={"BLOCK_M": block_m, "BLOCK_N": block_n,
                                                                       "HEADS": 1, "KEY_LOOPS": 3})}),
@@ -126,8 +143,8 @@ def _kreg_warnings(caught) -> list[str]:
             and str(w.message).startswith("kreg:")]
 
 
-def _table(path: Path, entries: list[TunedConfig]) -> Path:
-    path.write_text(TableFile.build(OP, CPU, entries).to_json())
+def _table(path: Path, entries: list[TunedConfig], device: DeviceInfo = CPU) -> Path:
+    path.write_text(TableFile.build(OP, device, entries).to_json())
     return path
 
 
@@ -139,7 +156,7 @@ def _damage(db: Path, key_json: str, column: str, value) -> None:
 
 
 # ============================================================ 1. dispatch survives any store failure
-def test_unwritable_cache_dir_runs_calls_and_creates_nothing(tmp_path, monkeypatch):
+def test_unwritable_cache_dir_runs_calls_and_creates_nothing(tmp_path, monkeypatch, no_shipped_tables):
     """A HOME where no cache folder can be made (a read-only HOME in a container): the default database
     cannot exist, so calls run on defaults and nothing is created."""
     blocker = tmp_path / "home"
@@ -175,15 +192,15 @@ DAMAGE = {
 
 
 @pytest.mark.parametrize("case", DAMAGE)
-def test_damaged_database_row_warns_once_and_the_next_source_answers(tmp_path, monkeypatch, case):
+def test_damaged_database_row_warns_once_and_the_next_source_answers(tmp_path, monkeypatch, case, no_shipped_tables):
     """Row A is fine, row B is damaged: B's key falls back to the nearest tuned key (A) with one warning
     naming the database, A's key still comes from the database, and nothing raises."""
     db = tmp_path / "user.db"
     monkeypatch.setenv("KREG_TUNING_DB", f"sqlite:///{db}")
     store = TuningStore()
-    good, bad = _tuned(_key(37), 32, 16), _tuned(_key(100), 16, 32)
-    store.upsert_tuned(good, CPU)
-    store.upsert_tuned(bad, CPU)
+    good, bad = _tuned(_key(37), 32, 16, device=HERE), _tuned(_key(100), 16, 32, device=HERE)
+    store.upsert_tuned(good, HERE)
+    store.upsert_tuned(bad, HERE)
     store.close()
     column, value = DAMAGE[case]
     _damage(db, bad.tuning_key, column, value)
@@ -220,14 +237,14 @@ def test_damaged_row_is_kept_and_replaced_by_the_next_write(tmp_path):
 def test_damaged_shipped_table_warns_once_and_the_rest_answers(tmp_path, monkeypatch, breakage):
     folder = tmp_path / "tables"
     folder.mkdir()
-    good = _tuned(_key(37), 16, 32)
-    _table(folder / "cpu__flash_attention.json", [good])
-    broken = folder / "cpu__broken.json"
+    good = _tuned(_key(37), 16, 32, device=HERE)
+    _table(folder / f"{HERE.key}__flash_attention.json", [good], HERE)
+    broken = folder / f"{HERE.key}__broken.json"
     if breakage == "not JSON":
         broken.write_text('{"format": 2, "op": ')
         expect = "not a JSON tuned table"
     else:
-        _table(broken, [_tuned(_key(100), 48, 16)])
+        _table(broken, [_tuned(_key(100), 48, 16, device=HERE)], HERE)
         expect = "BLOCK_M=48"
     monkeypatch.setattr(table_files, "SHIPPED_TABLES", folder)
     with warnings.catch_warnings(record=True) as caught:
@@ -243,7 +260,8 @@ def test_damaged_shipped_table_warns_once_and_the_rest_answers(tmp_path, monkeyp
 
 
 @pytest.mark.parametrize("case", [*BAD_URLS, "refusing server", "directory"])
-def test_unusable_database_warns_once_without_the_password_and_calls_run(tmp_path, monkeypatch, case):
+def test_unusable_database_warns_once_without_the_password_and_calls_run(tmp_path, monkeypatch, case,
+                                                                          no_shipped_tables):
     urls = {**BAD_URLS, "refusing server": f"kregrefuse://kreg:{SECRET}@db.example:5432/kreg",
             "directory": f"sqlite:///{tmp_path}"}
     monkeypatch.setenv("KREG_TUNING_DB", urls[case])
@@ -256,7 +274,7 @@ def test_unusable_database_warns_once_without_the_password_and_calls_run(tmp_pat
     assert "tuning database unusable" in messages[0] and SECRET not in messages[0]
 
 
-def test_lookups_run_once_per_key(monkeypatch):
+def test_lookups_run_once_per_key(monkeypatch, no_shipped_tables):
     """The checks and lookups are resolution work: a key's later calls touch neither."""
     from kreg.registry import dispatch as dispatch_module
 
@@ -264,7 +282,7 @@ def test_lookups_run_once_per_key(monkeypatch):
     real = dispatch_module.entry_problem
     monkeypatch.setattr(dispatch_module, "entry_problem", lambda *a: calls.append(1) or real(*a))
     store = dispatch.user_store()
-    store.upsert_tuned(_tuned(_key(37)), CPU)
+    store.upsert_tuned(_tuned(_key(37), device=HERE), HERE)
     reads = []
     real_best = TuningStore.best
     monkeypatch.setattr(TuningStore, "best", lambda self, *a, **k: reads.append(1) or real_best(self, *a, **k))
@@ -541,9 +559,9 @@ def read_only_db(tmp_path, request) -> tuple[str, Path, TunedConfig]:
     cannot write gives, whoever runs the tests); its journal mode as a sweep left it, or as a copy made
     with the default journal has it."""
     path = tmp_path / "ro.db"
-    entry = _tuned(_key(37), source_hash="0000older0000000")
+    entry = _tuned(_key(37), source_hash="0000older0000000", device=HERE)
     store = TuningStore(f"sqlite:///{path}")
-    store.upsert_tuned(entry, CPU)
+    store.upsert_tuned(entry, HERE)
     store.close()
     if request.param == "delete":
         con = sqlite3.connect(path)
@@ -556,16 +574,16 @@ def test_read_only_database_reads_and_refuses_writes_clearly(read_only_db, tmp_p
     url, path, entry = read_only_db
     before = path.read_bytes()
     store = TuningStore(url)
-    assert store.best(OP, CPU, entry.tuning_key).config == entry.config
-    assert export_main(["--device", "cpu", "--out", str(tmp_path / "out"), "--db", url]) == 0
-    assert read_table(tmp_path / "out" / "cpu__flash_attention.json").tuned()[0].config == entry.config
+    assert store.best(OP, HERE, entry.tuning_key).config == entry.config
+    assert export_main(["--device", HERE.key, "--out", str(tmp_path / "out"), "--db", url]) == 0
+    assert read_table(tmp_path / "out" / f"{HERE.key}__flash_attention.json").tuned()[0].config == entry.config
     monkeypatch.setenv("KREG_TUNING_DB", url)
-    assert sweep_main(["--device", "cpu", "--stale", "--db", url]) == 0
+    assert sweep_main(["--device", HERE.key, "--stale", "--db", url]) == 0
     assert "0000older0000000" in capsys.readouterr().out
     assert _choice(37).source == "database"
     with pytest.raises(TuningDatabaseError, match="readonly.*KREG_TUNING_DB"):
-        store.upsert_tuned(_tuned(_key(100)), CPU)
-    table = _table(tmp_path / "new.json", [_tuned(_key(100))])
+        store.upsert_tuned(_tuned(_key(100), device=HERE), HERE)
+    table = _table(tmp_path / "new.json", [_tuned(_key(100), device=HERE)], HERE)
     assert load_main([str(table), "--db", url]) == 2
     err = capsys.readouterr().err
     assert "readonly" in err and len(err.strip().splitlines()) == 1
@@ -573,7 +591,7 @@ def test_read_only_database_reads_and_refuses_writes_clearly(read_only_db, tmp_p
     assert [t.config for t in TuningStore(url).tuned()] == [entry.config]
 
 
-def test_read_only_commands_create_nothing_on_a_mistyped_path(tmp_path, monkeypatch, capsys):
+def test_read_only_commands_create_nothing_on_a_mistyped_path(tmp_path, monkeypatch, capsys, no_shipped_tables):
     typo = tmp_path / "tpyo" / "deeper" / "tuning.db"
     url = f"sqlite:///{typo}"
     assert export_main(["--device", "cpu", "--db", url]) == 2
