@@ -16,8 +16,9 @@ Ours and every peer whose output we can compare are checked against the referenc
 gradients on the op's reduced shape, where the fp32 reference's autograd fits).
 
 `python -m benchmarks.attention` (main below) times the forward of named variants side by side with
-SDPA at the forward target shapes (docs/performance.md), each forced by name (so the tiled variant runs its tuned entries and
-the warp-specialized one its default), and explores forward configs with `--configs`.
+SDPA at the forward target shapes (docs/performance.md), each forced by name (so the tiled variant runs
+its tuned entries and the warp-specialized one its default), and explores forward configs with
+`--configs`.
 """
 
 from __future__ import annotations

@@ -13,13 +13,16 @@ from __future__ import annotations
 
 import argparse
 import csv
+import io
 import sys
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
 from kreg.benchmarks.common import PROVIDER
+from kreg.core.files import NotARegularFile, read_regular
 
+MAX_CSV_BYTES = 64 << 20  # a whole benchmark run is well under a MiB
 NEEDED = ("op", "shape", "provider", "metric", "unit", "p50", "device")
 COLUMNS = ("op", "shape", "ours ms", "peer", "peer ms", "ours/peer speed", "device", "date")
 
@@ -45,7 +48,17 @@ class Result:
 
 def read_results(path: Path) -> list[Result]:
     """The results of one CSV file; a row without a date takes the file's modification date."""
-    with path.open(newline="") as f:
+    try:
+        data = read_regular(path, MAX_CSV_BYTES)
+    except NotARegularFile as err:
+        raise ValueError(f"{path}: not a benchmark CSV: {err}") from None
+    if len(data) > MAX_CSV_BYTES:
+        raise ValueError(f"{path}: not a benchmark CSV: larger than {MAX_CSV_BYTES >> 20} MiB")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{path}: not a benchmark CSV: not UTF-8 text ({err})") from None
+    with io.StringIO(text, newline="") as f:
         reader = csv.DictReader(f)
         missing = [name for name in NEEDED if name not in (reader.fieldnames or ())]
         if missing:

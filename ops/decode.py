@@ -60,7 +60,7 @@ def validate(
       at offset `p % block_size`. `block_size` is any power of two >= 16. Entries past a sequence's
       `ceil(L / block_size)` blocks may hold anything (-1, huge values) and are never read; an entry
       inside them outside `[0, num_blocks)` is invalid and its keys are masked.
-    - `sinks [h_q]` fp32 (optional): `out = out_nosink * sigmoid(lse - sinks[h])`, never in lse.
+    - `sinks [h_q]` fp32, contiguous (optional): `out = out_nosink * sigmoid(lse - sinks[h])`, never in lse.
     - `sm_scale` defaults to `d ** -0.5`; d in 1..256; `h_q % h_kv == 0` (query head h reads kv head
       `h // (h_q // h_kv)`); q and the caches share one dtype (fp16, bf16, fp32) and device; any
       strides with a contiguous last dimension.
@@ -145,7 +145,7 @@ def validate(
         try:
             ss = sinks.shape
             fine = (sinks.dtype == torch.float32 and len(ss) == 1 and ss[0] == h_q and sinks.get_device() == device
-                    and (device >= 0 or sinks.is_cpu == q.is_cpu))
+                    and (device >= 0 or sinks.is_cpu == q.is_cpu) and sinks.is_contiguous())
         except AttributeError:
             fine = False
         if not fine:

@@ -294,7 +294,7 @@ def _check_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
 
 
 def check_sinks(sinks, h_q: int, q: torch.Tensor) -> None:
-    """sinks: None or an fp32 `[h_q]` tensor on q's device."""
+    """sinks: None or a contiguous fp32 `[h_q]` tensor on q's device."""
     if sinks is None:
         return
     if not isinstance(sinks, torch.Tensor):
@@ -305,6 +305,8 @@ def check_sinks(sinks, h_q: int, q: torch.Tensor) -> None:
         raise ValueError(f"sinks: expected shape [h_q={h_q}], got {list(sinks.shape)}")
     if sinks.device != q.device:
         require_same_device([("q", q), ("sinks", sinks)])
+    if sinks.stride(-1) != 1:  # kernels read sinks[h] at SINKS + h
+        require_last_contiguous("sinks", sinks)
 
 
 def run_dense(

@@ -7,6 +7,7 @@ import torch
 from kreg.ops import gsa_indexer
 from kreg.ops.contract import (
     DTYPE_NAMES,
+    INT32_MAX,
     Op,
     TensorSpec,
     bucket_pow2,
@@ -16,6 +17,8 @@ from kreg.ops.contract import (
     require_same_device,
     require_tensor,
 )
+
+MAX_K = 1 << 24
 
 
 def validate(
@@ -32,7 +35,8 @@ def validate(
     gsa_topk(q_idx, k_idx, w, bias, k, sm_scale=None, topk_length=None) -> indices
 
     q_idx [b, t, h_i, d_i], k_idx [b, t, d_i], w [b, t, h_i], bias [h_i] and sm_scale are the indexer's
-    (see gsa_indexer: scores[b, i, j] over the causal keys j <= i). k is a positive int;
+    (see gsa_indexer: scores[b, i, j] over the causal keys j <= i). k is a positive int up to 2**24
+    with b * t * k < 2**31;
     topk_length [b, t] int32 (optional) caps each query's count.
 
     Returns indices [b, t, k] int32: query i's min(k, i + 1, topk_length[b, i]) highest-scoring keys,
@@ -40,11 +44,16 @@ def validate(
     Ties may break either way. Fused kernels never materialize the [b, t, t] scores.
 
     Raises ValueError/TypeError naming the argument as gsa_indexer does, for a k that is not a
-    positive int, and for a topk_length that is not int32 [b, t] on q_idx's device.
+    positive int or gives 2**31 output elements or more, and for a topk_length that is not int32
+    [b, t] on q_idx's device.
     """
     args = gsa_indexer.validate(q_idx, k_idx, w, bias, sm_scale)
     if type(k) is not int or k <= 0:
         require_positive_int("k", k)
+    b, t = q_idx.shape[:2]
+    if k > MAX_K or b * t * k > INT32_MAX:  # the kernels' row and element offsets are int32
+        raise ValueError(f"k: expected at most 2**24 and b * t * k <= 2**31 - 1 output elements (b={b}, "
+                         f"t={t}), got k={k}")
     args["k"] = k
     args["topk_length"] = topk_length
     if topk_length is not None:
@@ -100,7 +109,8 @@ def selection_error(actual: torch.Tensor, expected: torch.Tensor, args: dict) ->
     valid slots than the reference's, valid slots not first, an index outside [0, i] other than the -1
     filler, or a key picked twice. Otherwise max |got - want| / max |want| over every row's selected
     scores sorted (the reference indexer's fp32 scores at the picked keys), so keys swapped between
-    equal or nearly equal scores cost as little as the scores differ.
+    equal or nearly equal scores cost as little as the scores differ. Rows whose causal scores are not
+    all finite (NaN or inf inputs) are held to the contract alone: such scores may change which keys win.
     """
     if actual.shape != expected.shape or actual.dtype != torch.int32:
         return float("inf")
@@ -121,9 +131,11 @@ def selection_error(actual: torch.Tensor, expected: torch.Tensor, args: dict) ->
     for start, scores in gsa_indexer.score_chunks(*(args[n] for n in names)):
         scores = scores.cpu()
         rows_c = slice(start, start + scores.shape[1])
+        causal = torch.arange(t)[None, :] <= torch.arange(start, start + scores.shape[1])[:, None]
+        comparable = (torch.isfinite(scores) | ~causal).all(-1, keepdim=True)
         picked = [torch.where(x[:, rows_c] >= 0, scores.gather(-1, x[:, rows_c].clamp(min=0)), float("-inf"))
                   .sort(-1, descending=True).values for x in (got, want)]
-        finite = torch.isfinite(picked[1])
+        finite = torch.isfinite(picked[1]) & comparable
         if finite.any():
             worst = max(worst, (picked[0][finite] - picked[1][finite]).abs().max().item())
             scale = max(scale, picked[1][finite].abs().max().item())

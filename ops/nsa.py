@@ -7,6 +7,7 @@ import torch
 from kreg.ops.contract import (
     DTYPE_NAMES,
     FLOAT_DTYPES,
+    INT32_MAX,
     Op,
     TensorSpec,
     bucket_pow2,
@@ -52,8 +53,9 @@ def validate(
                                               kv group g = h // (h_q // h_kv))
         g_cmp, g_slc, g_swa  [b, t, h_q]      float gates, already in [0, 1]
         block_indices        [b, t, h_kv, block_count] int32, optional: skips the selection
-    block_size, block_count and window are positive ints. Every tensor's last dimension must be
-    contiguous. Logits are sm_scale * q . k with sm_scale defaulting to d ** -0.5, in every branch.
+    block_size, block_count and window are positive int32 values (a block_count past the sequence's
+    ceil(t / block_size) blocks selects them all). Every tensor's last dimension must be contiguous.
+    Logits are sm_scale * q . k with sm_scale defaulting to d ** -0.5, in every branch.
 
     Compressed branch: keys and values mean-pooled over the non-overlapping blocks of block_size
     tokens; block c is visible to query i iff (c + 1) * block_size - 1 <= i (a partial last block
@@ -75,7 +77,7 @@ def validate(
 
     Raises ValueError/TypeError naming the argument for wrong shapes, dtypes (block_indices int32) or
     devices, a non-contiguous last dimension, h_q not divisible by h_kv, a block_size, block_count or
-    window that is not a positive int, or an empty tensor.
+    window that is not a positive int32 value, or an empty tensor.
     """
     # Each tensor attribute read costs ~0.1-0.4 us: fast compares first, the helpers only word errors.
     named = (("q", q), ("k", k), ("v", v), ("g_cmp", g_cmp), ("g_slc", g_slc), ("g_swa", g_swa))
@@ -112,6 +114,8 @@ def validate(
     for name, value in (("block_size", block_size), ("block_count", block_count), ("window", window)):
         if type(value) is not int or value <= 0:
             require_positive_int(name, value)
+        if value > INT32_MAX:  # kernels take them as int32
+            raise ValueError(f"{name}: expected a positive int up to 2**31 - 1 (int32), got {value}")
     device = q.device
     if (k.device != device or v.device != device or g_cmp.device != device or g_slc.device != device
             or g_swa.device != device):
@@ -133,6 +137,10 @@ def validate(
             require_same_device([("q", q), ("block_indices", block_indices)])
         if block_indices.stride(-1) != 1:
             require_last_contiguous("block_indices", block_indices)
+    else:
+        # No query has more candidate blocks than the sequence has blocks: more selects nothing more
+        # (and would size the selection's buffers).
+        block_count = min(block_count, -(-t // block_size))
     sm_scale = d**-0.5 if sm_scale is None else resolve_scale("sm_scale", sm_scale, d)
     return {
         "q": q,
@@ -221,7 +229,8 @@ def ambiguous_selections(q: torch.Tensor, k: torch.Tensor, block_size: int, bloc
                           gap: float) -> torch.Tensor:
     """Where the selection may go either way: bool [b, t, h_kv], True where the last selected block's
     importance exceeds the best unselected one's by at most `gap` times its value (a tie within the
-    rounding of half-precision inputs, which any implementation may break either way)."""
+    rounding of half-precision inputs, which any implementation may break either way), and where some
+    candidate's importance is NaN."""
     ct = torch.float64 if q.dtype == torch.float64 else torch.float32
     t, h_kv = q.shape[1], k.shape[2]
     n_blocks = -(-t // block_size)
@@ -234,7 +243,9 @@ def ambiguous_selections(q: torch.Tensor, k: torch.Tensor, block_size: int, bloc
                                  n_blocks)
         top = importance.topk(block_count + 1, dim=-1).values
         last, first_out = top[..., -2], top[..., -1]
-        chunks.append(torch.isfinite(last) & torch.isfinite(first_out) & (last - first_out <= gap * last))
+        # A NaN importance (NaN or inf inputs) orders nothing: any selection is as right as another.
+        chunks.append(torch.isnan(importance).any(-1)
+                      | (torch.isfinite(last) & torch.isfinite(first_out) & (last - first_out <= gap * last)))
     return torch.cat(chunks, 1)
 
 

@@ -41,7 +41,7 @@ def validate(
     gpt-oss attention: softmax attention where each head also has a sink, a raw logit (not multiplied
     by sm_scale, never masked, no value vector) that takes a share of the softmax:
     `out = out_nosink * sigmoid(lse - sinks[h])`, i.e. `softmax` over the keys and the sink with the
-    sink's value 0. `sinks` is fp32 `[h_q]` (HF calls it `s_aux`); None means plain attention.
+    sink's value 0. `sinks` is a contiguous fp32 `[h_q]` (HF calls it `s_aux`); None means plain attention.
 
     Layouts, masks and defaults as flash_attention, except `causal=True` by default:
     - batched: `q [b, s_q, h_q, d]`, `k, v [b, s_k, h_kv, d]`;

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 
 import torch
@@ -50,6 +51,28 @@ def output_error(op, actual, expected, args: dict) -> float:
     measure where it declares one (`Op.error`: gsa_topk compares selected score sets), else
     `max_relative_error`."""
     return max_relative_error(actual, expected) if op.error is None else op.error(actual, expected, args)
+
+
+def finite_part_error(op, actual, expected, args: dict) -> float:
+    """`output_error` for a call with NaN or inf inputs, which may reach outputs differently in a kernel
+    and in the reference (which keys a tile reads, which a dense reference multiplies by zero): every
+    element the reference has finite must be finite and close in `actual`; the others are free (both
+    set to 0 before the op's measure). Integer outputs (selections) keep their contract unchanged."""
+    outs, refs = _as_tensors(actual), _as_tensors(expected)
+    if len(outs) != len(refs):
+        raise AssertionError(f"expected {len(refs)} outputs, got {len(outs)}")
+    kept_outs, kept_refs = [], []
+    for a, e in zip(outs, refs, strict=True):
+        if a.shape != e.shape:
+            return float("inf")
+        if e.is_floating_point():
+            finite = torch.isfinite(e)
+            a, e = torch.where(finite, a, 0).to(a.dtype), torch.where(finite, e, 0).to(e.dtype)
+        kept_outs.append(a)
+        kept_refs.append(e)
+    if isinstance(actual, torch.Tensor):
+        return output_error(op, kept_outs[0], kept_refs[0], args)
+    return output_error(op, tuple(kept_outs), tuple(kept_refs), args)
 
 
 def assert_close(actual, expected, rtol: float, what: str = "output") -> None:
@@ -142,3 +165,10 @@ def hostile_integers(t: torch.Tensor, generator: torch.Generator, fill: int | No
     pool = torch.tensor(HOSTILE_INTEGERS, dtype=torch.int64)
     picks = pool[torch.randint(len(pool), tuple(t.shape), generator=generator)]
     return picks.to(dtype=t.dtype, device=t.device)
+
+
+def integer_parameters(op) -> list[str]:
+    """The op's integer scalar parameters (windows, split counts, block sizes, k), read off its public
+    signature: what hostile-input checks set to int32 ends and tensor sizes +-1."""
+    params = inspect.signature(op.validate).parameters.values()
+    return [p.name for p in params if str(p.annotation).replace(" ", "") in ("int", "int|None")]

@@ -1,7 +1,9 @@
 """Memory safety on the GPU: every registered variant of this GPU's vendor runs its op's tiny presets,
 in every layout (packed varlen too), with hostile integer inputs (indices, lengths, offsets, block
-tables: both int32 ends, -1, sizes and sizes + 1, all-invalid rows), forward and, for differentiable
-ops, backward. Run it under
+tables: both int32 ends, -1, sizes and sizes + 1, all-invalid rows), integer scalar arguments at the
+int32 end and at sizes +-1 (windows, split counts, block sizes, k), a NaN, +inf or -inf in each float
+input, and views with padded rows or a broadcast dimension, forward and, for differentiable ops,
+backward. Run it under
 `compute-sanitizer --tool memcheck` (scripts/memcheck.sh): any read or write outside a tensor fails.
 Op names as arguments (`scripts/memcheck.sh sparse_mla`) check only those ops.
 
@@ -18,21 +20,36 @@ import torch
 from kreg.core.device import detect
 from kreg.ops import OPS
 from kreg.ops.catalog import load_all
-from kreg.ops.testing import HOSTILE_INTEGERS, first_output, hostile_integers
+from kreg.ops.testing import HOSTILE_INTEGERS, first_output, hostile_integers, integer_parameters
 from kreg.registry import dispatch
 
 FILLS = (None, None, None, -1, -(2**31), 2**31 - 1)  # three random mixes, then all of one value
 
 
 def _cases(op, shape: dict):
-    """The preset's inputs, then each integer input replaced by each fill (the others kept)."""
+    """The preset's inputs, then one change at a time: each integer input replaced by each fill, each
+    integer scalar at the int32 end and at sizes +-1, each float input with one non-finite element,
+    each tensor as a view with padded rows and with a broadcast first dimension."""
     base = op.make_inputs(shape, device="cuda", dtype=torch.bfloat16, seed=0)
     yield "as generated", base
-    ints = [k for k, v in base.items() if isinstance(v, torch.Tensor) and not v.is_floating_point()]
-    for name in ints:
+    tensors = {k: v for k, v in base.items() if isinstance(v, torch.Tensor) and v.numel()}
+    for name in (k for k, v in tensors.items() if not v.is_floating_point()):
         for i, fill in enumerate(FILLS):
             t = hostile_integers(base[name], torch.Generator().manual_seed(i), fill=fill)
             yield f"{name} {'mixed' if fill is None else fill}", {**base, name: t}
+    sizes = sorted({s + d for t in tensors.values() for s in t.shape for d in (-1, 1)} - {-1, 0})
+    for name in integer_parameters(op):
+        for value in (2**31 - 1, *sizes):
+            yield f"{name}={value}", {**base, name: value}
+    for name in (k for k, v in tensors.items() if v.is_floating_point()):
+        for value in (float("nan"), float("inf"), float("-inf")):
+            t = base[name].clone()
+            t.view(-1)[t.numel() // 2] = value
+            yield f"{name} holds {value}", {**base, name: t}
+    for name, t in tensors.items():
+        padded = torch.empty((*t.shape[:-1], t.shape[-1] + 3), dtype=t.dtype, device=t.device)
+        yield f"{name} with padded rows", {**base, name: padded[..., : t.shape[-1]].copy_(t)}
+        yield f"{name} broadcast", {**base, name: t[:1].expand(t.shape)}
 
 
 def main() -> int:
@@ -63,7 +80,7 @@ def main() -> int:
                     torch.cuda.synchronize()
                     runs += 1
     print(f"memcheck inputs: {runs} calls ran, {skipped} rejected by their contracts "
-          f"(integer values drawn from {len(HOSTILE_INTEGERS)} hostile ones)")
+          f"(integer contents drawn from {len(HOSTILE_INTEGERS)} hostile values)")
     return 0
 
 

@@ -51,7 +51,11 @@ VARIANT = "flash_attention_tiled"
 DEVICE = "cuda" if HAS_GPU else "cpu"
 HERE = detect(DEVICE)  # the device dispatch sees
 SECRET = "s3cretPW"
+# A password with an unescaped "@" and ":": a parser that misreads it quotes its pieces.
+PIECES = ("s3cretPW", "Pw0rdTwo", "Pw0rdThree")
 BAD_URLS = {
+    "password in the query": f"nosuchdb://kreg@db.example/kreg?sslmode=require&password={SECRET}",
+    "unescaped @ and : in the password": f"postgresql+psycopg://kreg:{PIECES[0]}@{PIECES[1]}:{PIECES[2]}@db.example/kreg",
     "malformed port": f"postgresql://kreg:{SECRET}@db.example:notaport/kreg",
     "unknown dialect": f"nosuchdb://kreg:{SECRET}@db.example/kreg",
     "unknown driver": f"postgresql+nosuchdriver://kreg:{SECRET}@db.example/kreg",
@@ -271,7 +275,7 @@ def test_unusable_database_warns_once_without_the_password_and_calls_run(tmp_pat
         assert _choice(100).source == "default"
     messages = _kreg_warnings(caught)
     assert len(messages) == 1, messages
-    assert "tuning database unusable" in messages[0] and SECRET not in messages[0]
+    assert "tuning database unusable" in messages[0] and not any(piece in messages[0] for piece in PIECES)
 
 
 def test_lookups_run_once_per_key(monkeypatch, no_shipped_tables):
@@ -299,7 +303,7 @@ def test_bad_urls_are_clear_errors_without_the_password(case):
         TuningStore(BAD_URLS[case])
     message = str(info.value)
     assert isinstance(info.value, ValueError)
-    assert SECRET not in message and "KREG_TUNING_DB" in message and "\n" not in message
+    assert not any(piece in message for piece in PIECES) and "KREG_TUNING_DB" in message and "\n" not in message
     assert info.value.__cause__ is None and info.value.__suppress_context__
 
 
@@ -534,7 +538,7 @@ def test_malformed_files_are_one_line_errors(tmp_path, capsys, case):
 
 
 def test_a_table_that_is_not_a_file_is_refused(tmp_path):
-    with pytest.raises(TableError, match="cannot read"):
+    with pytest.raises(TableError, match="not a tuned table: expected a regular file, got a folder"):
         read_table(tmp_path)
     big = tmp_path / "big.json"
     with big.open("wb") as handle:
@@ -550,7 +554,7 @@ def test_bad_urls_are_one_line_cli_errors(tmp_path, capsys, case):
     assert export_main(["--device", "cpu", "--db", BAD_URLS[case]]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 2 and err[0].startswith("tuning.load: ") and err[1].startswith("tuning.export: ")
-    assert all("KREG_TUNING_DB" in line and SECRET not in line for line in err)
+    assert all("KREG_TUNING_DB" in line and not any(piece in line for piece in PIECES) for line in err)
 
 
 @pytest.fixture(params=["wal", "delete"])
@@ -627,3 +631,56 @@ def test_tuning_on_first_use_with_an_unusable_store_warns_and_runs_the_default(m
     with pytest.warns(RuntimeWarning, match="writable tuning database"):
         choice = dispatch.resolve(op, "nvidia", None, op.tuning_key(args), preset("h200"), args)
     assert choice.source == "default"
+
+
+# ============================================================ 5. only regular files are read
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
+def test_no_tool_reads_a_fifo(tmp_path):
+    """A FIFO where a table, a benchmark CSV or the database file belongs: one line and exit 2 at once.
+    Opening one to read waits for a writer that never comes, so each tool runs in a child with a
+    deadline."""
+    import subprocess
+    import sys
+
+    fifo = tmp_path / "cpu__flash_attention.json"
+    os.mkfifo(fifo)
+    db = f"sqlite:///{tmp_path / 't.db'}"
+    commands = {
+        "tuning.load": ["kreg.tuning.load", str(fifo), "--db", db],
+        "benchmarks.report": ["kreg.benchmarks.report", str(fifo)],
+        "tuning.export": ["kreg.tuning.export", "--device", "cpu", "--db", f"sqlite:///{fifo}"],
+        "tuning.sweep --stale": ["kreg.tuning.sweep", "--device", "cpu", "--stale", "--db", f"sqlite:///{fifo}"],
+    }
+    root = Path(__file__).resolve().parents[1]
+    for name, argv in commands.items():
+        done = subprocess.run([sys.executable, "-m", *argv], cwd=root, capture_output=True, text=True, timeout=120)
+        err = done.stderr.strip().splitlines()
+        assert done.returncode == 2 and "FIFO" in done.stderr and len(err) == 1, (name, done.stderr[-2000:])
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
+def test_a_fifo_among_the_shipped_tables_warns_and_the_rest_answers(tmp_path, monkeypatch):
+    """The tables folder is read on the first lookup: a FIFO there must not hang it (a thread with a
+    deadline stands in for the call)."""
+    import threading
+
+    folder = tmp_path / "tables"
+    folder.mkdir()
+    good = _tuned(_key(37), 16, 32, device=HERE)
+    _table(folder / f"{HERE.key}__flash_attention.json", [good], HERE)
+    os.mkfifo(folder / f"{HERE.key}__jammed.json")
+    monkeypatch.setattr(table_files, "SHIPPED_TABLES", folder)
+    found = {}
+
+    def look_up():
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            found["choice"] = _choice(37)
+        found["warnings"] = _kreg_warnings(caught)
+
+    worker = threading.Thread(target=look_up, daemon=True)
+    worker.start()
+    worker.join(timeout=120)
+    assert not worker.is_alive(), "the lookup blocked on the FIFO"
+    assert (found["choice"].source, found["choice"].config["fwd"]) == ("tables", good.config["fwd"])
+    assert len(found["warnings"]) == 1 and "FIFO" in found["warnings"][0]

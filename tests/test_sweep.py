@@ -336,3 +336,48 @@ def test_compile_only_refuses_cpu_and_accepts_nvidia_targets(tmp_path, device):
                 "--filter", "BLOCK_TOPK=32,num_warps=4,num_stages=1", db=db, interpret=False)
     assert done.returncode == 0, done.stderr
     assert TuningStore(db).trials(op="sparse_mla")
+
+
+@pytest.mark.parametrize("args,message", [
+    (("--shapes", "tiny:\u00b2"), "--shapes: flash_attention's 'tiny' preset has shapes 0..2, got '\u00b2'"),
+    (("--filter", "BLOCK_N=\u00b2"), "--filter: expected K=V pairs with integer values, got 'BLOCK_N=\u00b2'"),
+    (("--trial-timeout", "inf"), "--trial-timeout: expected seconds above 0, at most 86400"),
+    (("--trial-timeout", "nan"), "--trial-timeout: expected seconds above 0, at most 86400"),
+    (("--trial-timeout", "1e300"), "--trial-timeout: expected seconds above 0, at most 86400"),
+    (("--max-minutes", "nan"), "--max-minutes: expected minutes from 0 to 10080"),
+])
+def test_numbers_it_cannot_use_are_argument_errors(tmp_path, monkeypatch, capsys, args, message):
+    """Digits Python's int() refuses (superscripts pass str.isdigit) and floats no timer can use: one
+    line and exit 2, before anything is swept."""
+    from kreg.tuning.sweep import main
+
+    monkeypatch.setenv("TRITON_INTERPRET", os.environ.get("TRITON_INTERPRET", ""))  # main may set it
+    db = f"sqlite:///{tmp_path / 'x.db'}"
+    assert main(["--device", "cpu", "--op", "flash_attention", *args, "--db", db, "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
+    assert TuningStore(db).trials() == []
+
+
+@pytest.mark.parametrize("target", ["file", "link", "link to a folder"])
+def test_an_export_target_it_would_refuse_is_refused_before_sweeping(tmp_path, monkeypatch, capsys, target):
+    """--export names a file, or a folder whose table would replace a link: refused in one line before the
+    first trial (export refuses both; a sweep must not run for an hour first)."""
+    from kreg.tuning.sweep import main
+
+    monkeypatch.setenv("TRITON_INTERPRET", os.environ.get("TRITON_INTERPRET", ""))
+    out = tmp_path / "out"
+    if target == "file":
+        out.write_text("a file, not a folder\n")
+    elif target == "link":
+        out.mkdir()
+        (out / "cpu__flash_attention.json").symlink_to(tmp_path / "elsewhere.json")
+    else:
+        (tmp_path / "real").mkdir()
+        out.symlink_to(tmp_path / "real")
+        (tmp_path / "real" / "cpu__flash_attention.json").symlink_to(tmp_path / "elsewhere.json")
+    db = f"sqlite:///{tmp_path / 'x.db'}"
+    assert main(["--device", "cpu", "--op", "flash_attention", "--export", str(out), "--db", db, "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "--export" in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert TuningStore(db).trials() == [] and not (tmp_path / "elsewhere.json").exists()

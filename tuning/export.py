@@ -92,19 +92,37 @@ def tables(store: TuningStore, device_key: str, op: str | None = None) -> list[T
     return out
 
 
-def write_atomic(path: str | Path, text: str) -> Path:
-    """Write `text` to a temporary file beside `path`, then rename it over `path`. A symbolic link or
-    anything but a regular file at `path` is refused (ExportError), not replaced."""
-    path = Path(path)
+def check_replaceable(path: Path, option: str = "--out") -> None:
+    """ExportError unless `path` is free or a regular file (not a link, a folder, a FIFO or a device), and
+    its folder is a folder or can become one."""
     try:
         found = os.lstat(path)
     except FileNotFoundError:
         found = None
+    except NotADirectoryError:
+        raise ExportError(f"{path.parent}: not a folder; choose another {option}") from None
     if found is not None and stat.S_ISLNK(found.st_mode):
-        raise ExportError(f"{path}: refusing to replace a symbolic link; remove it or choose another --out")
+        raise ExportError(f"{path}: refusing to replace a symbolic link; remove it or choose another {option}")
     if found is not None and not stat.S_ISREG(found.st_mode):
         raise ExportError(f"{path}: refusing to replace something that is not a regular file; "
-                          "choose another --out")
+                          f"choose another {option}")
+    for parent in (path.parent, *path.parent.parents):
+        if parent.exists():
+            if not parent.is_dir():
+                raise ExportError(f"{parent}: not a folder; choose another {option}")
+            break
+
+
+def table_path(out_dir: str | Path, device_key: str, op: str) -> Path:
+    """Where export_json writes the table of `op` on `device_key`."""
+    return Path(out_dir) / f"{file_name(device_key)}__{file_name(op)}.json"
+
+
+def write_atomic(path: str | Path, text: str) -> Path:
+    """Write `text` to a temporary file beside `path`, then rename it over `path`. A symbolic link or
+    anything but a regular file at `path` is refused (ExportError), not replaced."""
+    path = Path(path)
+    check_replaceable(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
@@ -128,11 +146,13 @@ def export_json(store: TuningStore, device_key: str, op: str | None = None,
     found = tables(store, device_key, op)
     targets: dict[str, TableFile] = {}
     for table in found:
-        name = f"{file_name(table.device.key)}__{file_name(table.op)}.json"
-        if name in targets:
-            raise ExportError(f"ops {targets[name].op!r} and {table.op!r} would both be written to {out / name}")
-        targets[name] = table
-    return [write_atomic(out / name, table.to_json()) for name, table in targets.items()]
+        path = table_path(out, table.device.key, table.op)
+        if path in targets:
+            raise ExportError(f"ops {targets[path].op!r} and {table.op!r} would both be written to {path}")
+        targets[path] = table
+    for path in targets:  # all refusals before the first write
+        check_replaceable(path)
+    return [write_atomic(path, table.to_json()) for path, table in targets.items()]
 
 
 def export_csv(store: TuningStore, device_key: str, op: str | None = None) -> str:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import time
 from collections.abc import Iterable
@@ -24,6 +25,7 @@ from kreg.core.device import INTERPRETER_VENDOR, DeviceInfo, detect, preset
 from kreg.core.records import TrialResult, canonical_json
 from kreg.core.space import INTERPRETER_DTYPE, KNOB_NAMES
 from kreg.ops.contract import DTYPE_NAMES, Op
+from kreg.tuning.export import ExportError
 from kreg.tuning.launch_record import meta_calls
 from kreg.tuning.tuner import KeyTuner, SweepStats, trial_configs, versions
 from kreg.tuning_db.errors import TuningDatabaseError
@@ -141,13 +143,17 @@ class UsageError(ValueError):
     """A command-line argument that cannot work; main prints it and exits 2."""
 
 
+MAX_MINUTES = 7 * 24 * 60
+MAX_TRIAL_SECONDS = 24 * 3600
+
+
 def _parse_filter(text: str | None) -> dict[str, int]:
     if not text:
         return {}
     out = {}
     for item in text.split(","):
         name, sep, value = item.partition("=")
-        if not sep or not value.strip().lstrip("-").isdigit():
+        if not sep or not re.fullmatch(r"-?[0-9]+", value.strip()):
             raise UsageError(f"--filter: expected K=V pairs with integer values, got {item!r}")
         out[name.strip()] = int(value)
     return out
@@ -224,7 +230,7 @@ def _shapes(op: Op, spec: str) -> list[dict]:
         return shapes
     chosen = []
     for pick in picks.split(","):
-        if not pick.strip().isdigit() or int(pick) >= len(shapes):
+        if not re.fullmatch(r"[0-9]+", pick.strip()) or int(pick) >= len(shapes):
             raise UsageError(f"--shapes: {op.name}'s {name!r} preset has shapes 0..{len(shapes) - 1}, got {pick!r}")
         chosen.append(shapes[int(pick)])
     return chosen
@@ -291,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     try:
         return _main(args)
-    except (UsageError, TuningDatabaseError) as err:
+    except (UsageError, TuningDatabaseError, ExportError) as err:
         # A database failure mid-sweep loses nothing recorded so far (`--resume` continues); its message
         # names the database without the URL's password.
         print(f"error: {err}", file=sys.stderr)
@@ -302,10 +308,11 @@ def _main(args: argparse.Namespace) -> int:
     target = _target(args.device)
     if args.compile_only and target.key == "cpu":
         raise UsageError("--compile-only needs a GPU target (h100, h200, mi300x, mi355x), got cpu")
-    if args.max_minutes is not None and args.max_minutes < 0:
-        raise UsageError(f"--max-minutes: expected a number of minutes >= 0, got {args.max_minutes:g}")
-    if args.trial_timeout is not None and args.trial_timeout <= 0:
-        raise UsageError(f"--trial-timeout: expected a positive number of seconds, got {args.trial_timeout:g}")
+    if args.max_minutes is not None and not 0 <= args.max_minutes <= MAX_MINUTES:
+        raise UsageError(f"--max-minutes: expected minutes from 0 to {MAX_MINUTES} (a week), got {args.max_minutes:g}")
+    if args.trial_timeout is not None and not 0 < args.trial_timeout <= MAX_TRIAL_SECONDS:
+        raise UsageError(f"--trial-timeout: expected seconds above 0, at most {MAX_TRIAL_SECONDS} (a day), got "
+                         f"{args.trial_timeout:g}")
     wanted = _parse_filter(args.filter)
     unknown = [n for n in wanted if n not in KNOB_NAMES and not n.isupper()]
     if unknown:
@@ -366,6 +373,11 @@ def _main(args: argparse.Namespace) -> int:
     if not work:
         raise UsageError(f"--variant: no {vendor} variant named {args.variant!r} among the ops swept"
                          if args.variant else f"nothing to sweep for {vendor}")
+    if args.export:  # a target export would refuse is refused now, not after the sweep
+        from kreg.tuning.export import check_replaceable, table_path
+
+        for op, _, _ in work:
+            check_replaceable(table_path(args.export, device_info.key, op.name), "--export")
 
     deadline = time.monotonic() + 60 * args.max_minutes if args.max_minutes is not None else None
     columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -394,7 +406,12 @@ def _main(args: argparse.Namespace) -> int:
     if args.export:
         from kreg.tuning.export import export_json
 
-        for path in export_json(store, device_info.key, None, args.export):
+        try:
+            written = export_json(store, device_info.key, None, args.export)
+        except OSError as err:  # the sweep's results are in the store; `tuning.export` can write them later
+            raise ExportError(f"--export: {err}; the tuned configs are in the database "
+                              f"(python -m kreg.tuning.export --device {device_info.key} --out DIR)") from None
+        for path in written:
             console.print(f"wrote {path}")
     return 0
 

@@ -23,30 +23,49 @@ class TuningDatabaseError(RuntimeError, ValueError):
 # The user part of a URL: from the scheme's "://" (or the start) to the last "@". For a URL that does
 # not parse, this is all we can tell apart.
 _USER_INFO = re.compile(r"^(?P<scheme>[A-Za-z0-9+.-]*://)?(?P<user>.*)@")
+# Query parameters that carry a secret (libpq and its drivers take `password=` there too).
+_SECRET_NAME = re.compile(r"pass|secret|token", re.IGNORECASE)
+_QUERY_SECRET = re.compile(r"(?P<name>[?&][^=&#]*(?:pass|secret|token)[^=&#]*=)(?P<value>[^&#]*)", re.IGNORECASE)
+# What splits an unescaped password when a parser misreads it; each piece may reach an error message.
+_DELIMITERS = re.compile(r"[@:/?#&=]")
 
 
 def safe_url(url: str) -> str:
     """`url` as it may be shown: SQLAlchemy's rendering with the password hidden, or, for a URL that does
-    not parse, the whole user part replaced by ***."""
+    not parse, the whole user part replaced by ***; secret query parameters (password=...) as ***."""
     try:
-        return make_url(url).render_as_string(hide_password=True)
+        shown = make_url(url).render_as_string(hide_password=True)
     except (sa_exc.ArgumentError, ValueError, TypeError):
-        return _USER_INFO.sub(lambda m: f"{m['scheme'] or ''}***@", str(url), count=1)
+        shown = _USER_INFO.sub(lambda m: f"{m['scheme'] or ''}***@", str(url), count=1)
+    return _QUERY_SECRET.sub(lambda m: f"{m['name']}***", shown)
+
+
+def _secrets(url: str) -> set[str]:
+    """Every spelling of `url`'s secrets that a message may hold: the password as SQLAlchemy reads it and
+    as the user part spells it, the pieces of an unescaped one (a parser that misreads it quotes pieces),
+    and secret query parameters."""
+    url = str(url)
+    found = set()
+    try:
+        parsed = make_url(url)
+        if parsed.password:
+            found.add(str(parsed.password))
+        for name, value in parsed.query.items():
+            if _SECRET_NAME.search(name):
+                found.update([value] if isinstance(value, str) else value)
+    except (sa_exc.ArgumentError, ValueError, TypeError):
+        pass
+    user = _USER_INFO.match(url)
+    if user and ":" in user["user"]:
+        found.add(user["user"].split(":", 1)[1])
+    found.update(m["value"] for m in _QUERY_SECRET.finditer(url))
+    pieces = {piece for secret in found for piece in _DELIMITERS.split(secret) if len(piece) >= 2}
+    return (found | pieces) - {""}
 
 
 def redact(text: str, url: str) -> str:
-    """`text` (an error message, say) with every spelling of `url`'s password replaced by ***."""
-    secrets = set()
-    try:
-        password = make_url(url).password
-        if password:
-            secrets.add(str(password))
-    except (sa_exc.ArgumentError, ValueError, TypeError):
-        pass
-    found = _USER_INFO.match(str(url))
-    if found and ":" in found["user"]:
-        secrets.add(found["user"].split(":", 1)[1])
-    for secret in sorted(secrets - {""}, key=len, reverse=True):
+    """`text` (an error message, say) with every spelling of `url`'s secrets replaced by ***."""
+    for secret in sorted(_secrets(url), key=len, reverse=True):
         text = text.replace(secret, "***")
     return text
 

@@ -29,6 +29,7 @@ from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.orm import Session
 
+from kreg.core.files import NotARegularFile, require_regular_if_present
 from kreg.core.records import TRIAL_STATUSES, TrialResult, TunedConfig, canonical_json
 from kreg.tuning_db.environment import default_url, installed_torch_version, installed_triton_version
 from kreg.tuning_db.errors import TuningDatabaseError, one_line, redact, safe_url
@@ -61,7 +62,7 @@ class TuningStore:
         try:
             parsed = make_url(self.url)
         except (sa_exc.ArgumentError, ValueError, TypeError) as err:
-            raise self._url_error("does not parse", err) from None
+            raise self._url_error("does not parse (in a password, write @ as %40, : as %3A, / as %2F)", err) from None
         try:
             self.engine: Engine = create_engine(parsed)
         except sa_exc.NoSuchModuleError as err:
@@ -76,6 +77,11 @@ class TuningStore:
         self._ready = False
         if self.engine.dialect.name == "sqlite":
             self._sqlite_path = sqlite_file(self.engine.url)
+            if self._sqlite_path is not None:
+                try:  # SQLite would block on a FIFO, or read a device
+                    require_regular_if_present(self._sqlite_path)
+                except NotARegularFile as err:
+                    raise self._error(err) from None
             configure_sqlite(self.engine)
         if self.exists():
             self._open()

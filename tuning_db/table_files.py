@@ -23,6 +23,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from kreg.core.files import NotARegularFile, read_regular
 from kreg.core.records import CallConfig, TunedConfig, canonical_json
 from kreg.tuning_db.matching import Accept, DeviceIdentity, canonical_key, check_device, pick_best, pick_nearest
 
@@ -190,8 +191,9 @@ def read_table(path: str | Path) -> TableFile:
     the field."""
     path = Path(path)
     try:
-        with path.open("rb") as handle:
-            data = handle.read(MAX_TABLE_BYTES + 1)
+        data = read_regular(path, MAX_TABLE_BYTES)
+    except NotARegularFile as err:
+        raise TableError(f"{path}: not a tuned table: {err}") from None
     except OSError as err:
         raise TableError(f"{path}: cannot read tuned table: {err}") from None
     if len(data) > MAX_TABLE_BYTES:

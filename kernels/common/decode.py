@@ -359,13 +359,18 @@ def decode_forward(args: dict, plan: DecodeLaunch, launch: Callable[..., Any] = 
     paged = table is not None
     page = k_cache.shape[1] if paged else 1
     capacity = table.shape[1] * page if paged else k_cache.shape[1]
-    window = args["window"]
+    # A window of at least the capacity masks nothing more than the capacity does: capped there, the
+    # kernel's window arithmetic (length - s_q - window, pos - window) stays far inside int32.
+    window = None if args["window"] is None else min(args["window"], capacity)
     block_n = plan.block_n
     kv_heads = heads_per_program(h_kv, plan.kv_heads)
     programs = b * (h_kv // kv_heads)
     # Pages holding whole tiles: the kernel aligns a window's first tile down to a multiple of block_n.
     reach = key_range(capacity, s_q, window, block_n if paged and page >= block_n else 1)
-    splits = args["num_splits"] or choose_splits(programs, reach, plan.num_sms, block_n, plan.waves)
+    if args["num_splits"] is None:
+        splits = choose_splits(programs, reach, plan.num_sms, block_n, plan.waves)
+    else:  # splits past the key tiles would be empty (no result changes), and the grid's y is limited
+        splits = min(args["num_splits"], max(1, cdiv(reach, block_n)), MAX_SPLITS)
     split_len = cdiv(cdiv(reach, splits), block_n) * block_n
     block_d = dot_block(d)
     pdl = plan.pdl

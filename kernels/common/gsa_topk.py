@@ -64,6 +64,7 @@ from kreg.ops.variant import CallPlan
 BINS = tl.constexpr(16)  # bins per counting step: two int32 words of eight 4-bit counters
 LOG_BINS = tl.constexpr(4)
 KEY_BITS = tl.constexpr(23)  # the first bracket of a query: [bits(C), bits(C) + 2^23)
+TOP_BITS = tl.constexpr((1 << 23) - 1)  # its last value, as an offset from bits(C)
 ABOVE_G = tl.constexpr(1.0 + 2.0**-18)  # C / G
 # Steps (key blocks or list tiles) between two flushes of the 4-bit counters, at most 15: each counts
 # at most one key per step; a flush sums them over <= 256 positions in 16-bit fields (15 * 256 < 2^16).
@@ -239,6 +240,9 @@ def _gsa_topk_radix_kernel(
                                                      stride_qh, stride_wb, stride_wt, BLOCK_Q, H_PAD, BLOCK_D)
         # C: s + C < 2C whatever the roundings in s (module docstring).
         offset = tl.sum(tl.reshape(gate, [H_PAD, BLOCK_Q]), 0) * ABOVE_G
+        # NaN or inf gates bound no score: any finite C keeps every key's bits in the first bracket.
+        offset = tl.where(tl.abs(offset) < float("inf"), offset, 1.0)
+        floor = offset.to(tl.int32, bitcast=True)[None, :]
         kend = tl.where(tl.max(n) > 0, tl.minimum(q0 + BLOCK_Q, t), 0)
 
         lo = offset.to(tl.int32, bitcast=True)
@@ -270,6 +274,10 @@ def _gsa_topk_radix_kernel(
                     keys = _load_index_keys(K, b, k0, t, d_i, stride_kb, stride_kt, BLOCK_K, BLOCK_D)
                     scores = _gated_scores_by_key(keys, q, gate, bias2, qk_scale2, BLOCK_Q, H_PAD, BLOCK_K)
                     u = (scores + offset[None, :]).to(tl.int32, bitcast=True)
+                    # Scores of NaN or inf inputs stay in the first bracket (a NaN at one end, by its
+                    # sign bit): every key a query may pick is counted once, so every slot up to n gets
+                    # a key.
+                    u = tl.minimum(tl.maximum(u, floor), floor + TOP_BITS)
                     if k0 >= diagonal:
                         u = tl.where(offs_k[:, None] <= (last - k0)[None, :], u, -1)
                     # One loop for both kinds of pass, so that every pass computes the same scores.
@@ -343,10 +351,11 @@ def gsa_topk_forward(args: dict, config: CallConfig, num_sms: int) -> torch.Tens
     q_blocks = triton.cdiv(t, block_q)
     programs = min(b * q_blocks, blocks["WAVES"] * num_sms)
     cap = list_capacity(k, t, blocks["BLOCK_K"])
-    out = torch.empty((b, t, k), device=q.device, dtype=torch.int32)
-    # The kernel offsets a query block's output rows and lists in int32.
+    # The kernel offsets a query block's output rows and lists in int32 (the contract's k <= 2**24
+    # keeps both far below 2**31 at every BLOCK_Q of the spaces).
     if block_q * max(k, min(k, t) + cap) >= 2**31:
         raise ValueError(f"k: {k} is too large for gsa_topk_radix's int32 offsets (BLOCK_Q {block_q})")
+    out = torch.empty((b, t, k), device=q.device, dtype=torch.int32)
     lists = torch.empty((programs, block_q, min(k, t) + cap), device=q.device, dtype=torch.int64)
     counter = torch.zeros(1, device=q.device, dtype=torch.int32)
     with nvtx_range("gsa/topk_kernel"):
