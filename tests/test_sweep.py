@@ -381,3 +381,24 @@ def test_an_export_target_it_would_refuse_is_refused_before_sweeping(tmp_path, m
     err = capsys.readouterr().err
     assert "--export" in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
     assert TuningStore(db).trials() == [] and not (tmp_path / "elsewhere.json").exists()
+
+
+def test_stale_lists_only_the_devices_entries(tmp_path, capsys):
+    """--stale honours --device: an H100 entry of an older kernel is not an H200 one."""
+    from kreg.core.device import preset
+    from kreg.core.records import TunedConfig
+    from kreg.tuning.sweep import main
+
+    db = f"sqlite:///{tmp_path / 'stale.db'}"
+    store = TuningStore(db)
+    for name in ("h100", "h200"):
+        store.upsert_tuned(TunedConfig(op="flash_attention", device_key=preset(name).key, tuning_key='{"d":64}',
+                                       variant="flash_attention_tiled", source_hash=f"0000older{name}",
+                                       config=LaunchConfig(blocks={"BLOCK_M": 16, "BLOCK_N": 16}),
+                                       triton_version="3.6.0", torch_version="2.13.0"), preset(name))
+    for name, other in (("h100", "h200"), ("h200", "h100")):
+        assert main(["--device", name, "--stale", "--db", db]) == 0
+        out = capsys.readouterr().out
+        listed = [line for line in out.splitlines() if line.startswith("stale")]
+        assert listed and all(f" {preset(name).key} " in line for line in listed)
+        assert f"0000older{name}" in out and f"0000older{other}" not in out

@@ -187,7 +187,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--compile-only", action="store_true",
                    help="compile every config for the target offline and record registers/spills/LDS")
     p.add_argument("--export", default=None, metavar="DIR", help="write the tuned JSON tables to DIR afterwards")
-    p.add_argument("--stale", action="store_true", help="list tuned configs whose kernel source changed, and exit")
+    p.add_argument("--stale", action="store_true",
+                   help="list the device's tuned configs whose kernel source changed, and exit")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (logs and CI)")
     return p.parse_args(argv)
 
@@ -280,16 +281,19 @@ def _resources_table(target: DeviceInfo, rows: list):
     return table
 
 
-def _stale(store, registry_variants) -> int:
+def _stale(store, registry_variants, device_key: str) -> int:
+    """List the tuned entries of `device_key` (database and shipped tables) whose kernel source changed
+    since they were tuned."""
     from kreg.tuning_db.table_files import ShippedTables
 
     hashes = {(v.vendor, v.name): v.source_hash for vs in registry_variants.values() for v in vs}
-    shipped = [t for t in ShippedTables().tuned()
-               if hashes.get((t.variant_vendor, t.variant), t.source_hash) != t.source_hash]
-    stale = [("database", t) for t in store.stale(hashes)] + [("shipped", t) for t in shipped]
+    shipped = [t for t in ShippedTables().tuned() if t.device_key == device_key
+               and hashes.get((t.variant_vendor, t.variant), t.source_hash) != t.source_hash]
+    stale = [("database", t) for t in store.stale(hashes) if t.device_key == device_key]
+    stale += [("shipped", t) for t in shipped]
     for where, t in stale:
         print(f"stale ({where}): {t.op} {t.device_key} {t.tuning_key} {t.variant} (tuned for source {t.source_hash})")
-    print(f"{len(stale)} stale tuned config(s)")
+    print(f"{len(stale)} stale tuned config(s) on {device_key}")
     return 0
 
 
@@ -339,7 +343,7 @@ def _main(args: argparse.Namespace) -> int:
     store = TuningStore(default_url())
     registry_variants = load_all()
     if args.stale:
-        return _stale(store, registry_variants)
+        return _stale(store, registry_variants, target.key)
 
     if args.compile_only:
         device_info, torch_device = target, torch.device("cpu")
