@@ -238,8 +238,10 @@ def test_validate_resolves_defaults():
     a = make_case(1, 5, 2, 1, 16, 64, 16, 512)
     for n in ("block_size", "block_count", "window"):
         del a[n]
-    assert validate(**a) == {**a, "block_size": 64, "block_count": 16, "window": 512, "sm_scale": 0.25,
+    # 5 tokens are one block of 64: the default block_count of 16 is capped at it.
+    assert validate(**a) == {**a, "block_size": 64, "block_count": 1, "window": 512, "sm_scale": 0.25,
                              "block_indices": None}
+    assert validate(**a, block_size=2)["block_count"] == 3 and validate(**a, block_size=1)["block_count"] == 5
 
 
 # ----------------------------------------------------------------------------- inputs, key, costs
