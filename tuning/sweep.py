@@ -25,7 +25,7 @@ from kreg.core.device import INTERPRETER_VENDOR, DeviceInfo, detect, preset
 from kreg.core.records import TrialResult, canonical_json
 from kreg.core.space import INTERPRETER_DTYPE, KNOB_NAMES
 from kreg.ops.contract import DTYPE_NAMES, Op
-from kreg.tuning.export import ExportError
+from kreg.tuning.export import ExportError, check_replaceable, export_json, table_path
 from kreg.tuning.launch_record import meta_calls
 from kreg.tuning.tuner import KeyTuner, SweepStats, trial_configs, versions
 from kreg.tuning_db.errors import TuningDatabaseError
@@ -378,8 +378,6 @@ def _main(args: argparse.Namespace) -> int:
         raise UsageError(f"--variant: no {vendor} variant named {args.variant!r} among the ops swept"
                          if args.variant else f"nothing to sweep for {vendor}")
     if args.export:  # a target export would refuse is refused now, not after the sweep
-        from kreg.tuning.export import check_replaceable, table_path
-
         for op, _, _ in work:
             check_replaceable(table_path(args.export, device_info.key, op.name), "--export")
 
@@ -408,8 +406,6 @@ def _main(args: argparse.Namespace) -> int:
     else:
         out.print(_winners_table(store, device_info.key, [op.name for op, _, _ in work]))
     if args.export:
-        from kreg.tuning.export import export_json
-
         try:
             written = export_json(store, device_info.key, None, args.export)
         except OSError as err:  # the sweep's results are in the store; `tuning.export` can write them later
