@@ -172,3 +172,14 @@ def integer_parameters(op) -> list[str]:
     signature: what hostile-input checks set to int32 ends and tensor sizes +-1."""
     params = inspect.signature(op.validate).parameters.values()
     return [p.name for p in params if str(p.annotation).replace(" ", "") in ("int", "int|None")]
+
+
+def padded_view(t: torch.Tensor, pad: int = 3) -> torch.Tensor:
+    """`t`'s values in a view whose rows are `pad` elements longer than its last dimension."""
+    wide = torch.empty((*t.shape[:-1], t.shape[-1] + pad), dtype=t.dtype, device=t.device)
+    return wide[..., : t.shape[-1]].copy_(t)
+
+
+def broadcast_view(t: torch.Tensor, dim: int = 0) -> torch.Tensor:
+    """`t`'s first slice along `dim`, repeated through a stride-0 view of `t`'s shape."""
+    return t.narrow(dim, 0, min(1, t.shape[dim])).expand(t.shape)

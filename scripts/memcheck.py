@@ -20,7 +20,14 @@ import torch
 from kreg.core.device import detect
 from kreg.ops import OPS
 from kreg.ops.catalog import load_all
-from kreg.ops.testing import HOSTILE_INTEGERS, first_output, hostile_integers, integer_parameters
+from kreg.ops.testing import (
+    HOSTILE_INTEGERS,
+    broadcast_view,
+    first_output,
+    hostile_integers,
+    integer_parameters,
+    padded_view,
+)
 from kreg.registry import dispatch
 
 FILLS = (None, None, None, -1, -(2**31), 2**31 - 1)  # three random mixes, then all of one value
@@ -47,9 +54,8 @@ def _cases(op, shape: dict):
             t.view(-1)[t.numel() // 2] = value
             yield f"{name} holds {value}", {**base, name: t}
     for name, t in tensors.items():
-        padded = torch.empty((*t.shape[:-1], t.shape[-1] + 3), dtype=t.dtype, device=t.device)
-        yield f"{name} with padded rows", {**base, name: padded[..., : t.shape[-1]].copy_(t)}
-        yield f"{name} broadcast", {**base, name: t[:1].expand(t.shape)}
+        yield f"{name} with padded rows", {**base, name: padded_view(t)}
+        yield f"{name} broadcast", {**base, name: broadcast_view(t)}
 
 
 def main() -> int:

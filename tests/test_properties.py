@@ -27,7 +27,15 @@ import torch
 
 from kreg.ops import OPS
 from kreg.ops.catalog import load_all
-from kreg.ops.testing import TOLERANCE, finite_part_error, hostile_integers, integer_parameters, output_error
+from kreg.ops.testing import (
+    TOLERANCE,
+    broadcast_view,
+    finite_part_error,
+    hostile_integers,
+    integer_parameters,
+    output_error,
+    padded_view,
+)
 from kreg.registry import dispatch
 
 # A dev dependency (installed by `make test`); GPU machines without network may lack its wheel, and
@@ -62,11 +70,9 @@ def _restrided(data, t: torch.Tensor) -> torch.Tensor:
         wide = torch.empty((*t.shape[:-1], 2 * t.shape[-1]), dtype=t.dtype, device=t.device)
         return wide[..., ::2].copy_(t)
     if kind == "padded":  # rows longer than the last dimension
-        wide = torch.empty((*t.shape[:-1], t.shape[-1] + 3), dtype=t.dtype, device=t.device)
-        return wide[..., : t.shape[-1]].copy_(t)
+        return padded_view(t)
     if kind == "broadcast":  # one dimension of stride 0: its first slice, repeated
-        dim = data.draw(st.integers(0, t.dim() - 1), label="broadcast dim")
-        return t.narrow(dim, 0, min(1, t.shape[dim])).expand(t.shape)
+        return broadcast_view(t, data.draw(st.integers(0, t.dim() - 1), label="broadcast dim"))
     # Outer dimensions laid out in another order (the last one stays contiguous).
     a, b = data.draw(st.sampled_from([(i, j) for i in range(t.dim() - 1) for j in range(i + 1, t.dim() - 1)] or
                                      [(0, 0)]), label="swapped dims")
