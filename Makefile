@@ -15,11 +15,12 @@ $(VENV)/.installed: pyproject.toml scripts/make_venv.sh
 	touch $@
 
 # Test workers (pytest-xdist), one per core; on a GPU machine they share its GPU (each test allocates
-# little, and nothing is timed).
+# little, and nothing is timed). Work stealing keeps every worker busy to the end: the compile checks
+# are few and long.
 TEST_WORKERS ?= auto
 
 test: $(VENV)/.installed
-	$(PY) -m pytest -q -n $(TEST_WORKERS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal
 
 # On a GPU a full sweep takes hours: each `make sweep` runs a slice and the next one resumes it.
 SWEEP_ARGS ?= $(if $(HAS_GPU),--max-minutes 30 --resume,)

@@ -431,7 +431,9 @@ def test_a_new_sm_scale_reuses_the_recorded_launches(triton_runs):
 @gpu
 def test_launch_hooks_see_every_launch():
     handle = registry.get("decode")
-    kw = {**_inputs("decode"), "num_splits": 2}  # two kernels (a single split writes its outputs itself)
+    # Two kernels (a single split writes its outputs itself); splits are capped at the key tiles, so
+    # the cache holds several of any tile size.
+    kw = {**OPS["decode"].make_inputs({**DECODE, "n": 300}, device=DEVICE, dtype=DTYPE, seed=0), "num_splits": 2}
     for _ in range(3):
         handle(**kw)
     seen = []

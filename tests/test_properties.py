@@ -28,9 +28,11 @@ import torch
 from kreg.ops import OPS
 from kreg.ops.catalog import load_all
 from kreg.ops.testing import (
+    GRAD_TOLERANCE,
     TOLERANCE,
     broadcast_view,
     finite_part_error,
+    gradient_error,
     hostile_integers,
     integer_parameters,
     output_error,
@@ -170,7 +172,8 @@ def test_result_matches_the_reference_or_the_call_is_rejected(op_name, vendor):
 @pytest.mark.parametrize("op_name", OPS_WITH_KERNELS)
 def test_integer_arguments_at_the_int32_ends(op_name, vendor):
     """Every integer scalar argument at and past both int32 ends (and 0, -1): a clear error, or the
-    reference's result (a window of 2**31 - 1 keys is every key: its bound arithmetic must not wrap)."""
+    reference's result: a window or block of 2**31 - 1 keys is every key, and neither the forward's nor
+    (differentiable ops) the backward's bound or grid arithmetic may wrap."""
     op = OPS[op_name]
     for layout in op.layouts(op.presets["tiny"][0]):
         base = op.make_inputs(layout, device="cpu", dtype=torch.float16, seed=1)
@@ -187,3 +190,6 @@ def test_integer_arguments_at_the_int32_ends(op_name, vendor):
                 validated = op.validate(**kwargs)
                 err = output_error(op, got, op.reference(**validated), validated)
                 assert err <= TOLERANCE[torch.float16], f"{where}: relative error {err:.3g}"
+                if op.differentiable and value == 2**31 - 1:  # the accepted value arithmetic could wrap on
+                    err = gradient_error(op, lambda a: dispatch.get(op_name, vendor=vendor)(**a), validated)
+                    assert err <= GRAD_TOLERANCE[torch.float16], f"{where}: gradient relative error {err:.3g}"

@@ -269,7 +269,7 @@ def _nsa_bwd_cmp_dkv_kernel(
 @triton.jit
 def _nsa_bwd_slc_dq_kernel(
         Q, K, V, DOut, IDX, Lse, G, DG, DQAcc, DQ,
-        group, block_size, block_count, qk_scale, sm_scale,
+        group, block_size, block_count, n_sub, qk_scale, sm_scale,
         stride_qb, stride_qt, stride_qh,
         stride_kb, stride_kt, stride_kh,
         stride_vb, stride_vt, stride_vh,
@@ -284,7 +284,8 @@ def _nsa_bwd_slc_dq_kernel(
     """One program: token program_id(0) of kv head program_id(1) of batch entry program_id(2), the
     group's query heads as BLOCK_G rows (masked past `group`).
 
-    Walks the token's block_count slots of IDX, BLOCK_N keys of a block at a time; a slot whose id is
+    Walks the token's block_count slots of IDX, BLOCK_N keys of a block at a time (n_sub tiles per block,
+    cdiv(min(block_size, t), BLOCK_N) from the host, where it cannot wrap); a slot whose id is
     outside [0, i // block_size] is invalid (its keys masked, never addressed), a duplicate counts
     again, and keys j > i are masked (causal). P' = g_slc 2^(q . k * qk_scale - lse * log2(e)),
     dS = P' (dout . v - dg_slc), dQ += dS k. Writes DQ = sm_scale * dQ + DQAcc in DQ's element type.
@@ -309,7 +310,6 @@ def _nsa_bwd_slc_dq_kernel(
     g = tl.load(G + b * stride_gb + row * stride_gt + head64, mask=head_ok, other=0.0).to(tl.float32)
     dg = tl.load(DG + b * stride_db + row * stride_dt + head64, mask=head_ok, other=0.0)
     own = i // block_size
-    n_sub = (block_size + BLOCK_N - 1) // BLOCK_N  # key tiles per block
     idx_row = IDX + b * stride_ib + row * stride_it + hk * stride_ih
     k_base = K + b * stride_kb + hk * stride_kh
     v_base = V + b * stride_vb + hk * stride_vh
@@ -338,7 +338,7 @@ def _nsa_bwd_slc_dq_kernel(
 @triton.jit
 def _nsa_bwd_slc_dkv_kernel(
         Q, K, V, DOut, Lse, G, DG, Offsets, Tokens, DKSwa, DVSwa, DKPart, DVPart, DK, DV,
-        t, n_blocks, n_cmp, n_splits, group, block_size, qk_scale, sm_scale, cmp_scale,
+        t, n_blocks, n_cmp, n_splits, group, block_size, n_sub, qk_scale, sm_scale, cmp_scale,
         stride_qb, stride_qt, stride_qh,
         stride_kb, stride_kt, stride_kh,
         stride_vb, stride_vt, stride_vh,
@@ -351,7 +351,7 @@ def _nsa_bwd_slc_dkv_kernel(
         stride_gkb, stride_gkt, stride_gkh,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """One program: BLOCK_N keys (tile program_id(0) % n_sub) of block program_id(0) // n_sub of kv head
-    program_id(1) of batch entry program_id(2), n_sub = cdiv(block_size, BLOCK_N).
+    program_id(1) of batch entry program_id(2); n_sub = cdiv(min(block_size, t), BLOCK_N), from the host.
 
     Walks the block's list (Tokens[Offsets[l]:Offsets[l + 1]], l = (b * h_kv + kv head) * n_blocks +
     block: the tokens whose valid slots hold the block, once per slot) as rows (entry, head of the
@@ -361,7 +361,6 @@ def _nsa_bwd_slc_dkv_kernel(
     dK = sm_scale dK + DKSwa (+ cmp_scale * the sum over the splits of DKPart for a complete block),
     and dV likewise. DKSwa/DVSwa and DK/DV share strides.
     """
-    n_sub = (block_size + BLOCK_N - 1) // BLOCK_N
     blk = tl.program_id(0) // n_sub
     hk = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
@@ -538,9 +537,11 @@ def nsa_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g_cmp: torch
     slc_common = (*lse_slc.stride(), *g_slc.stride()[:2], dg.stride(1), dg.stride(2))
     dq = torch.empty(q.shape, device=q.device, dtype=q.dtype)
     slc_dq = config["bwd_slc_dq"]
+    # Key tiles per block: a block holds at most t keys here (a block_size near 2**31 must not wrap).
+    span = min(block_size, t)
     _nsa_bwd_slc_dq_kernel[(t, h_kv, b)](
         q, k, v, dout, block_indices, lse_slc, g_slc, dg[1], dq_acc, dq,
-        group, block_size, block_indices.shape[3], qk_scale, float(sm_scale),
+        group, block_size, block_indices.shape[3], cdiv(span, slc_dq.blocks["BLOCK_N"]), qk_scale, float(sm_scale),
         *common, *_s3(block_indices), *slc_common, *_s3(dq_acc), *_s3(dq),
         **dims, BLOCK_G=dot_block(group), BLOCK_N=slc_dq.blocks["BLOCK_N"], **slc_dq.knobs())
     offsets, tokens = block_lists(block_indices, block_size)
@@ -548,9 +549,10 @@ def nsa_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g_cmp: torch
     dv = torch.empty(v.shape, device=v.device, dtype=v.dtype)
     slc_dkv = config["bwd_slc_dkv"]
     block_n = slc_dkv.blocks["BLOCK_N"]
-    _nsa_bwd_slc_dkv_kernel[(n_blocks * cdiv(block_size, block_n), h_kv, b)](
+    _nsa_bwd_slc_dkv_kernel[(n_blocks * cdiv(span, block_n), h_kv, b)](
         q, k, v, dout, lse_slc, g_slc, dg[1], offsets, tokens, dk_swa, dv_swa, parts[0], parts[1], dk, dv,
-        t, n_blocks, n_cmp, n_splits, group, block_size, qk_scale, float(sm_scale), 1.0 / block_size,
+        t, n_blocks, n_cmp, n_splits, group, block_size, cdiv(span, block_n), qk_scale, float(sm_scale),
+        1.0 / block_size,
         *common, *slc_common, *_s3(dk_swa), *parts.stride()[1:5], *_s3(dk),
         **dims, BLOCK_M=slc_dkv.blocks["BLOCK_M"], BLOCK_N=block_n, **slc_dkv.knobs())
     return dq, dk, dv, dg[0].to(g_cmp.dtype), dg[1].to(g_slc.dtype), dg[2].to(g_swa.dtype)
