@@ -2,9 +2,14 @@
 so it is set before anything imports them)."""
 
 import os
+import uuid
+from collections.abc import Iterator
 
 import pytest
 import torch
+from sqlalchemy import create_engine
+from sqlalchemy.engine import make_url
+from sqlalchemy.pool import NullPool
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -23,3 +28,49 @@ def device() -> torch.device:
 def _isolated_tuning_db(tmp_path, monkeypatch):
     """Every test gets its own empty tuning database, so no test reads the user's cache."""
     monkeypatch.setenv("KREG_TUNING_DB", f"sqlite:///{tmp_path / 'tuning.db'}")
+
+
+# ----------------------------------------------------------------------------- tuning store backends
+# The store's tests run on SQLite (a file in tmp_path) and on PostgreSQL when KREG_TEST_POSTGRES_URL
+# names a server database whose user may create databases (scripts/test_postgres.sh starts one and sets
+# it). Without it the PostgreSQL cases are skipped, unless KREG_REQUIRE_POSTGRES=1 (CI), where they fail.
+POSTGRES_URL_VAR = "KREG_TEST_POSTGRES_URL"
+
+
+def _postgres_url() -> str:
+    """The test server's URL; skips the test without one, or fails it where PostgreSQL is required."""
+    url = os.environ.get(POSTGRES_URL_VAR)
+    if url:
+        return url
+    if os.environ.get("KREG_REQUIRE_POSTGRES") == "1":
+        pytest.fail(f"KREG_REQUIRE_POSTGRES=1 but {POSTGRES_URL_VAR} is not set: run the tests under "
+                    "scripts/test_postgres.sh", pytrace=False)
+    pytest.skip(f"PostgreSQL: {POSTGRES_URL_VAR} is not set (scripts/test_postgres.sh CMD sets it)")
+
+
+@pytest.fixture
+def postgres_url() -> str:
+    """The PostgreSQL test server's own URL (its database is shared: tests that write use `store_url`)."""
+    return _postgres_url()
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def store_url(request, tmp_path) -> Iterator[str]:
+    """A URL of an empty tuning database of its own for this test: a SQLite file, or a new PostgreSQL
+    database (named from a uuid, so tests on parallel workers never meet; dropped afterwards)."""
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path / 'store.db'}"
+        return
+    server = make_url(_postgres_url())
+    name = f"kreg_test_{uuid.uuid4().hex}"
+    # CREATE and DROP DATABASE cannot run inside a transaction.
+    admin = create_engine(server, isolation_level="AUTOCOMMIT", poolclass=NullPool)
+    with admin.connect() as conn:
+        conn.exec_driver_sql(f'CREATE DATABASE "{name}"')
+    try:
+        yield server.set(database=name).render_as_string(hide_password=False)
+    finally:
+        with admin.connect() as conn:
+            # FORCE: a store a test left open (or a killed process's session) must not keep it alive.
+            conn.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        admin.dispose()
