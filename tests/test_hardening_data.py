@@ -27,6 +27,7 @@ import pytest
 import torch
 from sqlalchemy.dialects import registry as sqlalchemy_dialects
 from sqlalchemy.dialects.sqlite.pysqlite import SQLiteDialect_pysqlite
+from sqlalchemy.engine import make_url
 
 from kreg import registry
 from kreg.core.device import CPU, DeviceInfo, detect
@@ -276,6 +277,22 @@ def test_unusable_database_warns_once_without_the_password_and_calls_run(tmp_pat
     messages = _kreg_warnings(caught)
     assert len(messages) == 1, messages
     assert "tuning database unusable" in messages[0] and not any(piece in messages[0] for piece in PIECES)
+
+
+def test_refusing_postgres_server_warns_once_without_the_password_and_calls_run(postgres_url, monkeypatch,
+                                                                                no_shipped_tables):
+    """A real server (the PostgreSQL test server) refusing a wrong password: calls run on their defaults,
+    with one warning that shows neither the wrong password nor the server's real one."""
+    server = make_url(postgres_url)
+    monkeypatch.setenv("KREG_TUNING_DB", server.set(password=SECRET).render_as_string(hide_password=False))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert _choice(37).source == "default"
+        assert _choice(100).source == "default"
+    messages = _kreg_warnings(caught)
+    assert len(messages) == 1, messages
+    assert "tuning database unusable" in messages[0] and "password authentication failed" in messages[0]
+    assert SECRET not in messages[0] and server.password not in messages[0]
 
 
 def test_lookups_run_once_per_key(monkeypatch, no_shipped_tables):

@@ -1,6 +1,11 @@
 """The tuning database: trials, runs and tuned winners round trip; device and nearest-key matching; many
 writers, a killed writer and a damaged file.
 
+Tests that take `store` or `store_url` (tests/conftest.py) run on SQLite and on PostgreSQL (a database of
+their own on the server KREG_TEST_POSTGRES_URL names; skipped without one, failed under
+KREG_REQUIRE_POSTGRES=1). Tests of files (damaged, migrated from an old SQLite file, made by the first
+write) are SQLite's alone.
+
 Spawned worker processes import this module, so it keeps torch (kreg.core.device) out of its top level:
 workers describe their device with `DeviceDescriptor`, which has the same identity fields.
 """
@@ -12,11 +17,32 @@ import json
 import math
 import multiprocessing
 import random
+import socket
 import sqlite3
 import time
+import traceback
+import uuid
+import warnings
+from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
+from sqlalchemy import (
+    Column,
+    DateTime,
+    Float,
+    ForeignKey,
+    Integer,
+    MetaData,
+    String,
+    Table,
+    Text,
+    UniqueConstraint,
+    create_engine,
+    insert,
+    inspect,
+)
+from sqlalchemy.engine import make_url
 
 from kreg.core.records import CallConfig, LaunchConfig, TrialResult, TunedConfig, canonical_json
 from kreg.tuning_db.environment import default_url
@@ -38,8 +64,8 @@ def presets():
 
 
 @pytest.fixture
-def store() -> TuningStore:
-    db = TuningStore()  # conftest points KREG_TUNING_DB at this test's own file
+def store(store_url) -> TuningStore:
+    db = TuningStore(store_url)  # this test's own SQLite file or PostgreSQL database
     yield db
     db.close()
 
@@ -290,6 +316,88 @@ def test_a_database_from_before_roles_is_migrated_with_every_row(tmp_path, prese
     TuningStore(f"sqlite:///{path}").close()  # a migrated file opens as it is
 
 
+def _first_schema() -> MetaData:
+    """The tables as the first kreg's models made them on any database (no roles, no vendors, no
+    backward times), built by SQLAlchemy as that kreg's first write did."""
+    schema = MetaData()
+
+    def versions() -> tuple[Column, Column]:
+        return Column("triton_version", String(64)), Column("torch_version", String(64))
+
+    Table("devices", schema, Column("id", Integer, primary_key=True), Column("key", String(64), index=True),
+          Column("vendor", String(16)), Column("arch", String(32)), Column("name", String(128)),
+          Column("pci_device_id", Integer, nullable=True), Column("num_sms", Integer),
+          UniqueConstraint("key", "arch", "name", "pci_device_id", "num_sms", name="uq_devices_identity"))
+    Table("sweep_runs", schema, Column("id", Integer, primary_key=True), Column("op", String(64), index=True),
+          Column("device_id", ForeignKey("devices.id")), Column("started_at", DateTime(timezone=True)),
+          Column("finished_at", DateTime(timezone=True), nullable=True), Column("status", String(16)),
+          Column("args_json", Text), *versions())
+    Table("trials", schema, Column("id", Integer, primary_key=True), Column("run_id", ForeignKey("sweep_runs.id")),
+          Column("op", String(64), index=True), Column("variant", String(128)), Column("source_hash", String(128)),
+          Column("device_id", ForeignKey("devices.id"), index=True), Column("tuning_key", Text),
+          Column("config_json", Text), Column("status", String(32)), Column("time_ms", Float, nullable=True),
+          Column("error", Text, nullable=True), Column("registers", Integer, nullable=True),
+          Column("spills", Integer, nullable=True), Column("shared_bytes", Integer, nullable=True),
+          *versions(), Column("created_at", DateTime(timezone=True)),
+          UniqueConstraint("run_id", "variant", "source_hash", "tuning_key", "config_json", name="uq_trials_run"))
+    Table("tuned_configs", schema, Column("id", Integer, primary_key=True), Column("op", String(64)),
+          Column("device_id", ForeignKey("devices.id"), index=True), Column("tuning_key", Text),
+          Column("variant", String(128)), Column("source_hash", String(128)), Column("config_json", Text),
+          Column("time_ms", Float, nullable=True), *versions(),
+          Column("updated_at", DateTime(timezone=True)),
+          UniqueConstraint("op", "device_id", "tuning_key", name="uq_tuned_configs_key"))
+    return schema
+
+
+def test_a_first_schema_database_is_migrated_on_every_backend(store_url, presets):
+    """The first schema as SQLAlchemy made it on this database (on PostgreSQL: id sequences, a primary
+    key index named after the table) migrates with every row, new rows get fresh ids (the sequences
+    still count right), and the migrated database opens as it is."""
+    h200 = presets["h200"]
+    old = create_engine(store_url)
+    schema = _first_schema()
+    schema.create_all(old)
+    at = datetime(2026, 11, 1, 10, tzinfo=timezone.utc)
+    key, configs = '{"s_q":16}', [LaunchConfig(blocks={"BLOCK_H": b}, num_warps=8, num_stages=3) for b in (64, 32)]
+    versions = {"triton_version": "3.6.0", "torch_version": "2.11"}
+    devices, runs, trials, tuned = (schema.tables[n] for n in ("devices", "sweep_runs", "trials", "tuned_configs"))
+    with old.begin() as conn:  # ids come from the database, as the old kreg's did
+        device_id = conn.execute(insert(devices).values(
+            key=h200.key, vendor=h200.vendor, arch=h200.arch, name=h200.name, pci_device_id=h200.pci_device_id,
+            num_sms=h200.num_sms).returning(devices.c.id)).scalar_one()
+        run_id = conn.execute(insert(runs).values(op=OP, device_id=device_id, started_at=at, status="stopped",
+                                                  args_json="{}", **versions).returning(runs.c.id)).scalar_one()
+        for config, status in zip(configs, ("ok", "wrong_result"), strict=True):
+            conn.execute(insert(trials).values(
+                run_id=run_id, op=OP, variant="v", source_hash="h", device_id=device_id, tuning_key=key,
+                config_json=config.to_json(), status=status, time_ms=1.25 if status == "ok" else None,
+                created_at=at, **versions))
+        conn.execute(insert(tuned).values(op=OP, device_id=device_id, tuning_key=key, variant="v", source_hash="h",
+                                          config_json=configs[0].to_json(), time_ms=1.25, updated_at=at, **versions))
+    old.dispose()
+
+    store = TuningStore(store_url)
+    kept = store.trials()
+    assert [(t.status, t.role, t.config["fwd"]) for t in kept] == [("ok", None, configs[0]),
+                                                                   ("wrong_result", None, configs[1])]
+    (entry,) = store.tuned()
+    assert (entry.config["fwd"], entry.vendor, entry.backward_ms, entry.time_ms) == (configs[0], None, None, 1.25)
+    assert store.resumable_run(OP, h200) == run_id
+    assert store.record(run_id, kept[0].model_copy(update={"role": "bwd_dq"}))
+    assert len(store.trials(run_id=run_id)) == 3
+    second = store.start_run(OP, h200, {})  # the runs' id sequence counts on from the old rows
+    assert second > run_id and store.record(second, kept[0])
+    assert store.ensure_device(h200) == device_id and len(store.devices()) == 1
+    found = inspect(store.engine)
+    assert "trials_before_roles" not in found.get_table_names()
+    assert {"ix_trials_op", "ix_trials_device_id"} <= {i["name"] for i in found.get_indexes("trials")}
+    assert {"role", "vendor"} <= {c["name"] for c in found.get_columns("trials")}
+    store.close()
+    again = TuningStore(store_url)  # a migrated database opens as it is
+    assert len(again.trials()) == 4
+    again.close()
+
+
 # ----------------------------------------------------------------------------- device matching
 def test_device_matching_order(store, presets):
     h200, h100, mi300x, mi355x = presets["h200"], presets["h100"], presets["mi300x"], presets["mi355x"]
@@ -437,14 +545,15 @@ def _concurrent_writer(url: str, run_id: int, worker: int, n: int, device: dict,
     store = TuningStore(url)
     device_info = DeviceDescriptor(**device)
     start.wait(timeout=60)
+    won = store.record(run_id, shared)  # every worker at once (it has no role: a NULL in its unique key)
     assert store.ensure_device(device_info) > 0
     trials = make_trials(n, device_info.key, seed=1000 + worker, variant=f"worker{worker}")
     new = sum(store.record(run_id, t) for t in trials)
-    results.put((worker, new, store.record(run_id, shared)))
+    results.put((worker, new, won))
 
 
-def test_four_processes_lose_no_trial(tmp_path, presets):
-    url = f"sqlite:///{tmp_path / 'shared.db'}"
+def test_four_processes_lose_no_trial(store_url, presets):
+    url = store_url
     h200 = presets["h200"]
     store = TuningStore(url)
     run = store.start_run(OP, h200, {})
@@ -466,6 +575,7 @@ def test_four_processes_lose_no_trial(tmp_path, presets):
     expected = {trial_id(t) for w in range(4) for t in make_trials(50, h200.key, 1000 + w, f"worker{w}")}
     assert {trial_id(t) for t in recorded} == expected | {trial_id(shared)}
     assert len(store.devices()) == 1
+    store.close()
 
 
 def _slow_writer(url: str, run_id: int, trials: list[TrialResult]) -> None:
@@ -475,9 +585,8 @@ def _slow_writer(url: str, run_id: int, trials: list[TrialResult]) -> None:
         time.sleep(0.01)
 
 
-def test_killed_writer_loses_nothing_and_resumes(tmp_path, presets):
-    path = tmp_path / "sweep.db"
-    url = f"sqlite:///{path}"
+def test_killed_writer_loses_nothing_and_resumes(store_url, presets):
+    url = store_url
     h200 = presets["h200"]
     store = TuningStore(url)
     run = store.start_run(OP, h200, {"shapes": "full"})
@@ -492,9 +601,10 @@ def test_killed_writer_loses_nothing_and_resumes(tmp_path, presets):
     writer.join()
     store.close()
 
-    check = sqlite3.connect(path)
-    assert check.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
-    check.close()
+    if store.engine.dialect.name == "sqlite":
+        check = sqlite3.connect(store.engine.url.database)
+        assert check.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+        check.close()
     reopened = TuningStore(url)
     kept = reopened.trials(run_id=run)
     assert 20 <= len(kept) < len(trials)
@@ -508,6 +618,7 @@ def test_killed_writer_loses_nothing_and_resumes(tmp_path, presets):
     assert reopened.trials(run_id=run) == trials  # each exactly once
     reopened.finish_run(run)
     assert reopened.resumable_run(OP, h200) is None
+    reopened.close()
 
 
 def test_store_file_location_is_created_by_the_first_write(tmp_path, presets):
@@ -517,3 +628,81 @@ def test_store_file_location_is_created_by_the_first_write(tmp_path, presets):
     store.ensure_device(presets["h200"])
     store.close()
     assert nested.is_file() and Path(nested).stat().st_size > 0
+
+
+# ----------------------------------------------------------------------------- PostgreSQL's server
+def _unused_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.mark.parametrize("case", ["wrong password", "no such database", "nothing listening"])
+def test_postgres_refusals_never_show_the_password(postgres_url, case):
+    """The test server refuses a wrong password and a database it does not have, and nothing listens on
+    another port: each is one TuningDatabaseError naming the server with its password as ***, with the
+    server's reason, and neither the wrong nor the real password is in its message, its traceback or a
+    warning."""
+    server = make_url(postgres_url)
+    wrong = "Wr0ng-S3cret-Passw0rd"
+    url, reason = {
+        "wrong password": (server.set(password=wrong), "password authentication failed"),
+        "no such database": (server.set(database=f"kreg_missing_{uuid.uuid4().hex}"), "does not exist"),
+        "nothing listening": (server.set(port=_unused_port()), "refused"),
+    }[case]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(TuningDatabaseError) as info:
+            TuningStore(url.render_as_string(hide_password=False))
+    message = str(info.value)
+    assert reason in message and f"{server.username}:***@127.0.0.1" in message and "\n" not in message
+    shown = "".join(traceback.format_exception(info.value)) + repr(info.value)
+    shown += "".join(str(w.message) for w in caught)
+    assert server.password not in shown and wrong not in shown
+
+
+def test_which_failures_are_tried_again():
+    """A write is tried again after SQLite's locked or busy database and after PostgreSQL's serialization
+    failure, deadlock or lock not granted (by SQLSTATE); never after other failures of either."""
+    from sqlalchemy.exc import OperationalError
+
+    from kreg.tuning_db.store import _is_locked
+
+    class ServerError(Exception):  # what psycopg raises: the SQLSTATE is an attribute
+        def __init__(self, sqlstate: str, text: str) -> None:
+            super().__init__(text)
+            self.sqlstate = sqlstate
+
+    def wrapped(orig: BaseException) -> OperationalError:
+        return OperationalError("SELECT 1", {}, orig)
+
+    for again in (sqlite3.OperationalError("database is locked"), sqlite3.OperationalError("database is busy"),
+                  ServerError("40001", "could not serialize access"), ServerError("40P01", "deadlock detected"),
+                  ServerError("55P03", "could not obtain lock on row")):
+        assert _is_locked(wrapped(again)) and _is_locked(again), again
+    for final in (sqlite3.OperationalError("file is not a database"), ServerError("28P01", "password failed"),
+                  ServerError("42P01", "table tuned_configs is locked"), ServerError("3D000", "no database busy")):
+        assert not _is_locked(wrapped(final)) and not _is_locked(final), final
+
+
+@pytest.mark.parametrize("bad", ["long op name", "NUL in the op name"])
+def test_values_postgresql_refuses_are_clear_errors(store, presets, bad):
+    """SQLite stores any text; PostgreSQL refuses one longer than its column or holding a NUL: one
+    TuningDatabaseError that says a value was refused (not that the database is unusable), with nothing
+    written, and the database works on."""
+    h200 = presets["h200"]
+    rng = random.Random(3)
+    good = make_tuned(h200.key, make_key(rng), rng)
+    store.upsert_tuned(good, h200)
+    odd = good.model_copy(update={"op": "x" * 65 if bad == "long op name" else "x\x00y"})
+    if store.engine.dialect.name == "sqlite":
+        store.upsert_tuned(odd, h200)
+        assert len(store.tuned()) == 2
+        return
+    with pytest.raises(TuningDatabaseError, match="refused a value: .*(too long|NUL)") as info:
+        store.upsert_tuned(odd, h200)
+    assert "cannot be used" not in str(info.value) and make_url(store.url).password not in str(info.value)
+    (only,) = store.tuned()
+    assert same_entry(only, good)
+    store.upsert_tuned(good, h200)  # the database works on
+    assert len(store.tuned()) == 1

@@ -1,6 +1,7 @@
 """Between the database's tables and kreg's records: a row read back becomes a `StoredDevice`,
 `TunedConfig` or `TrialResult` here, and a database written by an older kreg is brought to the
-current schema here (`schema_changes` says what it lacks, `migrate` adds it, keeping every row).
+current schema here (`schema_changes` says what it lacks, `migrate` adds it, keeping every row), on
+SQLite and PostgreSQL alike (plain SQL and SQLAlchemy's inspector; no PRAGMAs).
 
 A row that does not convert raises ValueError or TypeError from its record; the store skips it.
 """
@@ -14,6 +15,7 @@ from sqlalchemy import inspect, text
 
 from kreg.core.records import CallConfig, TrialResult, TunedConfig
 from kreg.tuning_db.models import Base, DeviceRow, TrialRow, TunedRow
+from kreg.tuning_db.postgres import lock as postgres_lock
 
 
 @dataclass(frozen=True)
@@ -85,7 +87,10 @@ def schema_changes(conn) -> list[str]:
 
 def migrate(conn) -> None:
     """Bring the database to the current schema in one write transaction, keeping every row. Checked
-    again here: another process may have migrated it since `schema_changes` looked."""
+    again here: another process may have migrated it since `schema_changes` looked (on PostgreSQL,
+    migrations take turns under an advisory lock, and each looks once it holds the lock; on SQLite the
+    write transaction holds the database)."""
+    postgres_lock(conn, "schema")
     changes = schema_changes(conn)
     for table, column, sql_type in _ADDED_COLUMNS:
         if f"column {table}.{column}" in changes:
@@ -94,6 +99,7 @@ def migrate(conn) -> None:
     if rebuild:
         conn.execute(text(f"ALTER TABLE trials RENAME TO {_TRIALS_BEFORE_ROLES}"))
         # Index names are global: the renamed table's plain indexes would clash with the new table's.
+        # (PostgreSQL names the new table's primary key and id sequence apart from the old one's itself.)
         for index in inspect(conn).get_indexes(_TRIALS_BEFORE_ROLES):
             if index["name"] and index["name"].startswith("ix_"):
                 conn.execute(text(f"DROP INDEX {index['name']}"))

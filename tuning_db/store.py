@@ -1,11 +1,20 @@
 """The tuning database (`TuningStore`): devices, sweep runs, trials and tuned winners.
 
-The store is any SQLAlchemy database; the default is one SQLite file in the user's cache dir, shared by
-every process on the machine (sweeps on several GPUs write to it at once; `tuning_db.sqlite` sets its
-connections up for that). Every write runs in its own transaction, retried while the database stays
-locked, and each trial is committed on its own, so a killed sweep loses nothing it already recorded. A
+The store is any SQLAlchemy database; SQLite and PostgreSQL are supported and tested. The default is one
+SQLite file in the user's cache dir, shared by every process on the machine (sweeps on several GPUs
+write to it at once; `tuning_db.sqlite` sets its connections up for that). A PostgreSQL database, shared
+by sweeps on several machines, is `KREG_TUNING_DB=postgresql+psycopg://user:password@host:5432/db` with
+`pip install 'kreg[postgres]'` (`tuning_db.postgres`: its locks and the failures tried again). Every
+write runs in its own transaction, retried while the database stays locked (SQLite) or after a
+serialization failure or deadlock (PostgreSQL), and each trial is committed on its own, so a killed sweep
+loses nothing it already recorded. Writes that read before they insert hold the row they read
+(SELECT ... FOR UPDATE; SQLite's write transaction holds the whole file), so concurrent writers never
+store a row twice. A
 database written before kernel roles existed is migrated in place the first time it is opened (its
 rows kept; `tuning_db.rows`).
+
+The tests run against both: `scripts/test_postgres.sh .venv/bin/python -m pytest tests/test_tuning_db.py`
+starts a throwaway PostgreSQL server for them (the `store_url` fixture in tests/conftest.py).
 
 Reading never creates anything: a SQLite file (or its folder) that does not exist yet, or a database
 without the store's tables, reads as empty and is made by the first write. A read-only file can be
@@ -35,19 +44,27 @@ from kreg.tuning_db.environment import default_url, installed_torch_version, ins
 from kreg.tuning_db.errors import TuningDatabaseError, one_line, redact, safe_url
 from kreg.tuning_db.matching import Accept, DeviceIdentity, canonical_key, check_device, pick_best, pick_nearest
 from kreg.tuning_db.models import RUN_STATUSES, Base, DeviceRow, SweepRun, TrialRow, TunedRow, utcnow
+from kreg.tuning_db.postgres import is_retryable
+from kreg.tuning_db.postgres import lock as postgres_lock
 from kreg.tuning_db.rows import StoredDevice, migrate, schema_changes, stored_device, trial_record, tuned_pair
 from kreg.tuning_db.sqlite import EMPTY_LOCK, configure_sqlite, empty_engine, sqlite_file
 
 T = TypeVar("T")
 
-# After SQLite's own busy wait, a write that still finds the database locked is tried again this often.
+# After SQLite's own busy wait, a write that still finds the database locked is tried again this often;
+# so is a PostgreSQL transaction that failed on another one (a serialization failure, a deadlock).
 _LOCK_RETRIES = 5
 
 
 def _is_locked(err: BaseException) -> bool:
-    # Raised by SQLAlchemy (wrapping sqlite3) or by sqlite3 itself from `configure_sqlite`'s PRAGMAs.
-    text = str(getattr(err, "orig", None) or err).lower()
-    return "locked" in text or "busy" in text
+    """Whether the transaction may succeed if tried again: SQLite's database stayed locked (raised by
+    SQLAlchemy wrapping sqlite3, or by sqlite3 itself from `configure_sqlite`'s PRAGMAs), or PostgreSQL
+    gave up on it for another's sake (`tuning_db.postgres.is_retryable`)."""
+    if is_retryable(err):
+        return True
+    cause = getattr(err, "orig", None) or err
+    text = str(cause).lower()
+    return isinstance(cause, sqlite3.Error) and ("locked" in text or "busy" in text)
 
 
 class TuningStore:
@@ -94,7 +111,9 @@ class TuningStore:
         self.engine.dispose()
 
     def exists(self) -> bool:
-        """Whether the database is there: False only for a SQLite file not created yet (by a first write)."""
+        """Whether the database is there: False only for a SQLite file not created yet (by a first write).
+        A server's database (PostgreSQL) is never created by the store: a missing one is an error at the
+        first use, while one without the store's tables reads as empty until the first write."""
         return self._sqlite_path is None or self._sqlite_path.exists()
 
     # -- plumbing
@@ -110,6 +129,12 @@ class TuningStore:
         if "readonly" in cause.lower().replace("-", "").replace(" ", ""):
             fix = ("write to another database: set KREG_TUNING_DB (or --db) to a writable one; reading this "
                    "one still works")
+        elif isinstance(err, sa_exc.DataError):
+            # A value the database does not hold (PostgreSQL keeps to the columns' lengths and refuses NUL
+            # characters, where SQLite stores anything); the database itself is fine.
+            return TuningDatabaseError(f"tuning database {where} refused a value: {cause}. To fix it, keep "
+                                       "names within the columns' lengths (tuning_db.models) and without NUL "
+                                       "characters.")
         elif self._sqlite_path is not None:
             fix = (f"move the file {self._sqlite_path} away (a new one is made) or set KREG_TUNING_DB to "
                    "another database URL")
@@ -215,6 +240,12 @@ class TuningStore:
     def _get_or_create_device(self, session: Session, device: DeviceIdentity) -> DeviceRow:
         row = self._find_device(session, device)
         if row is None:
+            # On PostgreSQL, writers that both miss the row take turns here and the second finds the
+            # first's (a NULL pci_device_id makes the unique key let both rows in); SQLite's writes
+            # already take turns.
+            postgres_lock(session.connection(), "devices")
+            row = self._find_device(session, device)
+        if row is None:
             row = DeviceRow(key=device.key, vendor=device.vendor, arch=device.arch, name=device.name,
                             pci_device_id=device.pci_device_id, num_sms=device.num_sms)
             session.add(row)
@@ -300,7 +331,10 @@ class TuningStore:
         config_json = trial.config.to_json()
 
         def fn(session: Session) -> bool:
-            run = session.get(SweepRun, run_id)
+            # The run's row is locked (PostgreSQL; SQLite's writes take turns anyway) so that writers of
+            # one run take turns: a trial without a role has a NULL in its unique key, which would
+            # let two processes record it twice.
+            run = session.get(SweepRun, run_id, with_for_update={"key_share": True})
             if run is None:
                 raise ValueError(f"run_id: no sweep run {run_id}")
             device = session.get(DeviceRow, run.device_id)
