@@ -1,5 +1,5 @@
 """The tuning database: trials, runs and tuned winners round trip; device and nearest-key matching; many
-writers, a killed writer and a damaged file.
+writers, a killed writer, racing upserts that keep the faster entry, and a damaged file.
 
 Tests that take `store` or `store_url` (tests/conftest.py) run on SQLite and on PostgreSQL (a database of
 their own on the server KREG_TEST_POSTGRES_URL names; skipped without one, failed under
@@ -13,6 +13,7 @@ workers describe their device with `DeviceDescriptor`, which has the same identi
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import multiprocessing
@@ -41,6 +42,7 @@ from sqlalchemy import (
     create_engine,
     insert,
     inspect,
+    update,
 )
 from sqlalchemy.engine import make_url
 
@@ -48,6 +50,7 @@ from kreg.core.records import CallConfig, LaunchConfig, TrialResult, TunedConfig
 from kreg.tuning_db.environment import default_url
 from kreg.tuning_db.errors import TuningDatabaseError
 from kreg.tuning_db.matching import key_distance
+from kreg.tuning_db.models import TunedRow
 from kreg.tuning_db.store import TuningStore
 from kreg.tuning_db.table_files import DeviceDescriptor
 
@@ -199,6 +202,62 @@ def test_upsert_best_and_stale(store, presets):
         store.upsert_tuned(replaced, presets["h100"])
     with pytest.raises(ValueError, match="tuning_key"):
         store.best(OP, h200, "not json")
+
+
+def _faster(new: TunedConfig, current: TunedConfig) -> bool:
+    """The sweep's rule for `upsert_tuned(replace=...)`: the new entry replaces a slower stored one."""
+    return new.time_ms < current.time_ms
+
+
+def test_upsert_with_replace_keeps_the_faster_entry(store, presets):
+    """`replace` judges the stored winner of the key on this device row: it is not asked when there is
+    none, its no keeps the stored entry (False: nothing written), its yes or no `replace` at all writes
+    (True); a row too damaged to read is replaced without asking; an exception in it writes nothing."""
+    h200 = presets["h200"]
+    rng = random.Random()
+    key = make_key(rng)
+    slow = make_tuned(h200.key, key, rng, variant="slow").model_copy(update={"time_ms": 2.0})
+    fast = make_tuned(h200.key, key, rng, variant="fast").model_copy(update={"time_ms": 1.0})
+    asked: list[TunedConfig] = []
+
+    def judge(new: TunedConfig):
+        return lambda current: asked.append(current) or _faster(new, current)
+
+    assert store.upsert_tuned(slow, h200, replace=judge(slow)) is True
+    assert asked == []  # nothing stored yet: nothing to judge
+    assert store.upsert_tuned(fast, h200, replace=judge(fast)) is True
+    assert len(asked) == 1 and same_entry(asked[0], slow) and asked[0].updated_at is not None
+    assert store.upsert_tuned(slow, h200, replace=judge(slow)) is False
+    assert same_entry(store.best(OP, h200, key), fast) and len(store.tuned()) == 1
+    assert store.upsert_tuned(slow, h200) is True  # without `replace`, as before: always written
+    assert same_entry(store.best(OP, h200, key), slow)
+    assert store.upsert_tuned(fast, h200, replace=lambda current: True) is True
+    assert same_entry(store.best(OP, h200, key), fast)
+
+    # Another card with the same device key is another device row: its own (missing) winner is judged.
+    nvl = dataclasses.replace(h200, name="NVIDIA H200 NVL", pci_device_id=0x233B)
+    asked.clear()
+    assert store.upsert_tuned(slow, nvl, replace=judge(slow)) is True and asked == []
+    assert len(store.tuned()) == 2 and same_entry(store.best(OP, nvl, key), slow)
+
+    def broken(current: TunedConfig) -> bool:
+        raise RuntimeError("the judge fell over")
+
+    with pytest.raises(RuntimeError, match="the judge fell over"):
+        store.upsert_tuned(slow, h200, replace=broken)
+    assert same_entry(store.best(OP, h200, key), fast)
+    with pytest.raises(TypeError, match="replace"):
+        store.upsert_tuned(slow, h200, replace=0.5)
+
+    h200_row = store.ensure_device(h200)
+    with store.engine.begin() as conn:
+        conn.execute(update(TunedRow).where(TunedRow.device_id == h200_row).values(config_json="[[["))
+    with pytest.warns(RuntimeWarning, match="damaged"):
+        assert [t.variant for t in store.tuned()] == ["slow"]  # the NVL's; the H200's row is unreadable
+    asked.clear()
+    assert store.upsert_tuned(slow, h200, replace=judge(slow)) is True and asked == []
+    assert sorted(d.name for d, _ in store.tuned_rows()) == sorted([h200.name, nvl.name])
+    assert same_entry(store.best(OP, h200, key), slow)
 
 
 def test_import_tuned_is_all_or_nothing(store, presets, monkeypatch):
@@ -619,6 +678,53 @@ def test_killed_writer_loses_nothing_and_resumes(store_url, presets):
     reopened.finish_run(run)
     assert reopened.resumable_run(OP, h200) is None
     reopened.close()
+
+
+def _racing_upserter(url: str, device: dict, keys: list[str], times: list[float], start, results) -> None:
+    store = TuningStore(url)
+    device_info = DeviceDescriptor(**device)
+    wrote = {}
+    for key in keys:
+        start.wait(timeout=60)  # every worker starts each key at once
+        for time_ms in times:
+            tuned = make_tuned(device_info.key, key, random.Random(time_ms), variant=f"at{time_ms}").model_copy(
+                update={"time_ms": time_ms})
+            wrote[key, time_ms] = store.upsert_tuned(tuned, device_info, replace=functools.partial(_faster, tuned))
+    results.put(wrote)
+
+
+def test_racing_upserts_keep_the_fastest_entry(store_url, presets):
+    """Four processes upsert a key with their own times at once, each replacing only a slower stored
+    entry: none fails, and the one entry left is the fastest of all. For the first key the device is new
+    too (it has no PCI id: a NULL in its unique key) and one device row is made; the second key's first
+    inserts meet on the unique key, and the losers judge the winner's entry when they try again."""
+    device = dataclasses.replace(presets["h200"], name="NVIDIA H200 (no PCI id)", pci_device_id=None)
+    store = TuningStore(store_url)
+    store.ensure_device(presets["h100"])  # the tables are there, the racing device is not
+    rng = random.Random(5)
+    keys = [make_key(rng, s_q=16), make_key(rng, s_q=32)]
+    times = [round(0.05 * (i + 1), 2) for i in range(4 * 5)]
+    random.shuffle(times)
+    start, results = SPAWN.Barrier(4), SPAWN.Queue()
+    workers = [SPAWN.Process(target=_racing_upserter,
+                             args=(store_url, descriptor(device), keys, times[w::4], start, results))
+               for w in range(4)]
+    for proc in workers:
+        proc.start()
+    wrote = {}
+    for _ in workers:
+        wrote.update(results.get(timeout=120))
+    for proc in workers:
+        proc.join(timeout=60)
+        assert proc.exitcode == 0
+    fastest = min(times)
+    assert sorted(wrote) == sorted((key, t) for key in keys for t in times)
+    assert all(wrote[key, fastest] for key in keys)
+    stored = store.tuned()
+    assert sorted((t.tuning_key, t.time_ms, t.variant) for t in stored) == [
+        (key, fastest, f"at{fastest}") for key in sorted(keys)]
+    assert [d.name for d in store.devices()] == [presets["h100"].name, device.name]
+    store.close()
 
 
 def test_store_file_location_is_created_by_the_first_write(tmp_path, presets):

@@ -9,7 +9,7 @@ write runs in its own transaction, retried while the database stays locked (SQLi
 serialization failure or deadlock (PostgreSQL), and each trial is committed on its own, so a killed sweep
 loses nothing it already recorded. Writes that read before they insert hold the row they read
 (SELECT ... FOR UPDATE; SQLite's write transaction holds the whole file), so concurrent writers never
-store a row twice. A
+store a row twice, and `upsert_tuned(..., replace=...)` keeps the faster of two sweeps' winners. A
 database written before kernel roles existed is migrated in place the first time it is opened (its
 rows kept; `tuning_db.rows`).
 
@@ -46,7 +46,15 @@ from kreg.tuning_db.matching import Accept, DeviceIdentity, canonical_key, check
 from kreg.tuning_db.models import RUN_STATUSES, Base, DeviceRow, SweepRun, TrialRow, TunedRow, utcnow
 from kreg.tuning_db.postgres import is_retryable
 from kreg.tuning_db.postgres import lock as postgres_lock
-from kreg.tuning_db.rows import StoredDevice, migrate, schema_changes, stored_device, trial_record, tuned_pair
+from kreg.tuning_db.rows import (
+    StoredDevice,
+    migrate,
+    schema_changes,
+    stored_device,
+    trial_record,
+    tuned_pair,
+    tuned_record,
+)
 from kreg.tuning_db.sqlite import EMPTY_LOCK, configure_sqlite, empty_engine, sqlite_file
 
 T = TypeVar("T")
@@ -388,26 +396,55 @@ class TuningStore:
             raise ValueError(f"{name}.device_key: expected the device's key {device.key!r}, "
                              f"got {tuned.device_key!r}")
 
-    def _upsert(self, session: Session, device_id: int, tuned: TunedConfig) -> None:
+    def _upsert(self, session: Session, device_id: int, tuned: TunedConfig,
+                replace: Callable[[TunedConfig], bool] | None = None) -> bool:
+        """Write `tuned` as the winner of its key on the device row `device_id`, unless `replace` is given
+        and says no to the stored winner (a row that does not convert is always replaced). The stored row
+        is read locked (FOR UPDATE; SQLite's write already holds the database), so a concurrent writer
+        of the key waits and then judges what this one wrote. Returns whether it wrote."""
         values = dict(variant=tuned.variant, vendor=tuned.vendor, source_hash=tuned.source_hash,
                       config_json=tuned.config.to_json(), time_ms=tuned.time_ms, backward_ms=tuned.backward_ms,
                       triton_version=tuned.triton_version, torch_version=tuned.torch_version,
                       updated_at=tuned.updated_at or utcnow())
-        row = session.scalars(select(TunedRow).where(
-            TunedRow.op == tuned.op, TunedRow.device_id == device_id, TunedRow.tuning_key == tuned.tuning_key)
+        row = session.scalars(
+            select(TunedRow).where(TunedRow.op == tuned.op, TunedRow.device_id == device_id,
+                                   TunedRow.tuning_key == tuned.tuning_key)
+            .with_for_update().execution_options(populate_existing=True)
         ).first()
         if row is None:
             session.add(TunedRow(op=tuned.op, device_id=device_id, tuning_key=tuned.tuning_key, **values))
         else:
+            if replace is not None:
+                try:
+                    current = tuned_record(row, session.get(DeviceRow, device_id))
+                except (ValueError, TypeError, RecursionError):
+                    current = None  # damaged: whatever it held, the new entry replaces it
+                if current is not None and not replace(current):
+                    return False
             for name, value in values.items():
                 setattr(row, name, value)
         session.flush()
+        return True
 
-    def upsert_tuned(self, tuned: TunedConfig, device: DeviceIdentity) -> None:
-        """Insert or replace the winner for (tuned.op, device, tuned.tuning_key)."""
+    def upsert_tuned(self, tuned: TunedConfig, device: DeviceIdentity, *,
+                     replace: Callable[[TunedConfig], bool] | None = None) -> bool:
+        """Insert or replace the winner for (tuned.op, device, tuned.tuning_key). With `replace`, an
+        existing winner of that key on this device row is replaced only when replace(existing) is True,
+        decided inside the write transaction with the row locked, so sweeps writing at once keep the
+        faster entry. Returns whether it wrote.
+
+        `replace` sees the stored entry as a TunedConfig (a row too damaged to read is replaced without
+        asking); it is not called when the key has no entry yet. When two writers insert the first entry
+        of a key at once, the second one's insert meets the unique key, and the transaction is tried again:
+        then it finds the first one's entry and asks `replace` about it. An exception from `replace`
+        rolls the write back and propagates."""
         check_device(device)
         self._check_tuned(tuned, device)
-        self._run(lambda s: self._upsert(s, self._get_or_create_device(s, device).id, tuned), write=True)
+        if replace is not None and not callable(replace):
+            raise TypeError(f"replace: expected a function of the stored TunedConfig, got {type(replace).__name__}")
+        return self._run(
+            lambda s: self._upsert(s, self._get_or_create_device(s, device).id, tuned, replace=replace),
+            write=True)
 
     def import_tuned(self, rows: list[TunedConfig], device: DeviceIdentity) -> int:
         """Upsert every row for `device` in one transaction (all or nothing); returns how many."""
