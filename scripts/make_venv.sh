@@ -2,7 +2,7 @@
 # Create .venv and install kreg into it (called by the Makefile when .venv is missing).
 #   gpu: reuse the machine's PyTorch/Triton/rich/pytest (no network there); pydantic and SQLAlchemy
 #        come from wheels in .whl/ (scripts/fetch_wheels.sh downloads them where there is network).
-#   cpu: install the CPU build of PyTorch and the dev extras from the package index.
+#   cpu: install the CPU build of PyTorch and the dev and postgres extras from the package index.
 set -euo pipefail
 mode=$1 python=$2 venv=$3
 if [ "$mode" = gpu ]; then
@@ -22,5 +22,7 @@ else
     # pinned to the GPU machines' 3.6.0: the offline compile checks (spills, shared memory) must see
     # the compiler that runs there; 3.9 spills on configs that 3.6 fits.
     "$venv/bin/python" -m pip install -q torch==2.13.0 triton==3.6.0
-    "$venv/bin/python" -m pip install -q -e '.[dev]'
+    # The postgres extra (psycopg) lets the tuning store's tests run on PostgreSQL too
+    # (scripts/test_postgres.sh); a GPU machine's venv goes without it and its test runs skip PostgreSQL.
+    "$venv/bin/python" -m pip install -q -e '.[dev,postgres]'
 fi
