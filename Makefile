@@ -22,13 +22,15 @@ TEST_WORKERS ?= auto
 test: $(VENV)/.installed
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal
 
-# On a GPU a full sweep takes hours: each `make sweep` runs a slice and the next one resumes it.
-SWEEP_ARGS ?= $(if $(HAS_GPU),--max-minutes 30 --resume,)
+# On a GPU a full sweep takes hours: each `make sweep` runs a slice and the next one resumes it. On a
+# CPU the interpreter sweep runs one process per core.
+SWEEP_ARGS ?= $(if $(HAS_GPU),--max-minutes 30 --resume,--gpus $(shell nproc))
 
 sweep: $(VENV)/.installed
 	$(PY) -m kreg.tuning.sweep --device auto $(SWEEP_ARGS)
 ifneq ($(HAS_GPU),1)
-	# No GPU here: also compile every tiny-preset config for the MI355X (gfx950) and print its resources.
+	# No GPU here: also compile for the MI355X (gfx950), in parallel over the cores, each role's default and
+	# 4 seeded others per tiny-preset key (--full-space: all ~17,000), and print their resources.
 	$(PY) -m kreg.tuning.sweep --device mi355x --compile-only
 endif
 

@@ -18,7 +18,7 @@ from kreg.core.space import ConfigSpace
 from kreg.ops import OPS
 from kreg.ops.catalog import load_all
 from kreg.ops.variant import CallPlan, Variant
-from kreg.tuning.sweep import sweep_op
+from kreg.tuning.engine import sweep_op
 from kreg.tuning_db.store import TuningStore
 
 from .conftest import HAS_GPU
@@ -318,6 +318,26 @@ def test_compile_only_records_resources_for_gfx950(tmp_path):
     assert trials and all(t.device_key == "amd-mi355x" and t.role == "fwd" for t in trials)
     ok = [t for t in trials if t.status == "ok"]
     assert ok and all(t.registers and t.spills == 0 and t.shared_bytes is not None for t in ok)
+
+
+def test_compile_only_draws_each_roles_default_and_a_seeded_sample(tmp_path):
+    """By default --compile-only compiles each role's default and --sample others, the same ones on every
+    run (a seed of op, key, variant and role); --full-space compiles them all; a line per op."""
+    db = f"sqlite:///{tmp_path / 'sample.db'}"
+    args = ("--device", "mi355x", "--compile-only", "--op", "gsa_indexer", "--shapes", "tiny:0", "--no-progress")
+    first = _cli(*args, "--sample", "2", db=db, interpret=False)
+    assert first.returncode == 0, first.stderr
+    assert "gsa_indexer -> gfx950: " in first.stderr and " configs compiled, " in first.stderr
+    trials = TuningStore(db).trials(op="gsa_indexer")
+    by_role: dict[str, list[str]] = {}
+    for t in trials:
+        by_role.setdefault(t.role, []).append(t.config.to_json())
+    variant = next(v for v in load_all()["gsa_indexer"] if v.vendor == "amd")
+    assert set(by_role) == set(variant.roles) and all(len(c) == 3 for c in by_role.values())
+    again = _cli(*args, "--sample", "2", db=f"sqlite:///{tmp_path / 'again.db'}", interpret=False)
+    assert again.returncode == 0, again.stderr
+    assert sorted(t.config.to_json() for t in TuningStore(f"sqlite:///{tmp_path / 'again.db'}").trials()) == \
+        sorted(t.config.to_json() for t in trials)
 
 
 def test_stale_lists_configs_of_an_older_kernel(tmp_path):

@@ -18,7 +18,10 @@ in a subprocess with TRITON_INTERPRET removed from the environment.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
+import contextlib
 import json
+import multiprocessing
 import os
 import re
 import subprocess
@@ -166,30 +169,48 @@ def _compile_in_worker(item: tuple[CompileJob, DeviceInfo]) -> CompileReport:
     return compile_job(*item)
 
 
-def check_many(variant: Variant, calls: list[dict], configs: list[CallConfig], target: DeviceInfo,
-               roles: Iterable[str] | None = None, workers: int | None = None) -> None:
-    """Compile, in parallel worker processes, what `check_variant` would for each of `configs`, so that
-    its later calls find the reports (a sweep does this for a role's whole stage: compiling is CPU work
-    that one process does one kernel at a time)."""
-    import concurrent.futures
-    import multiprocessing
-
-    todo = []
-    for config in configs:
-        todo += [job for job in jobs(variant, calls, config, target, roles)
-                 if (job, target) not in _reports and job not in todo]
-    if len(todo) < 2:
-        return
-    workers = min(len(todo), workers or max(1, (os.cpu_count() or 2) - 1))
-    saved = os.environ.pop("TRITON_INTERPRET", None)  # the workers compile; they must not interpret
+@contextlib.contextmanager
+def compile_pool(workers: int):
+    """Worker processes for `compile_all`. TRITON_INTERPRET stays unset while the pool lives (workers
+    start when work arrives, and an interpreted kernel cannot be compiled)."""
+    saved = os.environ.pop("TRITON_INTERPRET", None)
     try:
-        context = multiprocessing.get_context("spawn")
-        with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
-            for job, report in zip(todo, pool.map(_compile_in_worker, [(j, target) for j in todo]), strict=True):
-                _reports[(job, target)] = report
+        with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+            yield pool
     finally:
         if saved is not None:
             os.environ["TRITON_INTERPRET"] = saved
+
+
+def compile_all(items: Iterable[tuple[Variant, list[dict], CallConfig, Iterable[str] | None]], target: DeviceInfo,
+                pool=None, workers: int | None = None) -> None:
+    """Compile in parallel what `check_variant` would for each (variant, calls, config, roles), so that
+    its later calls find the reports: in `pool` (`compile_pool`), or in a pool of `workers` processes
+    made for this call (default: all cores but one). Compiling is CPU work that one process does one
+    kernel at a time."""
+    todo: list[CompileJob] = []
+    seen: set[CompileJob] = set()
+    for variant, calls, config, roles in items:
+        for job in jobs(variant, calls, config, target, roles):
+            if (job, target) not in _reports and job not in seen:
+                seen.add(job)
+                todo.append(job)
+    if pool is not None:
+        _compile(todo, target, pool)
+    elif len(todo) >= 2:
+        with compile_pool(min(len(todo), workers or max(1, (os.cpu_count() or 2) - 1))) as own:
+            _compile(todo, target, own)
+
+
+def _compile(todo: list[CompileJob], target: DeviceInfo, pool) -> None:
+    for job, report in zip(todo, pool.map(_compile_in_worker, [(j, target) for j in todo]), strict=True):
+        _reports[(job, target)] = report
+
+
+def check_many(variant: Variant, calls: list[dict], configs: list[CallConfig], target: DeviceInfo,
+               roles: Iterable[str] | None = None, workers: int | None = None) -> None:
+    """`compile_all` for several call configs of one variant and key (a sweep's whole role stage)."""
+    compile_all([(variant, calls, config, roles) for config in configs], target, workers=workers)
 
 
 # ----------------------------------------------------------------------------- command line

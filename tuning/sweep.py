@@ -1,10 +1,11 @@
 """Correctness-gated autotune sweeps: `python -m kreg.tuning.sweep --device h200 [--op flash_attention]`.
 
-Each preset shape of each op is one tuning key, tuned by `tuning.tuner.KeyTuner` (role by role, every
-config gated against the op's reference on fresh random inputs, a reduced shape when the reference
-would not fit, then timed). Every trial is committed as it finishes, so a killed sweep loses nothing
-and `--resume` continues it; `--max-minutes` stops cleanly between trials. Trials run in a child
-process that is killed when one outlasts `--trial-timeout`.
+The command line of `tuning.engine` (each preset shape of each op is one tuning key, tuned role by role,
+every config gated against the op's reference, then timed; every trial committed as it ends, so a
+killed sweep loses nothing and `--resume` continues it; `--max-minutes` stops cleanly between trials)
+and `tuning.fleet` (the work as units: run here one after another, or over this machine's GPUs with
+`--gpus N`, or over a Ray cluster with `--ray`). `--stale` lists the device's entries tuned for older
+kernels and `--retune-stale` re-tunes exactly those.
 
 `--compile-only` instead compiles every config for a target that is not present (AMD from an NVIDIA
 or CPU machine) and records registers, spills and shared memory/LDS, pruning what does not fit.
@@ -17,133 +18,22 @@ import os
 import re
 import sys
 import time
-from collections.abc import Iterable
 
 import torch
 
-from kreg.core.device import INTERPRETER_VENDOR, DeviceInfo, detect, preset
-from kreg.core.records import TrialResult, canonical_json
+from kreg.core.device import INTERPRETER_VENDOR, DeviceInfo
 from kreg.core.space import INTERPRETER_DTYPE, KNOB_NAMES
 from kreg.ops.contract import DTYPE_NAMES, Op
+from kreg.tuning.engine import UsageError, compile_only_op, present_device, shape_key, target_device
 from kreg.tuning.export import ExportError, check_replaceable, export_json, table_path
-from kreg.tuning.launch_record import meta_calls
-from kreg.tuning.tuner import KeyTuner, SweepStats, trial_configs, versions
+from kreg.tuning.fleet import Inline, Pool, Ray, SweepSpec, plan_units, resume_point, stale_entries, stale_units
+from kreg.tuning.tuner import trial_configs
 from kreg.tuning_db.errors import TuningDatabaseError
 
-
-def shape_key(op: Op, shape: dict, dtype: torch.dtype) -> dict:
-    """The tuning key of a preset shape without allocating it: inputs are made on the "meta" device
-    (falling back to the reduced shape on the CPU for ops whose inputs cannot be made there)."""
-    try:
-        args = op.validate(**op.make_inputs(shape, device=torch.device("meta"), dtype=dtype, seed=0))
-    except (RuntimeError, NotImplementedError):
-        args = op.validate(**op.make_inputs(op.reduce_shape(shape), device="cpu", dtype=dtype, seed=0))
-    return dict(op.tuning_key(args))
-
-
-def sweep_op(op: Op, variants, device_info: DeviceInfo, torch_device: torch.device, shapes: Iterable[dict],
-             dtype: torch.dtype, store, *, resume: bool, deadline: float | None, progress=None, seed: int = 0,
-             roles: Iterable[str] | None = None, wanted: dict[str, int] | None = None,
-             trial_timeout: float | None = None, isolate: bool = True) -> tuple[SweepStats, bool]:
-    """Sweep one op over `shapes`. Returns (stats, finished): finished is False when the deadline hit."""
-    from kreg.tuning.trials import DEFAULT_TRIAL_TIMEOUT_S, TrialRunner
-
-    shapes = list(shapes)
-    stats = SweepStats()
-    run_id = store.resumable_run(op.name, device_info) if resume else None
-    if run_id is None:
-        run_id = store.start_run(op.name, device_info, {"dtype": DTYPE_NAMES[dtype], "shapes": shapes,
-                                                        "roles": None if roles is None else list(roles)})
-    task = progress.add_task(op.name, total=None, rejected=0, best="-") if progress else None
-    timeout = trial_timeout or DEFAULT_TRIAL_TIMEOUT_S
-    with TrialRunner(op.name, torch_device, timeout_s=timeout, isolate=isolate) as runner:
-        tuner = KeyTuner(op, device_info, store, run_id, runner, deadline=deadline, roles=roles, wanted=wanted,
-                         stats=stats, progress=progress, task=task)
-        for shape in shapes:
-            dims = shape_key(op, shape, dtype)
-            pool = [v for v in variants if v.supports(dims, device_info)]
-            if progress:
-                planned = sum(len(c) for p in tuner.plans(pool, dims).values() for c in p.values())
-                progress.update(task, total=(progress.tasks[task].total or 0) + planned)
-            prepared, calls = [], []
-
-            def prepare(shape=shape, prepared=prepared) -> None:
-                if not prepared:
-                    runner.prepare(shape, dtype, seed)
-                    prepared.append(True)
-
-            def key_calls(shape=shape, calls=calls) -> list[dict]:
-                if not calls:
-                    calls += meta_calls(op.name, shape, dtype)
-                return calls
-
-            if not tuner.tune(pool, dims, canonical_json(dims), prepare, key_calls):
-                store.finish_run(run_id, "stopped")
-                return stats, False
-    store.finish_run(run_id, "finished")
-    return stats, True
-
-
-def compile_only_op(op: Op, variants, target: DeviceInfo, shapes: Iterable[dict], dtype: torch.dtype, store,
-                    *, resume: bool, deadline: float | None, progress=None, roles: Iterable[str] | None = None,
-                    wanted: dict[str, int] | None = None) -> tuple[list, bool]:
-    """Compile every config of every role for `target` offline (the other roles at their defaults);
-    record resources; prune what spills or does not fit."""
-    from kreg.tuning.compile_check import check_variant, unfit
-
-    run_id = store.resumable_run(op.name, target) if resume else None
-    if run_id is None:
-        run_id = store.start_run(op.name, target, {"compile_only": True, "dtype": DTYPE_NAMES[dtype]})
-    done = {(t.variant, t.source_hash, t.tuning_key, t.config.to_json(), t.role) for t in store.trials(run_id=run_id)}
-    triton_version, torch_version = versions()
-    rows = []
-    task = progress.add_task(f"{op.name} -> {target.arch}", total=None, rejected=0, best="-") if progress else None
-    for shape in shapes:
-        dims = shape_key(op, shape, dtype)
-        key_json = canonical_json(dims)
-        calls = meta_calls(op.name, shape, dtype)
-        for variant in (v for v in variants if v.supports(dims, target)):
-            default = variant.default_config(dims, target)
-            for role, configs in trial_configs(variant, dims, target, roles, wanted or {}).items():
-                if progress:
-                    progress.update(task, total=(progress.tasks[task].total or 0) + len(configs))
-                for config in configs:
-                    call = default.replace(role, config)
-                    if (variant.name, variant.source_hash, key_json, call.to_json(), role) in done:
-                        if progress:
-                            progress.advance(task)
-                        continue
-                    if deadline is not None and time.monotonic() > deadline:
-                        store.finish_run(run_id, "stopped")
-                        return rows, False
-                    regs = spills = shared = None
-                    reason = variant.prune_reason(role, config, dims, target)
-                    if reason:
-                        status, error = "pruned", reason
-                    else:
-                        reports = check_variant(variant, calls, call, target, roles=(role,))
-                        regs = max((r.registers or 0 for r in reports), default=None)
-                        spills = max((r.spills or 0 for r in reports), default=None)
-                        shared = max((r.shared_bytes or 0 for r in reports), default=None)
-                        status, error = unfit(reports) or ("ok", None)
-                    store.record(run_id, TrialResult(
-                        op=op.name, variant=variant.name, vendor=variant.vendor, source_hash=variant.source_hash,
-                        device_key=target.key, tuning_key=key_json, config=call, role=role, status=status,
-                        error=error, registers=regs, spills=spills, shared_bytes=shared,
-                        triton_version=triton_version, torch_version=torch_version))
-                    rows.append((key_json, variant.name, role, str(config), status, regs, spills, shared))
-                    if progress:
-                        progress.update(task, advance=1, rejected=sum(r[4] != "ok" for r in rows))
-    store.finish_run(run_id, "finished")
-    return rows, True
-
-
 # --------------------------------------------------------------------------------------------- CLI
-class UsageError(ValueError):
-    """A command-line argument that cannot work; main prints it and exits 2."""
-
-
 MAX_MINUTES = 7 * 24 * 60
+LOCAL_CLUSTER = "local"  # `--ray` without an address
+COMPILE_SAMPLE = 4
 MAX_TRIAL_SECONDS = 24 * 3600
 
 
@@ -185,56 +75,43 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                    help="kill a trial (compile, gate and timing) that runs longer and record it as a timeout "
                         "(default 300)")
     p.add_argument("--compile-only", action="store_true",
-                   help="compile every config for the target offline and record registers/spills/LDS")
+                   help="compile configs for the target offline, in parallel over this machine's cores, and record "
+                        "registers/spills/LDS: each role's default and --sample others (seeded)")
+    p.add_argument("--sample", type=int, default=COMPILE_SAMPLE, metavar="N",
+                   help=f"with --compile-only: configs drawn per role besides its default (default {COMPILE_SAMPLE})")
+    p.add_argument("--full-space", action="store_true",
+                   help="with --compile-only: every config of every role (the MI355X's tiny presets: about 17,000 "
+                        "configs, 3.8 core-hours, so 15 minutes on 16 cores)")
     p.add_argument("--export", default=None, metavar="DIR", help="write the tuned JSON tables to DIR afterwards")
     p.add_argument("--stale", action="store_true",
                    help="list the device's tuned configs whose kernel source changed, and exit")
+    p.add_argument("--retune-stale", action="store_true",
+                   help="re-tune exactly the device's stale entries (database and shipped tables): each key "
+                        "and variant, all its roles")
+    p.add_argument("--gpus", type=int, default=None, metavar="N",
+                   help="spread the sweep over N GPUs of this machine, a worker process each (on the CPU: N "
+                        "interpreter processes)")
+    p.add_argument("--ray", nargs="?", const=LOCAL_CLUSTER, default=None, metavar="ADDRESS",
+                   help="spread the sweep over every GPU of a Ray cluster (ADDRESS as ray.init takes it; none: "
+                        "a local cluster on this machine); needs pip install 'kreg[distributed]' on every host")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (logs and CI)")
     return p.parse_args(argv)
 
 
-def _target(name: str) -> DeviceInfo:
-    if name == "auto":
-        return detect()
-    for key in ("h100", "h200", "mi300x", "mi355x", "cpu"):
-        if preset(key).key == name:
-            return preset(key)
-    try:
-        return preset(name)
-    except ValueError:
-        raise UsageError(f"--device: unknown device {name!r}; expected h100, h200, mi300x, mi355x, cpu "
-                         "or auto") from None
-
-
-def _present_device(target: DeviceInfo) -> tuple[DeviceInfo, torch.device]:
-    """The device to time on; a clear error when the target is not the device that is present."""
-    if target.key == "cpu":
-        return target, torch.device("cpu")
-    if not torch.cuda.is_available():
-        raise UsageError(f"--device {target.key}: no GPU is present on this machine; "
-                         f"use --compile-only to compile for {target.arch}, or --device cpu")
-    here = detect(torch.device("cuda"))
-    if (here.vendor, here.arch) != (target.vendor, target.arch) or here.key != target.key:
-        raise UsageError(f"--device {target.key}: this machine has {here.name} ({here.key}, {here.arch}); "
-                         f"timings would be wrong. Use --device {here.key.split('-', 1)[-1]} here, "
-                         f"or --compile-only to compile for {target.arch}")
-    return here, torch.device("cuda")
-
-
-def _shapes(op: Op, spec: str) -> list[dict]:
-    """The preset shapes `--shapes` names for `op` ("full", "tiny:0,2")."""
+def _shapes(op: Op, spec: str) -> tuple[str, list[int]]:
+    """The preset and the indices of its shapes `--shapes` names for `op` ("full", "tiny:0,2")."""
     name, _, picks = spec.partition(":")
     if name not in op.presets:
         raise UsageError(f"--shapes: {op.name} has presets {', '.join(op.presets)}, got {name!r}")
-    shapes = list(op.presets[name])
+    count = len(op.presets[name])
     if not picks:
-        return shapes
+        return name, list(range(count))
     chosen = []
     for pick in picks.split(","):
-        if not re.fullmatch(r"[0-9]+", pick.strip()) or int(pick) >= len(shapes):
-            raise UsageError(f"--shapes: {op.name}'s {name!r} preset has shapes 0..{len(shapes) - 1}, got {pick!r}")
-        chosen.append(shapes[int(pick)])
-    return chosen
+        if not re.fullmatch(r"[0-9]+", pick.strip()) or int(pick) >= count:
+            raise UsageError(f"--shapes: {op.name}'s {name!r} preset has shapes 0..{count - 1}, got {pick!r}")
+        chosen.append(int(pick))
+    return name, chosen
 
 
 def _check_selection(op: Op, variants, shapes: list[dict], device: DeviceInfo, dtype: torch.dtype,
@@ -282,15 +159,8 @@ def _resources_table(target: DeviceInfo, rows: list):
 
 
 def _stale(store, registry_variants, device_key: str) -> int:
-    """List the tuned entries of `device_key` (database and shipped tables) whose kernel source changed
-    since they were tuned."""
-    from kreg.tuning_db.table_files import ShippedTables
-
-    hashes = {(v.vendor, v.name): v.source_hash for vs in registry_variants.values() for v in vs}
-    shipped = [t for t in ShippedTables().tuned() if t.device_key == device_key
-               and hashes.get((t.variant_vendor, t.variant), t.source_hash) != t.source_hash]
-    stale = [("database", t) for t in store.stale(hashes) if t.device_key == device_key]
-    stale += [("shipped", t) for t in shipped]
+    """List the stale tuned entries of `device_key` (`stale_entries`)."""
+    stale = stale_entries(store, registry_variants, device_key)
     for where, t in stale:
         print(f"stale ({where}): {t.op} {t.device_key} {t.tuning_key} {t.variant} (tuned for source {t.source_hash})")
     print(f"{len(stale)} stale tuned config(s) on {device_key}")
@@ -309,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(args: argparse.Namespace) -> int:
-    target = _target(args.device)
+    target = target_device(args.device)
     if args.compile_only and target.key == "cpu":
         raise UsageError("--compile-only needs a GPU target (h100, h200, mi300x, mi355x), got cpu")
     if args.max_minutes is not None and not 0 <= args.max_minutes <= MAX_MINUTES:
@@ -332,7 +202,6 @@ def _main(args: argparse.Namespace) -> int:
         os.environ["KREG_TUNING_DB"] = args.db
 
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from kreg.ops import OPS
     from kreg.ops.catalog import load_all
@@ -345,23 +214,130 @@ def _main(args: argparse.Namespace) -> int:
     if args.stale:
         return _stale(store, registry_variants, target.key)
 
+    fan_out = args.gpus is not None or args.ray is not None
+    if args.compile_only and (fan_out or args.retune_stale):
+        raise UsageError("--compile-only compiles in this process; --gpus, --ray and --retune-stale are for "
+                         "timed sweeps")
     if args.compile_only:
         device_info, torch_device = target, torch.device("cpu")
+    elif args.ray is not None:
+        device_info, torch_device = target, None  # each worker checks its own GPU
     else:
-        device_info, torch_device = _present_device(target)
+        device_info, torch_device = present_device(target)
     vendor = INTERPRETER_VENDOR if device_info.key == "cpu" else device_info.vendor
-    ops = args.op or [name for name in OPS if any(v.vendor == vendor for v in registry_variants.get(name, []))]
-    unknown_ops = [o for o in ops if o not in OPS]
-    if unknown_ops:
-        raise UsageError(f"--op: unknown op {unknown_ops[0]!r}; expected one of {', '.join(OPS)}")
+    gpu = device_info.key != "cpu" and not args.compile_only
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, None: None}[args.dtype] or (
-        torch.bfloat16 if torch_device.type == "cuda" or args.compile_only else INTERPRETER_DTYPE)
-    shapes_spec = args.shapes or ("tiny" if device_info.key == "cpu" or args.compile_only else "full")
+        torch.bfloat16 if gpu or args.compile_only else INTERPRETER_DTYPE)
+    executor = _executor(args, device_info, gpu)
 
-    # Every selection is checked before the first trial: a typo must not cost a half-done sweep.
+    if args.retune_stale:
+        units, unmatched = stale_units(store, registry_variants, device_info, dtype)
+        for t in unmatched:
+            console.print(f"not re-tuned (no preset shape has this key): {t.op} {t.tuning_key} {t.variant}",
+                          highlight=False, markup=False, soft_wrap=True)
+        console.print(f"{len(units)} stale entr{'y' if len(units) == 1 else 'ies'} of {device_info.key} to re-tune"
+                      + (f", {len(unmatched)} without a preset shape" if unmatched else ""))
+        ops = sorted({u.op for u in units})
+    else:
+        work = _selected_work(args, OPS, registry_variants, vendor, device_info, dtype, roles, wanted, console)
+        ops = [op.name for op, _, _, _ in work]
+    if args.export:  # a target export would refuse is refused now, not after the sweep
+        for name in ops:
+            check_replaceable(table_path(args.export, device_info.key, name), "--export")
+
+    deadline = time.monotonic() + 60 * args.max_minutes if args.max_minutes is not None else None
+    out = Console(width=None if sys.stdout.isatty() else 220)  # piped output keeps whole rows
+    if args.compile_only:
+        return _compile_only(args, work, device_info, dtype, store, deadline, roles, wanted, console, out)
+
+    if not args.retune_stale:
+        units = plan_units(work, device_info, dtype)
+
+    sweep_id = None
+    if args.resume:
+        sweep_id, done = resume_point(store, units, device_info.key)
+        if done:
+            console.print(f"resuming sweep {sweep_id}: {len(done)} of {len(units)} units already finished")
+        units = [u for u in units if u not in done]
+    spec = SweepSpec(device=args.device if args.device != "auto" else _preset_name(device_info),
+                     db_url=_absolute(store.url), dtype=DTYPE_NAMES[dtype], sweep_id=sweep_id or SweepSpec.new_id(),
+                     roles=tuple(roles) if roles else None, wanted=tuple(sorted(wanted.items())),
+                     trial_timeout=args.trial_timeout,
+                     deadline=None if deadline is None else time.time() + (deadline - time.monotonic()))
+    summary = _run_units(executor, spec, units, console, args.no_progress)
+    if summary["stopped"]:
+        console.print(f"stopped after {args.max_minutes} min; `--resume` continues the sweep")
+    out.print(_winners_table(store, device_info.key, ops))
+    if args.export:
+        try:
+            written = export_json(store, device_info.key, None, args.export)
+        except OSError as err:  # the sweep's results are in the store; `tuning.export` can write them later
+            raise ExportError(f"--export: {err}; the tuned configs are in the database "
+                              f"(python -m kreg.tuning.export --device {device_info.key} --out DIR)") from None
+        for path in written:
+            console.print(f"wrote {path}")
+    return 1 if summary["failed"] else 0
+
+
+def _compile_only(args, work, device_info: DeviceInfo, dtype, store, deadline, roles, wanted, console, out) -> int:
+    """--compile-only: each op's configs compiled in one pool of this machine's cores; a line per op."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from kreg.tuning.compile_check import compile_pool
+
+    if not 0 <= args.sample <= 10_000:
+        raise UsageError(f"--sample: expected a count from 0 to 10000, got {args.sample}")
+    columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+               TextColumn("rejected {task.fields[rejected]}"), TimeElapsedColumn()]
+    resources = []
+    with compile_pool(os.cpu_count() or 1) as pool, \
+            Progress(*columns, console=console, disable=args.no_progress or not console.is_terminal) as progress:
+        for op, variants, preset_name, indices in work:
+            start = time.monotonic()
+            rows, finished = compile_only_op(op, variants, device_info, [op.presets[preset_name][i] for i in indices],
+                                             dtype, store, resume=args.resume, deadline=deadline, progress=progress,
+                                             roles=roles, wanted=wanted, pool=pool,
+                                             sample=None if args.full_space else args.sample)
+            resources += rows
+            rejected = sum(r[4] != "ok" for r in rows)
+            console.print(f"{op.name} -> {device_info.arch}: {len(rows)} configs compiled, {rejected} rejected, "
+                          f"in {time.monotonic() - start:.0f} s", highlight=False)
+            if not finished:
+                console.print(f"stopped after {args.max_minutes} min; `--resume` continues the sweep")
+                break
+    out.print(_resources_table(device_info, resources))
+    return 0
+
+
+def _absolute(url: str) -> str:
+    """`url` with a relative SQLite path made absolute, for workers that run in other folders."""
+    from sqlalchemy.engine import make_url
+
+    from kreg.tuning_db.sqlite import sqlite_file
+
+    parsed = make_url(url)
+    path = sqlite_file(parsed) if parsed.get_backend_name() == "sqlite" else None
+    return parsed.set(database=str(path)).render_as_string(hide_password=False) if path and not parsed.query else url
+
+
+def _preset_name(info: DeviceInfo) -> str:
+    """The `--device` name of a detected device (its key without the vendor)."""
+    return info.key.split("-", 1)[-1]
+
+
+def _selected_work(args, ops_by_name, registry_variants, vendor: str, device_info: DeviceInfo, dtype, roles,
+                   wanted, console) -> list[tuple[Op, list, str, list[int]]]:
+    """(op, variants, preset, shape indices) for every op the arguments select, each selection checked
+    before the first trial: a typo must not cost a half-done sweep."""
+    names = args.op or [name for name in ops_by_name
+                        if any(v.vendor == vendor for v in registry_variants.get(name, []))]
+    unknown_ops = [o for o in names if o not in ops_by_name]
+    if unknown_ops:
+        raise UsageError(f"--op: unknown op {unknown_ops[0]!r}; expected one of {', '.join(ops_by_name)}")
+    shapes_spec = args.shapes or ("tiny" if device_info.key == "cpu" or args.compile_only else "full")
     work = []
-    for name in ops:
-        op = OPS[name]
+    for name in names:
+        op = ops_by_name[name]
         variants = [v for v in registry_variants.get(name, []) if v.vendor == vendor]
         if args.variant is not None:
             variants = [v for v in variants if v.name == args.variant]
@@ -371,49 +347,67 @@ def _main(args: argparse.Namespace) -> int:
                 raise UsageError(f"--variant: {name} has {vendor} variants {known}, got {args.variant!r}")
             console.print(f"{name}: no {vendor} variant yet, skipped")
             continue
-        shapes = _shapes(op, shapes_spec)
-        _check_selection(op, variants, shapes, device_info, dtype, roles, wanted)
-        work.append((op, variants, shapes))
+        preset_name, indices = _shapes(op, shapes_spec)
+        _check_selection(op, variants, [op.presets[preset_name][i] for i in indices], device_info, dtype, roles,
+                         wanted)
+        work.append((op, variants, preset_name, indices))
     if not work:
         raise UsageError(f"--variant: no {vendor} variant named {args.variant!r} among the ops swept"
                          if args.variant else f"nothing to sweep for {vendor}")
-    if args.export:  # a target export would refuse is refused now, not after the sweep
-        for op, _, _ in work:
-            check_replaceable(table_path(args.export, device_info.key, op.name), "--export")
+    return work
 
-    deadline = time.monotonic() + 60 * args.max_minutes if args.max_minutes is not None else None
-    columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-               TextColumn("rejected {task.fields[rejected]}"), TimeElapsedColumn(),
-               TextColumn("best {task.fields[best]}")]
-    resources = []
-    with Progress(*columns, console=console, disable=args.no_progress) as progress:
-        for op, variants, shapes in work:
-            if args.compile_only:
-                rows, finished = compile_only_op(op, variants, device_info, shapes, dtype, store, resume=args.resume,
-                                                 deadline=deadline, progress=progress, roles=roles, wanted=wanted)
-                resources += rows
-            else:
-                _, finished = sweep_op(op, variants, device_info, torch_device, shapes, dtype, store,
-                                       resume=args.resume, deadline=deadline, progress=progress, roles=roles,
-                                       wanted=wanted, trial_timeout=args.trial_timeout)
-            if not finished:
-                console.print(f"stopped after {args.max_minutes} min; `--resume` continues the sweep")
-                break
-    # Piped output (logs, CI) keeps whole rows instead of wrapping at 80 columns.
-    out = Console(width=None if sys.stdout.isatty() else 220)
-    if args.compile_only:
-        out.print(_resources_table(device_info, resources))
-    else:
-        out.print(_winners_table(store, device_info.key, [op.name for op, _, _ in work]))
-    if args.export:
+
+def _executor(args, device_info: DeviceInfo, gpu: bool):
+    """Inline (default), the process pool (--gpus N) or Ray (--ray [ADDRESS])."""
+    if args.ray is not None:
+        if args.gpus is not None:
+            raise UsageError("--gpus and --ray: choose one (Ray gives every GPU of its cluster a worker)")
+        env = {k: os.environ[k] for k in ("TRITON_INTERPRET", "KREG_TUNING_DB", "PYTHONPATH") if k in os.environ}
         try:
-            written = export_json(store, device_info.key, None, args.export)
-        except OSError as err:  # the sweep's results are in the store; `tuning.export` can write them later
-            raise ExportError(f"--export: {err}; the tuned configs are in the database "
-                              f"(python -m kreg.tuning.export --device {device_info.key} --out DIR)") from None
-        for path in written:
-            console.print(f"wrote {path}")
-    return 0
+            return Ray(None if args.ray == LOCAL_CLUSTER else args.ray, gpu, env)
+        except ImportError:
+            raise UsageError("--ray needs Ray: pip install 'kreg[distributed]'") from None
+    if args.gpus is None:
+        return Inline()
+    if gpu:
+        present = torch.cuda.device_count()
+        if not 1 <= args.gpus <= present:
+            raise UsageError(f"--gpus: this machine shows {present} GPU(s), got {args.gpus}")
+    elif not 1 <= args.gpus <= (os.cpu_count() or 1):
+        raise UsageError(f"--gpus: the interpreter runs one process per core ({os.cpu_count()}), got {args.gpus}")
+    return Pool.for_device(device_info.vendor if gpu else None, args.gpus,
+                           on_retry=lambda unit, why: print(f"retrying {unit.label}: {why}", file=sys.stderr))
+
+
+def _run_units(executor, spec, units: list, console, quiet: bool) -> dict[str, int]:
+    """Run the units, printing a line for each as it ends; counts of finished, stopped and failed."""
+    counts = {"finished": 0, "stopped": 0, "failed": 0}
+    console.print(f"sweep {spec.sweep_id}: {len(units)} unit(s) on {executor.name}")
+    start = time.monotonic()
+
+    def report(result) -> None:
+        counts[result.status] += 1
+        done = sum(counts.values())
+        what = (f"{result.trials} trials ({result.skipped} resumed, {result.rejected} rejected), best {result.best}"
+                if result.status != "failed" else f"FAILED: {result.error}")
+        console.print(f"[{done}/{len(units)}] {result.unit.label}: {result.status} in {result.seconds:.0f} s on "
+                      f"{result.where or '?'}" + (f" after {result.attempts} attempts" if result.attempts > 1 else "")
+                      + f"; {what}", highlight=False, markup=False, soft_wrap=True)
+
+    if isinstance(executor, Inline) and not quiet and console.is_terminal:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                   TextColumn("rejected {task.fields[rejected]}"), TimeElapsedColumn(),
+                   TextColumn("best {task.fields[best]}")]
+        with Progress(*columns, console=console) as progress:
+            executor.progress = progress
+            executor.run(spec, units, report)
+    else:
+        executor.run(spec, units, report)
+    console.print(f"{counts['finished']} finished, {counts['stopped']} stopped, {counts['failed']} failed in "
+                  f"{time.monotonic() - start:.0f} s")
+    return counts
 
 
 if __name__ == "__main__":

@@ -10,7 +10,8 @@ would, at the cost of their sum. The start is the variant's best known entry for
 database, then the shipped tables) or its default.
 
 Per key the winner is the variant with the fastest forward; its call config is upserted unless an
-earlier measurement of the same kernels on this device was faster (`improves`). Sweeps over presets
+earlier measurement of the same kernels on this device was faster (`improves`, asked again inside the
+write transaction, so sweeps of one key on several GPUs keep the fastest entry). Sweeps over presets
 (`tuning.sweep`) and tuning on first use (`tuning.autotune`) both tune through `KeyTuner`.
 """
 
@@ -247,8 +248,14 @@ class KeyTuner:
                             config=outcome.config, time_ms=outcome.times["forward"],
                             backward_ms=outcome.times.get("backward"), triton_version=self.triton_version,
                             torch_version=self.torch_version)
-        if improves(self.store.best(self.op.name, self.device_info, key_json), tuned, self.hashes):
-            self.store.upsert_tuned(tuned, self.device_info)
+        # Against the entry another variant or device of the key may hold, then inside the write against
+        # this device's own entry, which a sweep on another GPU may have written since.
+        if not improves(self.store.best(self.op.name, self.device_info, key_json), tuned, self.hashes):
+            return
+        def replace(stored: TunedConfig) -> bool:
+            return improves(stored, tuned, self.hashes)
+
+        if self.store.upsert_tuned(tuned, self.device_info, replace=replace):
             self.stats.winners.append(tuned)
 
 

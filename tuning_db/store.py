@@ -26,6 +26,7 @@ Which entry answers a lookup is `tuning_db.matching`'s job; table files are `tun
 
 from __future__ import annotations
 
+import json
 import sqlite3
 import time
 import warnings
@@ -328,6 +329,21 @@ class TuningStore:
             )
 
         return self._run(fn)
+
+    def runs(self, op: str, device_key: str) -> list[tuple[int, str, dict]]:
+        """(id, status, arguments) of every sweep run of `op` on devices with this key, oldest first (the
+        cards of a fleet share a key); a run whose arguments do not parse reads as having none."""
+        stmt = (select(SweepRun.id, SweepRun.status, SweepRun.args_json)
+                .join(DeviceRow, SweepRun.device_id == DeviceRow.id)
+                .where(SweepRun.op == op, DeviceRow.key == device_key).order_by(SweepRun.id))
+        out = []
+        for run_id, status, args_json in self._run(lambda s: list(s.execute(stmt))):
+            try:
+                args = json.loads(args_json)
+            except (ValueError, TypeError):
+                args = {}
+            out.append((run_id, status, args if isinstance(args, dict) else {}))
+        return out
 
     # -- trials
     def record(self, run_id: int, trial: TrialResult) -> bool:
