@@ -322,22 +322,23 @@ def test_compile_only_records_resources_for_gfx950(tmp_path):
 
 def test_compile_only_draws_each_roles_default_and_a_seeded_sample(tmp_path):
     """By default --compile-only compiles each role's default and --sample others, the same ones on every
-    run (a seed of op, key, variant and role); --full-space compiles them all; a line per op."""
+    machine (a seed of op, key, variant and role); a line per op."""
+    from kreg.tuning.engine import sample_configs
+
     db = f"sqlite:///{tmp_path / 'sample.db'}"
-    args = ("--device", "mi355x", "--compile-only", "--op", "gsa_indexer", "--shapes", "tiny:0", "--no-progress")
-    first = _cli(*args, "--sample", "2", db=db, interpret=False)
-    assert first.returncode == 0, first.stderr
-    assert "gsa_indexer -> gfx950: " in first.stderr and " configs compiled, " in first.stderr
-    trials = TuningStore(db).trials(op="gsa_indexer")
-    by_role: dict[str, list[str]] = {}
-    for t in trials:
-        by_role.setdefault(t.role, []).append(t.config.to_json())
+    done = _cli("--device", "mi355x", "--compile-only", "--op", "gsa_indexer", "--shapes", "tiny:0", "--no-progress",
+                "--sample", "2", db=db, interpret=False)
+    assert done.returncode == 0, done.stderr
+    assert "gsa_indexer -> gfx950: " in done.stderr and " configs compiled, " in done.stderr
+    by_role: dict[str, list] = {}
+    for t in TuningStore(db).trials(op="gsa_indexer"):
+        by_role.setdefault(t.role, []).append(t.config[t.role])
     variant = next(v for v in load_all()["gsa_indexer"] if v.vendor == "amd")
     assert set(by_role) == set(variant.roles) and all(len(c) == 3 for c in by_role.values())
-    again = _cli(*args, "--sample", "2", db=f"sqlite:///{tmp_path / 'again.db'}", interpret=False)
-    assert again.returncode == 0, again.stderr
-    assert sorted(t.config.to_json() for t in TuningStore(f"sqlite:///{tmp_path / 'again.db'}").trials()) == \
-        sorted(t.config.to_json() for t in trials)
+    space = list(range(20))
+    drawn = sample_configs(space, 7, 4, "op key variant role")
+    assert drawn[0] == 7 and len(set(drawn)) == 5 and drawn == sample_configs(space, 7, 4, "op key variant role")
+    assert sorted(sample_configs(space, 99, 30, "seed")) == space  # a default outside the space: all others
 
 
 def test_stale_lists_configs_of_an_older_kernel(tmp_path):
