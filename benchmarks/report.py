@@ -21,6 +21,7 @@ from pathlib import Path
 
 from kreg.benchmarks.common import PROVIDER
 from kreg.core.files import NotARegularFile, read_regular
+from kreg.tuning.export import markdown_cell
 
 MAX_CSV_BYTES = 64 << 20  # a whole benchmark run is well under a MiB
 NEEDED = ("op", "shape", "provider", "metric", "unit", "p50", "device")
@@ -91,10 +92,6 @@ def _ms(value: float) -> str:
     return f"{value:.0f}" if value >= 1000 else f"{value:#.4g}"
 
 
-def _cell(text: str) -> str:
-    return text.replace("|", "\\|")
-
-
 def report(paths: list[Path]) -> str:
     """The Markdown table of the results in `paths`: a caption line, then the table."""
     newest: dict[tuple[str, str], dict[str, tuple[tuple[str, int], Result]]] = {}
@@ -117,7 +114,7 @@ def report(paths: list[Path]) -> str:
         for _, r in devices.values():
             cells = [r.op, r.shape, _ms(r.ours_ms), r.peer or "-", "-" if r.peer_ms is None else _ms(r.peer_ms),
                      "-" if r.speed is None else f"{r.speed:.2f}x", r.device, r.date + (" *" if r.file_date else "")]
-            lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
+            lines.append("| " + " | ".join(markdown_cell(c) for c in cells) + " |")
     return "\n".join(lines)
 
 

@@ -2,6 +2,7 @@
 stops and resumes, a watchdog for hanging trials, argument errors, device checks, compile-only reports
 and stale detection."""
 
+import csv
 import os
 import signal
 import subprocess
@@ -327,9 +328,15 @@ def test_compile_only_draws_each_roles_default_and_a_seeded_sample(tmp_path):
 
     db = f"sqlite:///{tmp_path / 'sample.db'}"
     done = _cli("--device", "mi355x", "--compile-only", "--op", "gsa_indexer", "--shapes", "tiny:0", "--no-progress",
-                "--sample", "2", db=db, interpret=False)
+                "--sample", "2", "--export", str(tmp_path / "report"), db=db, interpret=False)
     assert done.returncode == 0, done.stderr
     assert "gsa_indexer -> gfx950: " in done.stderr and " configs compiled, " in done.stderr
+    # The resource report: a row per compiled config, occupancy estimated for those that fit.
+    rows = list(csv.DictReader((tmp_path / "report" / "amd-mi355x__resources.csv").open()))
+    assert len(rows) == len(TuningStore(db).trials()) and {r["op"] for r in rows} == {"gsa_indexer"}
+    fits = [r for r in rows if r["status"] == "ok"]
+    assert fits and all(0 < float(r["occupancy"]) <= 1 and r["limited_by"] for r in fits)
+    assert "| occupancy |" in (tmp_path / "report" / "amd-mi355x__resources.md").read_text()
     by_role: dict[str, list] = {}
     for t in TuningStore(db).trials(op="gsa_indexer"):
         by_role.setdefault(t.role, []).append(t.config[t.role])

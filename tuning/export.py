@@ -176,7 +176,8 @@ def export_csv(store: TuningStore, device_key: str, op: str | None = None) -> st
     return buffer.getvalue()
 
 
-def _cell(text: str) -> str:
+def markdown_cell(text: str) -> str:
+    """`text` safe inside a Markdown table cell."""
     return text.replace("|", "\\|")
 
 
@@ -190,7 +191,7 @@ def export_markdown(store: TuningStore, device_key: str, op: str | None = None) 
             dims = " ".join(f"{k}={v}" for k, v in json.loads(tuned.tuning_key).items())
             times = ["" if ms is None else f"{ms:.4g}" for ms in (tuned.time_ms, tuned.backward_ms)]
             cells = [table.op, dims, tuned.variant, str(tuned.config), *times]
-            lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
+            lines.append("| " + " | ".join(markdown_cell(c) for c in cells) + " |")
     return "\n".join(lines) + "\n"
 
 

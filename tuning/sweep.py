@@ -82,7 +82,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--full-space", action="store_true",
                    help="with --compile-only: every config of every role (the MI355X's tiny presets: about 17,000 "
                         "configs, 3.8 core-hours, so 15 minutes on 16 cores)")
-    p.add_argument("--export", default=None, metavar="DIR", help="write the tuned JSON tables to DIR afterwards")
+    p.add_argument("--export", default=None, metavar="DIR",
+                   help="write the tuned JSON tables to DIR afterwards (with --compile-only: the device's resource "
+                        "report, <device>__resources.csv and .md)")
     p.add_argument("--stale", action="store_true",
                    help="list the device's tuned configs whose kernel source changed, and exit")
     p.add_argument("--retune-stale", action="store_true",
@@ -242,13 +244,18 @@ def _main(args: argparse.Namespace) -> int:
         work = _selected_work(args, OPS, registry_variants, vendor, device_info, dtype, roles, wanted, console)
         ops = [op.name for op, _, _, _ in work]
     if args.export:  # a target export would refuse is refused now, not after the sweep
-        for name in ops:
-            check_replaceable(table_path(args.export, device_info.key, name), "--export")
+        from kreg.tuning.resources import report_paths
+
+        targets = report_paths(args.export, device_info) if args.compile_only else [
+            table_path(args.export, device_info.key, name) for name in ops]
+        for path in targets:
+            check_replaceable(path, "--export")
 
     deadline = time.monotonic() + 60 * args.max_minutes if args.max_minutes is not None else None
     out = Console(width=None if sys.stdout.isatty() else 220)  # piped output keeps whole rows
     if args.compile_only:
-        return _compile_only(args, work, device_info, dtype, store, deadline, roles, wanted, console, out)
+        return _compile_only(args, work, device_info, dtype, store, deadline, roles, wanted, console, out,
+                             registry_variants)
 
     if not args.retune_stale:
         units = plan_units(work, device_info, dtype)
@@ -279,8 +286,10 @@ def _main(args: argparse.Namespace) -> int:
     return 1 if summary["failed"] else 0
 
 
-def _compile_only(args, work, device_info: DeviceInfo, dtype, store, deadline, roles, wanted, console, out) -> int:
-    """--compile-only: each op's configs compiled in one pool of this machine's cores; a line per op."""
+def _compile_only(args, work, device_info: DeviceInfo, dtype, store, deadline, roles, wanted, console, out,
+                  registry_variants) -> int:
+    """--compile-only: each op's configs compiled in one pool of this machine's cores; a line per op; with
+    --export, the device's resource report (`tuning.resources`) written there."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from kreg.tuning.compile_check import compile_pool
@@ -306,6 +315,11 @@ def _compile_only(args, work, device_info: DeviceInfo, dtype, store, deadline, r
                 console.print(f"stopped after {args.max_minutes} min; `--resume` continues the sweep")
                 break
     out.print(_resources_table(device_info, resources))
+    if args.export:
+        from kreg.tuning.resources import write_report
+
+        for path in write_report(store, device_info, registry_variants, args.export):
+            console.print(f"wrote {path}")
     return 0
 
 

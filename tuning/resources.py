@@ -1,0 +1,78 @@
+"""Resource reports of `--compile-only`: every config compiled for a target, with registers, spills,
+shared memory/LDS and estimated occupancy (`tuning.occupancy`), by op, tuning key, variant and role,
+as CSV and Markdown (`<device key>__resources.csv` and `.md`, written beside the tuned tables).
+
+Rows come from the device's compile-only runs in the store; when a config was compiled by several
+runs the latest row counts, and rows of kernel sources that changed since are left out.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+from pathlib import Path
+
+from kreg.core.device import DeviceInfo
+from kreg.tuning.export import check_replaceable, file_name, markdown_cell, write_atomic
+from kreg.tuning.occupancy import occupancy
+
+COLUMNS = ("op", "tuning_key", "variant", "role", "config", "status", "registers", "spills", "shared_bytes",
+           "warps_per_unit", "occupancy", "limited_by", "reason")
+
+
+def report_rows(store, device: DeviceInfo, registry_variants: dict) -> list[dict]:
+    """One row per (op, key, variant, role, call config) the device's compile-only runs recorded for the
+    current kernel sources, ops and keys sorted."""
+    hashes = {(v.vendor, v.name): v.source_hash for vs in registry_variants.values() for v in vs}
+    latest: dict[tuple, object] = {}
+    for op in sorted(registry_variants):
+        for run_id, _, args in store.runs(op, device.key):
+            if not args.get("compile_only"):
+                continue
+            for t in store.trials(run_id=run_id):
+                if hashes.get((t.vendor, t.variant)) == t.source_hash:
+                    latest[(t.op, t.tuning_key, t.variant, t.role, t.config.to_json())] = t
+    rows = []
+    for (op, key, variant, role, _), t in sorted(latest.items(), key=lambda item: item[0]):
+        config = t.config[role]
+        estimate = None
+        if t.status == "ok" and t.registers is not None:
+            estimate = occupancy(device, t.registers, t.shared_bytes or 0, config.num_warps)
+        rows.append({"op": op, "tuning_key": key, "variant": variant, "role": role, "config": str(config),
+                     "status": t.status, "registers": t.registers, "spills": t.spills, "shared_bytes": t.shared_bytes,
+                     "warps_per_unit": None if estimate is None else estimate.warps,
+                     "occupancy": None if estimate is None else round(estimate.fraction, 4),
+                     "limited_by": None if estimate is None else estimate.limit, "reason": t.error})
+    return rows
+
+
+def to_csv(rows: list[dict]) -> str:
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, COLUMNS, lineterminator="\n")
+    writer.writeheader()
+    writer.writerows({k: "" if v is None else v for k, v in row.items()} for row in rows)
+    return buffer.getvalue()
+
+
+def to_markdown(rows: list[dict], device: DeviceInfo) -> str:
+    unit = "warps per SM" if device.vendor == "nvidia" else "waves per CU"
+    lines = [f"Compile-only resources on {device.name} ({device.key}, {device.arch}); occupancy is {unit} as a "
+             "fraction of the most it holds, estimated from registers, shared memory/LDS and warps per program.", "",
+             "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    for row in rows:
+        lines.append("| " + " | ".join(markdown_cell("" if row[c] is None else str(row[c])) for c in COLUMNS) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def report_paths(out_dir: str | Path, device: DeviceInfo) -> tuple[Path, Path]:
+    stem = Path(out_dir) / f"{file_name(device.key)}__resources"
+    return stem.with_suffix(".csv"), stem.with_suffix(".md")
+
+
+def write_report(store, device: DeviceInfo, registry_variants: dict, out_dir: str | Path) -> list[Path]:
+    """Write the device's report as CSV and Markdown into `out_dir`; returns the paths."""
+    rows = report_rows(store, device, registry_variants)
+    paths = report_paths(out_dir, device)
+    for path in paths:
+        check_replaceable(path, "--export")
+    return [write_atomic(paths[0], to_csv(rows)), write_atomic(paths[1], to_markdown(rows, device))]
