@@ -140,9 +140,10 @@ def ray_installed() -> None:
         pytest.skip("Ray is not installed (pip install 'kreg[distributed]')")
 
 
+# Into PostgreSQL, the store a cluster of hosts shares (the pool's test covers SQLite's many writers).
+@pytest.mark.parametrize("store_url", ["postgresql"], indirect=True)
 def test_a_ray_sweep_stores_what_a_plain_sweep_does_though_a_worker_is_killed(store_url, ray_installed, plain):
-    """On a local cluster, into SQLite and, where a server is given, PostgreSQL (the store a cluster of
-    hosts shares); one Ray worker killed mid-unit: Ray runs the task again and it resumes its run."""
+    """On a local cluster; one Ray worker killed mid-unit: Ray runs the task again and it resumes its run."""
     db = store_url
     proc = subprocess.Popen(_argv(db, "--ray"), cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
