@@ -20,7 +20,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from kreg.benchmarks.common import PROVIDER
-from kreg.core.files import NotARegularFile, read_regular
+from kreg.core.files import NotARegularFile, NotText, read_text
 from kreg.tuning.export import markdown_cell
 
 MAX_CSV_BYTES = 64 << 20  # a whole benchmark run is well under a MiB
@@ -50,15 +50,9 @@ class Result:
 def read_results(path: Path) -> list[Result]:
     """The results of one CSV file; a row without a date takes the file's modification date."""
     try:
-        data = read_regular(path, MAX_CSV_BYTES)
-    except NotARegularFile as err:
+        text = read_text(path, MAX_CSV_BYTES)
+    except (NotARegularFile, NotText) as err:
         raise ValueError(f"{path}: not a benchmark CSV: {err}") from None
-    if len(data) > MAX_CSV_BYTES:
-        raise ValueError(f"{path}: not a benchmark CSV: larger than {MAX_CSV_BYTES >> 20} MiB")
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as err:
-        raise ValueError(f"{path}: not a benchmark CSV: not UTF-8 text ({err})") from None
     with io.StringIO(text, newline="") as f:
         reader = csv.DictReader(f)
         missing = [name for name in NEEDED if name not in (reader.fieldnames or ())]

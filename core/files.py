@@ -16,6 +16,10 @@ class NotARegularFile(OSError):
     """The path names a folder, a FIFO, a device or a socket where a file was expected."""
 
 
+class NotText(ValueError):
+    """A regular file that is larger than its reader takes, or not UTF-8 text."""
+
+
 def _kind(mode: int) -> str:
     for test, name in ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
                        (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")):
@@ -24,7 +28,19 @@ def _kind(mode: int) -> str:
     return "not a regular file"
 
 
-def read_regular(path: str | Path, limit: int) -> bytes:
+def read_text(path: str | Path, limit: int) -> str:
+    """The UTF-8 text of the regular file at `path`: NotARegularFile for anything else, OSError when it
+    cannot be opened, NotText when it holds more than `limit` bytes or is not UTF-8."""
+    data = _read_bytes(path, limit)
+    if len(data) > limit:
+        raise NotText(f"larger than {limit >> 20} MiB")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise NotText(f"not UTF-8 text ({err})") from None
+
+
+def _read_bytes(path: str | Path, limit: int) -> bytes:
     """At most `limit` + 1 bytes of the regular file at `path` (one more than `limit` says it is larger);
     NotARegularFile for anything else, OSError when it cannot be opened."""
     fd = os.open(path, _READ_FLAGS)

@@ -23,7 +23,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from kreg.core.files import NotARegularFile, read_regular
+from kreg.core.files import NotARegularFile, NotText, read_text
 from kreg.core.records import CallConfig, TunedConfig, canonical_json
 from kreg.tuning_db.matching import Accept, DeviceIdentity, canonical_key, check_device, pick_best, pick_nearest
 
@@ -191,17 +191,11 @@ def read_table(path: str | Path) -> TableFile:
     the field."""
     path = Path(path)
     try:
-        data = read_regular(path, MAX_TABLE_BYTES)
-    except NotARegularFile as err:
+        text = read_text(path, MAX_TABLE_BYTES)
+    except (NotARegularFile, NotText) as err:
         raise TableError(f"{path}: not a tuned table: {err}") from None
     except OSError as err:
         raise TableError(f"{path}: cannot read tuned table: {err}") from None
-    if len(data) > MAX_TABLE_BYTES:
-        raise TableError(f"{path}: not a tuned table: larger than {MAX_TABLE_BYTES >> 20} MiB")
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as err:
-        raise TableError(f"{path}: cannot read tuned table: not UTF-8 text ({err})") from None
     try:
         strict_json(text)
     except RecursionError:
