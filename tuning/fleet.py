@@ -144,20 +144,21 @@ def unit_args(unit: WorkUnit, sweep_id: str) -> dict:
     return {"unit": asdict(unit), "sweep": sweep_id}
 
 
-def unit_runs(store, unit: WorkUnit, device_key: str) -> list[tuple[int, str, str]]:
-    """(run id, status, sweep id) of every run of `unit` on devices with this key, oldest first."""
-    return [(run_id, status, args.get("sweep", "")) for run_id, status, args in store.runs(unit.op, device_key)
+def unit_runs(store, unit: WorkUnit, device_key: str, runs: list | None = None) -> list[tuple[int, str, str]]:
+    """(run id, status, sweep id) of every run of `unit` on devices with this key, oldest first; `runs`
+    is the op's `store.runs` when the caller has read them already."""
+    runs = store.runs(unit.op, device_key) if runs is None else runs
+    return [(run_id, status, args.get("sweep", "")) for run_id, status, args in runs
             if args.get("unit") == asdict(unit)]
 
 
 def resume_point(store, units: Iterable[WorkUnit], device_key: str) -> tuple[str | None, set[WorkUnit]]:
     """(the latest sweep any of `units` ran in, the units it finished): what `--resume` continues."""
-    latest: tuple[int, str] | None = None
-    runs = {unit: unit_runs(store, unit, device_key) for unit in units}
-    for unit_list in runs.values():
-        for run_id, _, sweep in unit_list:
-            if sweep and (latest is None or run_id > latest[0]):
-                latest = (run_id, sweep)
+    units = list(units)
+    by_op = {op: store.runs(op, device_key) for op in {u.op for u in units}}  # one read per op
+    runs = {unit: unit_runs(store, unit, device_key, by_op[unit.op]) for unit in units}
+    latest = max(((run_id, sweep) for unit_list in runs.values() for run_id, _, sweep in unit_list if sweep),
+                 default=None)
     if latest is None:
         return None, set()
     sweep_id = latest[1]

@@ -266,7 +266,7 @@ def _main(args: argparse.Namespace) -> int:
         if done:
             console.print(f"resuming sweep {sweep_id}: {len(done)} of {len(units)} units already finished")
         units = [u for u in units if u not in done]
-    spec = SweepSpec(device=args.device if args.device != "auto" else _preset_name(device_info),
+    spec = SweepSpec(device=args.device,  # "auto": each worker's own GPU, which present_device checks
                      db_url=_absolute(store.url), dtype=DTYPE_NAMES[dtype], sweep_id=sweep_id or SweepSpec.new_id(),
                      roles=tuple(roles) if roles else None, wanted=tuple(sorted(wanted.items())),
                      trial_timeout=args.trial_timeout,
@@ -332,11 +332,6 @@ def _absolute(url: str) -> str:
     parsed = make_url(url)
     path = sqlite_file(parsed) if parsed.get_backend_name() == "sqlite" else None
     return parsed.set(database=str(path)).render_as_string(hide_password=False) if path and not parsed.query else url
-
-
-def _preset_name(info: DeviceInfo) -> str:
-    """The `--device` name of a detected device (its key without the vendor)."""
-    return info.key.split("-", 1)[-1]
 
 
 def _selected_work(args, ops_by_name, registry_variants, vendor: str, device_info: DeviceInfo, dtype, roles,
