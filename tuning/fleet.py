@@ -172,7 +172,8 @@ def run_unit(spec: SweepSpec, unit: WorkUnit, progress=None) -> UnitResult:
     unit's unfinished run of this sweep if it has one. Imports kernels only here: a worker sets its
     device and the interpreter first."""
     start = time.monotonic()
-    if spec.device == "cpu":
+    target = target_device(spec.device)
+    if target.key == "cpu":
         os.environ["TRITON_INTERPRET"] = "1"  # read when kernels are decorated
     from kreg.ops import OPS
     from kreg.ops.catalog import load_all
@@ -184,7 +185,7 @@ def run_unit(spec: SweepSpec, unit: WorkUnit, progress=None) -> UnitResult:
         return UnitResult(unit, "failed", where=where, error=f"this worker's kreg has other kernel sources for "
                           f"{unit.variant} ({'none' if variant is None else variant.source_hash}); install the "
                           "coordinator's version on every host")
-    device_info, torch_device = present_device(target_device(spec.device))
+    device_info, torch_device = present_device(target)
     store = TuningStore(spec.db_url)
     try:
         unfinished = [run_id for run_id, status, sweep in unit_runs(store, unit, device_info.key)

@@ -371,7 +371,8 @@ def _executor(args, device_info: DeviceInfo, gpu: bool):
     if args.ray is not None:
         if args.gpus is not None:
             raise UsageError("--gpus and --ray: choose one (Ray gives every GPU of its cluster a worker)")
-        env = {k: os.environ[k] for k in ("TRITON_INTERPRET", "KREG_TUNING_DB", "PYTHONPATH") if k in os.environ}
+        # Workers must import kreg as this process does; the database and the interpreter come in the spec.
+        env = {"PYTHONPATH": os.environ["PYTHONPATH"]} if "PYTHONPATH" in os.environ else {}
         try:
             return Ray(None if args.ray == LOCAL_CLUSTER else args.ray, gpu, env)
         except ImportError:
