@@ -23,7 +23,7 @@ else
     # the compiler that runs there; 3.9 spills on configs that 3.6 fits.
     "$venv/bin/python" -m pip install -q torch==2.13.0 triton==3.6.0
     # The postgres extra (psycopg) lets the tuning store's tests run on PostgreSQL too
-    # (scripts/test_postgres.sh) and the distributed one (Ray) the Ray sweeps; a GPU machine's venv goes
-    # without both and its test runs skip those cases.
-    "$venv/bin/python" -m pip install -q -e '.[dev,postgres,distributed]'
+    # (scripts/test_postgres.sh), the distributed one (Ray) the Ray sweeps and the transformers one the
+    # integration's tests; a GPU machine's venv uses what its image has and skips what is missing.
+    "$venv/bin/python" -m pip install -q -e '.[dev,postgres,distributed,transformers]'
 fi

@@ -1,0 +1,267 @@
+"""kreg as a Hugging Face transformers attention backend.
+
+    import kreg.integrations.transformers  # registers "kreg"
+    model = AutoModelForCausalLM.from_pretrained(name, attn_implementation="kreg")
+
+Importing this module registers `"kreg"` in transformers' `AttentionInterface` (the attention call)
+and `AttentionMaskInterface` (the mask each forward builds once; without one of its own a custom
+attention function gets no padding mask at all). A call goes to `sink_attention` when the model
+passes sinks (gpt-oss's `s_aux`), else to `flash_attention`; a single new token without gradients
+goes to `decode`. The model's `scaling`, `sliding_window` and GQA heads go with every call; queries
+are aligned bottom-right on the keys, which is what prefill and cached decode steps need.
+
+Masks. The mask hook recognises the masks kreg expresses (causal, sliding-window causal,
+bidirectional) and hands the attention a 2-D padding mask, or None when nothing is padded. A padded
+batch is packed into varlen sequences (as transformers' FlashAttention path does; reading the
+lengths costs one host sync per call). Anything else (a 4-D mask the caller built, packed-sequence
+or image-token overlays, chunked attention), and `dropout > 0`, `softcap` or captured attention
+weights, goes to the model's own eager attention, with one logged warning per reason: never a kreg
+call that would drop the sinks, the window or the scale. `register(name, vendor=...)` adds the same
+backend under another name with one vendor's kernels (on CPU tensors: Triton's interpreter).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import sys
+from collections.abc import Callable
+
+import torch
+import transformers
+from transformers import AttentionInterface
+from transformers.masking_utils import (
+    AttentionMaskInterface,
+    bidirectional_mask_function,
+    causal_mask_function,
+    eager_mask,
+)
+
+from kreg import registry
+
+NAME = "kreg"
+MIN_VERSION = (5, 17)
+log = logging.getLogger(__name__)
+_warned: set[str] = set()
+
+
+def _version(text: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in text.split(".")[:2] if part.isdigit())
+
+
+if _version(transformers.__version__) < MIN_VERSION:
+    raise ImportError(f"kreg.integrations.transformers needs transformers >= 5.17, found {transformers.__version__}")
+
+
+# ----------------------------------------------------------------------------- masks
+def _and_parts(mask_function: Callable) -> tuple | None:
+    """The mask functions `masking_utils.and_masks` combined into this one, or None if it is not one."""
+    if getattr(mask_function, "__qualname__", "") != "and_masks.<locals>.and_mask":
+        return None
+    return inspect.getclosurevars(mask_function).nonlocals.get("mask_functions")
+
+
+def mask_kind(mask_function: Callable) -> str | None:
+    """"causal", "sliding" (causal within a window), "bidirectional", or None for a mask kreg cannot
+    express. The window itself comes with each attention call (the module's `sliding_window`)."""
+    if mask_function is causal_mask_function:
+        return "causal"
+    if mask_function is bidirectional_mask_function:
+        return "bidirectional"
+    parts = _and_parts(mask_function)
+    if (parts is not None and len(parts) == 2 and parts[1] is causal_mask_function
+            and getattr(parts[0], "__qualname__", "") == "sliding_window_overlay.<locals>.inner_mask"):
+        return "sliding"
+    return None
+
+
+def kreg_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset: int = 0,
+              mask_function: Callable = causal_mask_function, attention_mask: torch.Tensor | None = None,
+              **kwargs):
+    """The mask transformers builds once per forward for "kreg": None (no padding: every key the
+    cache holds is a token), a boolean padding mask `[b, L]` over the first L keys (as for
+    FlashAttention), or, for a mask kreg cannot express, the additive 4-D mask eager attention takes
+    (the attention call then runs eager attention with it)."""
+    expressible = mask_kind(mask_function) is not None and not kwargs.get("use_vmap", False)
+    if expressible and attention_mask is None:
+        # Without a padding mask the keys must be exactly the tokens seen so far; a static cache's
+        # empty slots (or an offset known only on the device) would need one: let eager mask them.
+        expressible = isinstance(q_offset, int) and kv_offset + kv_length == q_offset + q_length
+    if not expressible:
+        return eager_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
+                          kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
+                          **kwargs)
+    if attention_mask is None:
+        return None
+    attention_mask = attention_mask[:, -kv_length:]
+    if attention_mask.shape[1] == kv_length and bool(attention_mask.all()):
+        return None
+    return attention_mask
+
+
+# ----------------------------------------------------------------------------- attention
+def _warn_once(reason: str) -> None:
+    if reason not in _warned:
+        _warned.add(reason)
+        log.warning("kreg attention: %s; this call runs the model's eager attention", reason)
+
+
+def _captures_weights() -> bool:
+    """Whether the running forward records attention weights (`output_attentions=True`)."""
+    try:
+        from transformers.utils.output_capturing import _active_collector
+    except ImportError:
+        return False
+    try:
+        return "attentions" in (_active_collector.get() or {})
+    except LookupError:
+        return False
+
+
+def _eager(module) -> Callable:
+    """The model's own eager attention (gpt-oss's handles its sinks), from the module's file."""
+    found = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+    if found is None:
+        raise ValueError(f"kreg attention: {type(module).__name__} needs eager attention for this call, and its "
+                         "module has no eager_attention_forward")
+    return found
+
+
+def _additive_mask(padding: torch.Tensor | None, query: torch.Tensor, s_k: int, causal: bool,
+                   window: int | None) -> torch.Tensor:
+    """The 4-D additive mask eager attention would have had, from what "kreg"'s mask hook gave: keys
+    past a padding mask `[b, L]` are empty cache slots; queries sit at the last positions of the L."""
+    b, _, s_q, _ = query.shape
+    length = s_k if padding is None else padding.shape[1]
+    pos = torch.arange(length - s_q, length, device=query.device)[:, None]
+    key = torch.arange(s_k, device=query.device)[None, :]
+    allowed = key < length
+    if causal:
+        allowed = allowed & (key <= pos)
+    if window is not None:
+        allowed = allowed & (pos - key < window)
+    allowed = allowed[None, None].expand(b, 1, s_q, s_k)
+    if padding is not None:
+        kept = torch.zeros(b, s_k, dtype=torch.bool, device=query.device)
+        kept[:, :length] = padding.bool()
+        allowed = allowed & kept[:, None, None, :]
+    return torch.zeros(allowed.shape, dtype=query.dtype, device=query.device).masked_fill(
+        ~allowed, torch.finfo(query.dtype).min)
+
+
+def _unsupported(attention_mask, dropout, causal, window, kwargs) -> str | None:
+    if attention_mask is not None and (not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2):
+        return "a mask kreg cannot express (a 4-D or custom mask)"
+    if dropout:
+        return f"dropout {dropout} (kreg has no attention dropout)"
+    if kwargs.get("softcap") is not None:
+        return "logit softcapping"
+    if window is not None and not causal:
+        return "a bidirectional sliding window"
+    if _captures_weights():
+        return "output_attentions (kreg returns no attention weights)"
+    return None
+
+
+def _pack(mask: torch.Tensor, s_q: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
+    """From a padding mask `[b, L]` (queries at its last s_q positions): the flat indices of the kept
+    keys and queries, their int32 cu_seqlens and longest sequences (one host read)."""
+    q_mask = mask[:, mask.shape[1] - s_q:]
+    k_counts, q_counts = mask.sum(1), q_mask.sum(1)
+    max_k, max_q = torch.stack([k_counts.max(), q_counts.max()]).tolist()
+    zero = k_counts.new_zeros(1)
+    cu_k = torch.cat([zero, k_counts.cumsum(0)]).to(torch.int32)
+    cu_q = torch.cat([zero, q_counts.cumsum(0)]).to(torch.int32)
+    return mask.flatten().nonzero().squeeze(1), q_mask.flatten().nonzero().squeeze(1), cu_q, cu_k, max_q, max_k
+
+
+def _contiguous_rows(mask: torch.Tensor) -> bool:
+    """Whether each row's kept positions are one run (packing then keeps distances, which a window needs)."""
+    runs = (mask[:, 1:] & ~mask[:, :-1]).sum(1) + mask[:, 0]
+    return bool((runs <= 1).all())
+
+
+def make_attention(vendor: str | None = None) -> Callable:
+    """The transformers attention function, running `vendor`'s kernels (None: this device's best)."""
+    flash = registry.get("flash_attention", vendor=vendor)
+    sink = registry.get("sink_attention", vendor=vendor)
+    decode = registry.get("decode", vendor=vendor)
+
+    def kreg_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None,
+                       s_aux=None, **kwargs):
+        """`query [b, h_q, s_q, d]`, `key`/`value [b, h_kv, s_k, d]` -> (`out [b, s_q, h_q, d]`, None)."""
+        causal = kwargs.get("is_causal")
+        causal = getattr(module, "is_causal", True) if causal is None else bool(causal)
+        reason = _unsupported(attention_mask, dropout, causal, sliding_window, kwargs)
+        if reason is None and attention_mask is not None and sliding_window is not None:
+            if not _contiguous_rows(attention_mask):
+                reason = "a padding mask with holes under a sliding window"
+        if reason is not None:
+            _warn_once(reason)
+            if attention_mask is None or attention_mask.dim() == 2:
+                attention_mask = _additive_mask(attention_mask, query, key.shape[2], causal, sliding_window)
+            return _eager(module)(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                                  sliding_window=sliding_window, s_aux=s_aux, **kwargs)
+        sinks = None if s_aux is None else s_aux.to(torch.float32).contiguous()
+        common = dict(sm_scale=scaling, window=sliding_window)
+        b, _, s_q, _ = query.shape
+        q = query.transpose(1, 2)  # [b, s_q, h_q, d]: views, the last dimension stays contiguous
+        if attention_mask is not None:
+            length = attention_mask.shape[1]  # a static cache holds empty slots past the mask
+            k, v = key[:, :, :length].transpose(1, 2), value[:, :, :length].transpose(1, 2)
+            return _padded(flash, sink, q, k, v, attention_mask, causal, sinks, common), None
+        k, v = key.transpose(1, 2), value.transpose(1, 2)
+        packed = _fa_packed(kwargs, b)
+        if packed is not None:
+            out = _call(flash, sink, q[0], k[0], v[0], causal, sinks, **common, **packed)
+            return out.unsqueeze(0), None
+        if s_q == 1 and causal and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)):
+            lengths = torch.full((b,), k.shape[1], dtype=torch.int32, device=q.device)
+            out = decode(q[:, 0], k, v, lengths, sinks=sinks, **common)
+            return out.unsqueeze(1), None
+        return _call(flash, sink, q, k, v, causal, sinks, **common), None
+
+    return kreg_attention
+
+
+def _call(flash, sink, q, k, v, causal, sinks, **kwargs) -> torch.Tensor:
+    if sinks is not None:
+        return sink(q, k, v, sinks=sinks, causal=causal, **kwargs)
+    return flash(q, k, v, causal=causal, **kwargs)
+
+
+def _fa_packed(kwargs: dict, batch: int) -> dict | None:
+    """FlashAttention's packed-sequence keywords (a flattening data collator's), as kreg varlen arguments."""
+    names = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+    if any(kwargs.get(name) is None for name in names):
+        return None
+    if batch != 1:
+        raise ValueError(f"cu_seq_lens_q: packed sequences come as a batch of 1, got a batch of {batch}")
+    cu_q, cu_k, max_q, max_k = (kwargs[name] for name in names)
+    return dict(cu_seqlens_q=cu_q.to(torch.int32), cu_seqlens_k=cu_k.to(torch.int32),
+                max_seqlen_q=int(max_q), max_seqlen_k=int(max_k))
+
+
+def _padded(flash, sink, q, k, v, mask, causal, sinks, common) -> torch.Tensor:
+    """A padded batch as varlen sequences of its kept tokens; padded query rows come back as zeros."""
+    b, s_q, h_q, d = q.shape
+    keys, queries, cu_q, cu_k, max_q, max_k = _pack(mask, s_q)
+    out = q.new_zeros((b * s_q, h_q, d))
+    if max_q == 0:
+        return out.view(b, s_q, h_q, d)
+    packed = _call(flash, sink, q.reshape(b * s_q, h_q, d).index_select(0, queries),
+                   k.reshape(-1, *k.shape[2:]).index_select(0, keys), v.reshape(-1, *v.shape[2:]).index_select(0, keys),
+                   causal, sinks, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q,
+                   max_seqlen_k=max(max_k, 1), **common)
+    return out.index_copy(0, queries, packed).view(b, s_q, h_q, d)
+
+
+def register(name: str = NAME, *, vendor: str | None = None) -> str:
+    """Register kreg's attention and mask under `name` (`attn_implementation=name`), with `vendor`'s
+    kernels when given; returns the name."""
+    AttentionInterface.register(name, make_attention(vendor))
+    AttentionMaskInterface.register(name, kreg_mask)
+    return name
+
+
+register()
