@@ -1,0 +1,147 @@
+"""What an eager call costs beyond its GPU work: kreg's eager call against SDPA's at the same shapes,
+and every op's eager call against the same call replayed in a CUDA graph.
+
+An eager row is the wall time per call of calls made back to back, the GPU drained at the end of each
+sample (so a host-bound call shows its host time, a GPU-bound one its GPU time); the graph row replays
+CALLS captured calls, which costs no host time per call. eager - graph is what the host adds to a call
+as a user sees it (0 when the GPU is the bound). Rows:
+- the serving calls of the eager-cost table (dense prefill, decode steps), beside SDPA on the same
+  tensors in [b, h, s, d] layout (SDPA's decode: one query, GQA through `enable_gqa`);
+- each op at the smallest shape of its full preset (the fewest FLOPs), forward only.
+
+    python -m benchmarks.host                      # the table
+    python -m benchmarks.host --profile decode     # cProfile of 2000 eager calls of one row's op
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from kreg import registry
+from kreg.benchmarks.common import checked
+from kreg.benchmarks.dispatch import _graph_us, _positional
+from kreg.ops import OPS
+
+SERVING = {
+    "flash_attention b1 s512 h32 d128 causal": (
+        "flash_attention", {"b": 1, "s_q": 512, "s_k": 512, "h_q": 32, "h_kv": 32, "d": 128, "causal": True}),
+    "decode b1 n1024 h32/8 d128": (
+        "decode", {"b": 1, "s_q": 1, "h_q": 32, "h_kv": 8, "d": 128, "n": 1024, "block_size": None, "sinks": False,
+                   "window": None}),
+    "decode b1 n4096 h32/8 d128": (
+        "decode", {"b": 1, "s_q": 1, "h_q": 32, "h_kv": 8, "d": 128, "n": 4096, "block_size": None, "sinks": False,
+                   "window": None}),
+}
+
+
+def _sdpa(name: str, kw: dict) -> Callable[[], torch.Tensor]:
+    """SDPA on the same tensors: [b, h, s, d] views of kreg's [b, s, h, d] inputs."""
+    if name == "flash_attention":
+        q, k, v = (kw[n].transpose(1, 2) for n in ("q", "k", "v"))
+        return lambda: F.scaled_dot_product_attention(q, k, v, is_causal=kw["causal"])
+    q = kw["q"].unsqueeze(2)  # [b, h_q, 1, d]
+    k, v = kw["k_cache"].transpose(1, 2), kw["v_cache"].transpose(1, 2)
+    return lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+
+
+def smallest_full_shape(name: str) -> dict:
+    """The shape of the op's full preset with the fewest FLOPs (its flops() on meta tensors)."""
+    op = OPS[name]
+
+    def flops(shape: dict) -> float:
+        return op.flops(op.validate(**op.make_inputs(shape, device=torch.device("meta"), dtype=torch.bfloat16,
+                                                     seed=0)))
+
+    return min(op.presets["full"], key=flops)
+
+
+def _kreg(name: str, kw: dict) -> Callable[[], object]:
+    args, kwargs = _positional(name, kw)
+    handle = registry.get(name)
+    return lambda: handle(*args, **kwargs)
+
+
+def wall_us(fns: dict[str, Callable[[], object]], iters: int, repeats: int = 7) -> dict[str, float]:
+    """Median over `repeats` interleaved samples of the wall microseconds per call of `iters` calls
+    back to back, the GPU drained before each sample and inside it at the end."""
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(iters):
+                fn()
+            torch.cuda.synchronize()
+            samples[name].append((time.perf_counter() - start) / iters * 1e6)
+    return {name: statistics.median(values) for name, values in samples.items()}
+
+
+def rows(dtype: torch.dtype = torch.bfloat16) -> list[str]:
+    lines = ["| call | kreg eager us | SDPA eager us | kreg graph us | SDPA graph us | eager / SDPA eager |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for label, (name, shape) in SERVING.items():
+        op = OPS[name]
+        kw = op.make_inputs(shape, device="cuda", dtype=dtype, seed=0)
+        checked(op, op.validate(**kw), lambda a, n=name: registry.get(n)(**a))
+        fns = {"kreg": _kreg(name, kw), "sdpa": _sdpa(name, kw)}
+        eager = wall_us(fns, iters=1000)
+        graph = {k: statistics.median(_graph_us(fn)) for k, fn in fns.items()}
+        lines.append(f"| {label} | {eager['kreg']:.1f} | {eager['sdpa']:.1f} | {graph['kreg']:.1f} | "
+                     f"{graph['sdpa']:.1f} | {eager['kreg'] / eager['sdpa']:.2f}x |")
+    lines += ["", "| op at its smallest full-preset shape | eager us | graph us | eager - graph |",
+              "| --- | --- | --- | --- |"]
+    for name in OPS:
+        op = OPS[name]
+        shape = smallest_full_shape(name)
+        kw = op.make_inputs(shape, device="cuda", dtype=dtype, seed=0)
+        checked(op, op.validate(**kw), lambda a, n=name: registry.get(n)(**a))
+        fn = _kreg(name, kw)
+        eager = wall_us({"kreg": fn}, iters=200)["kreg"]
+        graph = statistics.median(_graph_us(fn))
+        short = ",".join(f"{k}={v}" for k, v in shape.items() if v not in (None, False))
+        lines.append(f"| {name} {short} | {eager:.1f} | {graph:.1f} | {eager - graph:+.1f} |")
+    return lines
+
+
+def profile(name: str, dtype: torch.dtype = torch.bfloat16, calls: int = 2000) -> None:
+    """cProfile of `calls` eager calls of the op's serving row (or its smallest full shape)."""
+    shape = next((s for n, s in SERVING.values() if n == name), None) or smallest_full_shape(name)
+    fn = _kreg(name, OPS[name].make_inputs(shape, device="cuda", dtype=dtype, seed=0))
+    for _ in range(50):
+        fn()
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    prof.disable()
+    torch.cuda.synchronize()
+    pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.host")
+    parser.add_argument("--profile", metavar="OP", help="profile one op's eager calls instead of the table")
+    opts = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("benchmarks.host times GPU calls: no GPU here", file=sys.stderr)
+        return 2
+    if opts.profile:
+        profile(opts.profile)
+        return 0
+    print(f"{torch.cuda.get_device_name()}, bf16, torch {torch.__version__}")
+    print("\n".join(rows()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
