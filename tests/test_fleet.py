@@ -34,7 +34,8 @@ def _sweep(db: str, *args: str, env: dict | None = None, timeout: int = 600) -> 
 def _trials(db: str) -> list[tuple]:
     # Each trial by its own role's config: a later role is tuned beside the earlier roles' winners, and
     # which of two near-equal configs wins is timing (on a loaded GPU machine it differs run to run).
-    return sorted((t.variant, t.tuning_key, t.role, t.config[t.role].model_dump_json()) for t in TuningStore(db).trials())
+    trials = TuningStore(db).trials()
+    return sorted((t.variant, t.tuning_key, t.role, t.config[t.role].model_dump_json()) for t in trials)
 
 
 def _runs_by_unit(db: str) -> dict[tuple, list[str]]:

@@ -60,8 +60,8 @@ class _Record:
     """What one launch of a kernel specialized on, and the compiled kernel it ran. Holds no tensor."""
 
     __slots__ = ("grid", "grid3", "kwargs", "kwarg_types", "arg_types", "split", "scalars", "exact", "exact_values",
-                 "tensors", "dtypes", "descriptors", "descriptor_types", "tail", "device", "compiled", "current_device",
-                 "current_stream")
+                 "tensors", "dtypes", "descriptors", "descriptor_types", "descriptor_fields", "tail", "device",
+                 "compiled", "current_device", "current_stream")
 
     def matches(self, grid: tuple, args: tuple, kwargs: dict) -> bool:
         """Whether a launch specializes as the recorded one: the checks are maps and compares that run
@@ -74,8 +74,13 @@ class _Record:
         # Floats specialize only as fp32: another value (a new sm_scale) still matches.
         if scalars != self.scalars and self.exact(scalars) != self.exact_values:
             return False
-        if self.descriptor_types and tuple(map(mangle_type, self.descriptors(args))) != self.descriptor_types:
-            return False
+        if self.descriptor_types:
+            descriptors = self.descriptors(args)
+            # The fields the mangled type is made of, compared first (launchers pass the same cached
+            # layout objects, which compare by identity); Triton's own mangling decides otherwise.
+            if (tuple(map(_descriptor_fields, descriptors)) != self.descriptor_fields
+                    and tuple(map(mangle_type, descriptors)) != self.descriptor_types):
+                return False
         tensors = self.tensors(args)
         # Every recorded tensor was 16-byte aligned: the OR of the addresses has its low bits clear.
         return tuple(map(_dtype, tensors)) == self.dtypes and not reduce(or_, map(_data_ptr, tensors), 0) & 15
@@ -110,12 +115,19 @@ def _record(kernel: Any, compiled: Any, grid: tuple, args: tuple, kwargs: dict) 
     rec.dtypes = tuple(args[i].dtype for i in positions)
     rec.descriptors = _picker(descriptors)
     rec.descriptor_types = tuple(mangle_type(args[i]) for i in descriptors)
+    rec.descriptor_fields = tuple(_descriptor_fields(args[i]) for i in descriptors)
     rec.tail = tuple(kwargs[name] for name in names)
     rec.current_device = driver.active.get_current_device
     rec.current_stream = driver.active.get_current_stream
     rec.device = rec.current_device()
     rec.compiled = compiled
     return rec
+
+
+def _descriptor_fields(desc: Any) -> tuple:
+    """What Triton 3.6 mangles a host descriptor's type from: its class, element type, block shape,
+    shared layout (Gluon's) and padding."""
+    return (desc.__class__, desc.base.dtype, *desc.block_shape, getattr(desc, "layout", None), desc.padding)
 
 
 def _picker(positions: list[int]):

@@ -60,19 +60,27 @@ def _block_layout(rows: int, head_dim: int, elem: str, heads: int = 1) -> gl.NVM
 def _strides(t: torch.Tensor) -> list[int]:
     """`t`'s strides, those of size-1 dims (never stepped over, and free to be anything in torch) set to
     what a packed layout would give them, so that they do not decide whether TMA can address `t`."""
-    strides = list(t.stride())
-    for i in range(t.dim() - 2, -1, -1):
-        if t.shape[i] == 1:
-            strides[i] = strides[i + 1] * t.shape[i + 1]
+    strides, shape = list(t.stride()), t.shape
+    if 1 in shape:
+        for i in range(len(shape) - 2, -1, -1):
+            if shape[i] == 1:
+                strides[i] = strides[i + 1] * shape[i + 1]
     return strides
 
 
 def descriptor(t: torch.Tensor, rows: int, heads: int = 1) -> TensorDescriptor:
     """A TMA descriptor over a [b, s, h, d] tensor whose blocks are `rows` rows of `heads` consecutive
-    heads (token-major)."""
-    d = t.shape[-1]
-    layout = _block_layout(rows, d, _ELEMENT_NAMES[t.dtype], heads)
-    return TensorDescriptor(t, list(t.shape), _strides(t), [1, rows, heads, d], layout)
+    heads (token-major), for a tensor `tma_addressable` accepted (the contracts make every dimension
+    non-empty and the last contiguous).
+
+    Made without the dataclass's own checks, which would repeat those on every call (a third of a
+    descriptor's host time; a launcher builds four to six per call)."""
+    shape = t.shape
+    d = shape[-1]
+    made = object.__new__(TensorDescriptor)
+    made.__dict__.update(base=t, shape=list(shape), strides=_strides(t), block_shape=[1, rows, heads, d],
+                         layout=_block_layout(rows, d, _ELEMENT_NAMES[t.dtype], heads), padding="zero")
+    return made
 
 
 def padded_outputs(q: torch.Tensor, keep_lse: bool, return_lse: bool) -> tuple[torch.Tensor, torch.Tensor | None]:

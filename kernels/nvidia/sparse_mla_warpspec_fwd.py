@@ -39,6 +39,9 @@ Gluon kernels do not run in the Triton interpreter: CI compiles this one for sm_
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -51,6 +54,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from kreg.core.records import LaunchConfig
 from kreg.kernels.common.constants import LN2
+from kreg.kernels.common.launch import triton_launch
 from kreg.kernels.common.sparse_mla.forward import forward_launch
 from kreg.kernels.nvidia.attention_tma import release
 from kreg.kernels.nvidia.sparse_mla_gather import (
@@ -403,11 +407,12 @@ def _sparse_mla_fwd_ws_kernel(
 
 
 # ----------------------------------------------------------------------------- launcher
-def _forward_ws(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, config: LaunchConfig):
+def _forward_ws(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, config: LaunchConfig,
+                launch: Callable[..., Any] = triton_launch):
     """Run the warp-specialized forward on batched-layout tensors; returns (out, max_logits, lse)."""
     outputs, grid, args, constexprs = forward_launch(q, kv, indices, sm_scale, d_v, attn_sink, topk_length,
                                                      BLOCK_H.value)
-    _sparse_mla_fwd_ws_kernel[grid](*args, **constexprs, **config.blocks, num_warps=4)
+    launch(_sparse_mla_fwd_ws_kernel, grid, *args, **constexprs, **config.blocks, num_warps=4)
     return outputs
 
 

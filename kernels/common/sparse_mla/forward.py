@@ -13,12 +13,16 @@ Semantics: `ops.sparse_mla.reference` (docs/op-contracts.md).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
 
 from kreg.core.records import LaunchConfig
 from kreg.kernels.common.constants import LN2, LOG2E
+from kreg.kernels.common.launch import triton_launch
 from kreg.kernels.common.sparse_mla.gather import (
     _gather_rows,
     _grid,
@@ -153,15 +157,17 @@ def forward_launch(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, block_
     return (out, max_logits, lse), grid, args, constexprs
 
 
-def _forward(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, config: LaunchConfig):
-    """Run the forward kernel on batched-layout tensors; returns (out, max_logits, lse)."""
+def _forward(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, config: LaunchConfig,
+             launch: Callable[..., Any] = triton_launch):
+    """Run the forward kernel on batched-layout tensors; returns (out, max_logits, lse). `launch` runs
+    the kernel: Triton's own launch, or a dispatch plan's `LaunchCache`."""
     blocks = config.blocks
     block_dv, block_dt = dim_blocks(q.shape[-1], d_v)
     outputs, grid, args, constexprs = forward_launch(q, kv, indices, sm_scale, d_v, attn_sink, topk_length,
                                                      blocks["BLOCK_H"])
-    _sparse_mla_fwd_kernel[grid](
-        *args, **constexprs, BLOCK_DV=block_dv, BLOCK_DT=block_dt, BLOCK_H=blocks["BLOCK_H"],
-        BLOCK_TOPK=blocks["BLOCK_TOPK"], ROWS_I32=_rows_fit_int32(kv), D_SPLIT=blocks["D_SPLIT"],
-        **config.knobs(),
+    launch(
+        _sparse_mla_fwd_kernel, grid, *args, **constexprs, BLOCK_DV=block_dv, BLOCK_DT=block_dt,
+        BLOCK_H=blocks["BLOCK_H"], BLOCK_TOPK=blocks["BLOCK_TOPK"], ROWS_I32=_rows_fit_int32(kv),
+        D_SPLIT=blocks["D_SPLIT"], **config.knobs(),
     )
     return outputs

@@ -9,10 +9,13 @@ subclass it with `Variant` and set their data.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from kreg.core.records import CallConfig, LaunchConfig
 from kreg.core.space import ConfigSpace
+from kreg.kernels.common.launch import LaunchCache
 from kreg.kernels.common.sparse_mla.backward import (
     HEAD_BLOCK_PASSES,
     BackwardPasses,
@@ -102,6 +105,12 @@ class SparseMLALaunch:
 
     def bind(self, plan: CallPlan):
         config, run_forward, passes = plan.config, self.run_forward, self.passes
+        return lambda args: sparse_mla_forward(args, config, run_forward, passes)
+
+    def bind_cached(self, plan: CallPlan):
+        """`bind`, the forward launched through a `LaunchCache` (the backward keeps Triton's launch)."""
+        config, passes = plan.config, self.passes
+        run_forward = functools.partial(self.run_forward, launch=LaunchCache())
         return lambda args: sparse_mla_forward(args, config, run_forward, passes)
 
     def backward(self, args: dict, plan: CallPlan, outputs: tuple, grad: torch.Tensor) -> dict:
