@@ -190,6 +190,10 @@ def make_attention(vendor: str | None = None) -> Callable:
     def kreg_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None,
                        s_aux=None, **kwargs):
         """`query [b, h_q, s_q, d]`, `key`/`value [b, h_kv, s_k, d]` -> (`out [b, s_q, h_q, d]`, None)."""
+        if kwargs.get("block_table") is not None:
+            # A paged cache the attention call itself must write the new keys into (continuous batching).
+            raise ValueError("block_table: kreg attention does not serve transformers' paged cache; use "
+                             "attn_implementation='sdpa' or a flash implementation for continuous batching")
         causal = kwargs.get("is_causal")
         causal = getattr(module, "is_causal", True) if causal is None else bool(causal)
         reason = _unsupported(attention_mask, dropout, causal, sliding_window, kwargs)

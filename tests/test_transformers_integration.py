@@ -225,6 +225,17 @@ def test_dropout_runs_eager_with_its_mask(kind, calls, caplog):
     assert "dropout 0.5" in caplog.text and not calls
 
 
+def test_a_paged_cache_call_is_refused():
+    """Continuous batching's block-table calls expect the attention to write the new keys into the paged
+    cache: refused by name rather than answered from stale keys."""
+    model = _model("llama")
+    q = torch.randn(1, 4, 3, 16, device=DEVICE, dtype=DTYPE)
+    k = torch.randn(1, 2, 3, 16, device=DEVICE, dtype=DTYPE)
+    table = torch.zeros(1, 4, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="block_table"):
+        kt.make_attention()(model.model.layers[0].self_attn, q, k, k, None, block_table=table)
+
+
 def test_output_attentions_runs_eager():
     model = _model("gpt_oss").eval()
     ids, mask = _batch(3)
