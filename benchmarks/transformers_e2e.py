@@ -8,7 +8,7 @@ median of REPEATS runs, the GPU drained around each; rel err is the prefill's lo
 where eager's greedy token is clear. Needs transformers (the `transformers` extra); a missing one
 gives no rows and a note.
 
-    python -m benchmarks.transformers_e2e [--prefill 8192] [--new 128] [--layers 4]
+    python -m benchmarks.transformers_e2e [--prefill 8192] [--new 128] [--layers 4] [--models gpt-oss,llama]
 """
 
 from __future__ import annotations
@@ -125,7 +125,8 @@ def _rows(label: str, shape: str, results: dict, prefill: int, new: int) -> list
     return rows
 
 
-def run(prefill: int = PREFILL, new: int = NEW, layers: int = LAYERS, repeats: int = REPEATS) -> list[Measurement]:
+def run(prefill: int = PREFILL, new: int = NEW, layers: int = LAYERS, repeats: int = REPEATS,
+        models: tuple[str, ...] = ("gpt-oss", "llama")) -> list[Measurement]:
     _notes.clear()
     try:
         import transformers
@@ -137,12 +138,12 @@ def run(prefill: int = PREFILL, new: int = NEW, layers: int = LAYERS, repeats: i
     _notes.append(f"transformers {transformers.__version__}")
     shape = f"{layers} layers, prefill {prefill}, +{new} greedy"
     out = []
-    model = gpt_oss(layers, "cuda")
-    out += _rows("gpt-oss e2e", shape, compare(model, ["kreg", "eager", "flex_attention"], prefill, new, repeats),
-                 prefill, new)
-    del model
-    model = llama(layers, "cuda")
-    out += _rows("llama e2e", shape, compare(model, ["kreg", "sdpa", "eager"], prefill, new, repeats), prefill, new)
+    peers = {"gpt-oss": (gpt_oss, ["kreg", "eager", "flex_attention"]), "llama": (llama, ["kreg", "sdpa", "eager"])}
+    for name in models:
+        build, impls = peers[name]
+        model = build(layers, "cuda")
+        out += _rows(f"{name} e2e", shape, compare(model, impls, prefill, new, repeats), prefill, new)
+        del model
     return out
 
 
@@ -156,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new", type=int, default=NEW)
     parser.add_argument("--layers", type=int, default=LAYERS)
     parser.add_argument("--repeats", type=int, default=REPEATS)
+    parser.add_argument("--models", default="gpt-oss,llama", help="comma-separated: gpt-oss, llama")
     opts = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("benchmarks.transformers_e2e times GPU runs: no GPU here", file=sys.stderr)
@@ -163,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{torch.cuda.get_device_name()}, bf16")
     print("| model | phase | impl | median ms | tokens/s | rel err vs eager |")
     print("| --- | --- | --- | --- | --- | --- |")
-    for m in run(opts.prefill, opts.new, opts.layers, opts.repeats):
+    for m in run(opts.prefill, opts.new, opts.layers, opts.repeats, tuple(opts.models.split(","))):
         err = "-" if m.rel_err is None else f"{m.rel_err:.2e}"
         model, _, phase = m.op.rpartition(" ")
         print(f"| {model} | {phase} | {m.provider} | {m.median_ms:.1f} | {m.rate():.0f} | {err} |")
