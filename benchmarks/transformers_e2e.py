@@ -79,7 +79,9 @@ def compare(model, impls: list[str], prefill: int, new: int, repeats: int) -> di
         try:
             model.set_attn_implementation(impl)
             with torch.no_grad():
-                model(input_ids=ids[:, :64])  # warm up: compiles kernels, resolves tuned configs
+                # Warm up: compiles each kernel specialization a cache length may need (Triton keeps
+                # them on disk for later processes) and resolves the tuned configs.
+                model.generate(input_ids=ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
                 prefill_ms, logits = [], None
                 for _ in range(repeats):
                     ms, result = _timed(lambda: model(input_ids=ids, logits_to_keep=1).logits)
