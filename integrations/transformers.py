@@ -83,10 +83,15 @@ def kreg_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_off
     FlashAttention), or, for a mask kreg cannot express, the additive 4-D mask eager attention takes
     (the attention call then runs eager attention with it)."""
     expressible = mask_kind(mask_function) is not None and not kwargs.get("use_vmap", False)
-    if expressible and attention_mask is None:
-        # Without a padding mask the keys must be exactly the tokens seen so far; a static cache's
-        # empty slots (or an offset known only on the device) would need one: let eager mask them.
-        expressible = isinstance(q_offset, int) and kv_offset + kv_length == q_offset + q_length
+    if expressible and attention_mask is None and not (
+            isinstance(q_offset, int) and kv_offset + kv_length == q_offset + q_length):
+        # The cache holds more slots than tokens seen (a static cache): a mask over the tokens seen, which
+        # the attention cuts the keys to. Its length is one host read per forward (the mask is built once
+        # per forward, not per layer). A cache whose first slot is not position 0 goes to eager.
+        seen = int(q_offset) + q_length if kv_offset == 0 else kv_length + 1
+        if seen <= kv_length:
+            return torch.ones(batch_size, seen, dtype=torch.bool, device=kwargs.get("device"))
+        expressible = False
     if not expressible:
         return eager_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
                           kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,

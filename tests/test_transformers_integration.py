@@ -161,6 +161,24 @@ def test_generate_follows_eager_step_by_step(kind, size, calls):
     assert "decode" in ops if size == 1 else ("decode" in ops) == (kind != "llama")
 
 
+@pytest.mark.parametrize("kind,size", [("llama", 1), ("gpt_oss", 3)])
+def test_generate_with_a_static_cache_follows_eager(kind, size, calls, caplog):
+    """A static cache holds empty slots past the tokens seen: kreg attends to the tokens only."""
+    model = _model(kind).eval()
+    ids, mask = _batch(size)
+    runs = {}
+    with caplog.at_level(logging.WARNING, logger=kt.__name__):
+        for impl in ("eager", "kreg"):
+            model.set_attn_implementation(impl)
+            runs[impl] = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False,
+                                        cache_implementation="static", output_logits=True,
+                                        return_dict_in_generate=True, pad_token_id=0)
+    assert not caplog.records, "kreg fell back to eager attention"
+    assert calls
+    for want, got in zip(runs["eager"].logits, runs["kreg"].logits, strict=True):
+        assert _rel(got, want) < TOL
+
+
 def test_a_mask_kreg_cannot_express_runs_eager_with_one_warning(calls, caplog):
     """GPT-OSS fed a 4-D block-diagonal mask (two documents in one row): eager attention, sinks and
     window included, with one logged warning for any number of calls."""
@@ -189,8 +207,8 @@ def test_the_mask_hook_hands_eager_masks_for_what_kreg_cannot_express():
     None or a 2-D padding mask."""
     from transformers.masking_utils import and_masks, causal_mask_function, sliding_window_causal_mask_function
 
-    def mask(function, attention_mask=None, q_offset=0, kv_length=6, **kwargs):
-        return kt.kreg_mask(batch_size=2, q_length=2, kv_length=kv_length, q_offset=q_offset, kv_offset=0,
+    def mask(function, attention_mask=None, q_offset=0, kv_length=6, kv_offset=0, **kwargs):
+        return kt.kreg_mask(batch_size=2, q_length=2, kv_length=kv_length, q_offset=q_offset, kv_offset=kv_offset,
                             mask_function=function, attention_mask=attention_mask, dtype=torch.float32, **kwargs)
 
     padded = torch.ones(2, 6, dtype=torch.bool)
@@ -200,9 +218,12 @@ def test_the_mask_hook_hands_eager_masks_for_what_kreg_cannot_express():
     assert torch.equal(mask(sliding_window_causal_mask_function(3), padded, q_offset=4), padded)
     assert mask(causal_mask_function, torch.ones(2, 6, dtype=torch.bool), q_offset=4) is None
     overlay = and_masks(causal_mask_function, lambda b, h, q, kv: kv != 1)
+    # A static cache (more slots than tokens, the offset maybe a tensor): a mask over the tokens seen.
+    assert torch.equal(mask(causal_mask_function, q_offset=2), torch.ones(2, 4, dtype=torch.bool))
+    assert torch.equal(mask(causal_mask_function, q_offset=torch.tensor(2)), torch.ones(2, 4, dtype=torch.bool))
     for eager_only in (mask(overlay, q_offset=4), mask(causal_mask_function, q_offset=4, use_vmap=True),
-                       mask(causal_mask_function, q_offset=2), mask(causal_mask_function, q_offset=torch.tensor(4))):
-        assert eager_only.shape == (2, 1, 2, 6) and eager_only.dtype == torch.float32
+                       mask(causal_mask_function, q_offset=2, kv_offset=1, kv_length=5)):
+        assert eager_only.shape[:3] == (2, 1, 2) and eager_only.dtype == torch.float32
     assert mask(overlay, q_offset=4)[0, 0, 1, 1] == torch.finfo(torch.float32).min
 
 
