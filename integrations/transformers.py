@@ -12,8 +12,8 @@ are aligned bottom-right on the keys, which is what prefill and cached decode st
 
 Masks. The mask hook recognises the masks kreg expresses (causal, sliding-window causal,
 bidirectional) and hands the attention a 2-D padding mask, or None when nothing is padded. A padded
-batch is packed into varlen sequences (as transformers' FlashAttention path does; reading the
-lengths costs one host sync per call). Anything else (a 4-D mask the caller built, packed-sequence
+batch is packed into varlen sequences (as transformers' FlashAttention path does); the hook works the
+packing out once per forward (one host read), and every layer's call reuses it. Anything else (a 4-D mask the caller built, packed-sequence
 or image-token overlays, chunked attention), and `dropout > 0`, `softcap` or captured attention
 weights, goes to the model's own eager attention, with one logged warning per reason: never a kreg
 call that would drop the sinks, the window or the scale. `register(name, vendor=...)` adds the same
@@ -26,6 +26,7 @@ import inspect
 import logging
 import sys
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import transformers
@@ -101,6 +102,9 @@ def kreg_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_off
     attention_mask = attention_mask[:, -kv_length:]
     if attention_mask.shape[1] == kv_length and bool(attention_mask.all()):
         return None
+    # Every layer of this forward packs the batch alike: work the packing out once here (one host read
+    # per forward), not in each layer's call.
+    attention_mask.kreg_packing = Packing.of(attention_mask, q_length)
     return attention_mask
 
 
@@ -168,22 +172,39 @@ def _unsupported(attention_mask, dropout, causal, window, kwargs) -> str | None:
     return None
 
 
-def _pack(mask: torch.Tensor, s_q: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
-    """From a padding mask `[b, L]` (queries at its last s_q positions): the flat indices of the kept
-    keys and queries, their int32 cu_seqlens and longest sequences (one host read)."""
-    q_mask = mask[:, mask.shape[1] - s_q:]
-    k_counts, q_counts = mask.sum(1), q_mask.sum(1)
-    max_k, max_q = torch.stack([k_counts.max(), q_counts.max()]).tolist()
-    zero = k_counts.new_zeros(1)
-    cu_k = torch.cat([zero, k_counts.cumsum(0)]).to(torch.int32)
-    cu_q = torch.cat([zero, q_counts.cumsum(0)]).to(torch.int32)
-    return mask.flatten().nonzero().squeeze(1), q_mask.flatten().nonzero().squeeze(1), cu_q, cu_k, max_q, max_k
+class Packing(NamedTuple):
+    """A padded batch as varlen sequences, from its padding mask `[b, L]` (queries at its last s_q
+    positions): the flat indices of the kept keys and queries, their int32 cu_seqlens and longest
+    sequences, and whether each row's kept positions are one run (packing then keeps the distances a
+    window needs)."""
+
+    s_q: int
+    keys: torch.Tensor
+    queries: torch.Tensor
+    cu_q: torch.Tensor
+    cu_k: torch.Tensor
+    max_q: int
+    max_k: int
+    runs_whole: bool
+
+    @classmethod
+    def of(cls, mask: torch.Tensor, s_q: int) -> Packing:
+        """The packing of `mask` (one host read)."""
+        q_mask = mask[:, mask.shape[1] - s_q:]
+        k_counts, q_counts = mask.sum(1), q_mask.sum(1)
+        runs = (mask[:, 1:] & ~mask[:, :-1]).sum(1) + mask[:, 0]
+        max_k, max_q, most_runs = torch.stack([k_counts.max(), q_counts.max(), runs.max()]).tolist()
+        zero = k_counts.new_zeros(1)
+        cu_k = torch.cat([zero, k_counts.cumsum(0)]).to(torch.int32)
+        cu_q = torch.cat([zero, q_counts.cumsum(0)]).to(torch.int32)
+        return cls(s_q, mask.flatten().nonzero().squeeze(1), q_mask.flatten().nonzero().squeeze(1), cu_q, cu_k,
+                   int(max_q), int(max_k), most_runs <= 1)
 
 
-def _contiguous_rows(mask: torch.Tensor) -> bool:
-    """Whether each row's kept positions are one run (packing then keeps distances, which a window needs)."""
-    runs = (mask[:, 1:] & ~mask[:, :-1]).sum(1) + mask[:, 0]
-    return bool((runs <= 1).all())
+def _packing(mask: torch.Tensor, s_q: int) -> Packing:
+    """The mask hook's packing when it made this mask for these queries, else worked out now."""
+    found = getattr(mask, "kreg_packing", None)
+    return found if found is not None and found.s_q == s_q else Packing.of(mask.bool(), s_q)
 
 
 def make_attention(vendor: str | None = None) -> Callable:
@@ -203,7 +224,7 @@ def make_attention(vendor: str | None = None) -> Callable:
         causal = getattr(module, "is_causal", True) if causal is None else bool(causal)
         reason = _unsupported(attention_mask, dropout, causal, sliding_window, kwargs)
         if reason is None and attention_mask is not None and sliding_window is not None:
-            if not _contiguous_rows(attention_mask):
+            if not _packing(attention_mask, query.shape[2]).runs_whole:
                 reason = "a padding mask with holes under a sliding window"
         if reason is not None:
             _warn_once(reason)
@@ -254,15 +275,16 @@ def _fa_packed(kwargs: dict, batch: int) -> dict | None:
 def _padded(flash, sink, q, k, v, mask, causal, sinks, common) -> torch.Tensor:
     """A padded batch as varlen sequences of its kept tokens; padded query rows come back as zeros."""
     b, s_q, h_q, d = q.shape
-    keys, queries, cu_q, cu_k, max_q, max_k = _pack(mask, s_q)
+    p = _packing(mask, s_q)
     out = q.new_zeros((b * s_q, h_q, d))
-    if max_q == 0:
+    if p.max_q == 0:
         return out.view(b, s_q, h_q, d)
-    packed = _call(flash, sink, q.reshape(b * s_q, h_q, d).index_select(0, queries),
-                   k.reshape(-1, *k.shape[2:]).index_select(0, keys), v.reshape(-1, *v.shape[2:]).index_select(0, keys),
-                   causal, sinks, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q,
-                   max_seqlen_k=max(max_k, 1), **common)
-    return out.index_copy(0, queries, packed).view(b, s_q, h_q, d)
+    packed = _call(flash, sink, q.reshape(b * s_q, h_q, d).index_select(0, p.queries),
+                   k.reshape(-1, *k.shape[2:]).index_select(0, p.keys),
+                   v.reshape(-1, *v.shape[2:]).index_select(0, p.keys),
+                   causal, sinks, cu_seqlens_q=p.cu_q, cu_seqlens_k=p.cu_k, max_seqlen_q=p.max_q,
+                   max_seqlen_k=max(p.max_k, 1), **common)
+    return out.index_copy(0, p.queries, packed).view(b, s_q, h_q, d)
 
 
 def register(name: str = NAME, *, vendor: str | None = None) -> str:

@@ -112,6 +112,23 @@ def test_logits_match_eager(kind, size, calls, caplog):
     assert all(("cu_seqlens_q" in kwargs) == (size > 1) for _, kwargs in calls)
 
 
+def test_a_padded_forward_packs_its_batch_once_per_mask(monkeypatch):
+    """The packing of a padded batch (its one host read) is worked out by the mask hook, once per
+    forward and mask type, not once per layer."""
+    model = _model("llama").eval()
+    made = []
+    original = kt.Packing.of.__func__
+
+    def counted(cls, mask, s_q):
+        made.append(s_q)
+        return original(cls, mask, s_q)
+
+    monkeypatch.setattr(kt.Packing, "of", classmethod(counted))
+    ids, mask = _batch(3)
+    _logits(model, "kreg", ids, mask)
+    assert made == [ids.shape[1]] and len(model.model.layers) == 2
+
+
 @pytest.mark.parametrize("kind", MODELS)
 def test_one_training_step_has_eager_gradients(kind):
     ids, mask = _batch(3)
