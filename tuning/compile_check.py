@@ -165,6 +165,10 @@ def check_variant(variant: Variant, calls: list[dict], config: CallConfig, targe
     return reports
 
 
+# Distinct kernels from which the command line compiles in a pool (when it has at least 2 spare cores).
+PARALLEL_FROM = 16
+
+
 def _compile_in_worker(item: tuple[CompileJob, DeviceInfo]) -> CompileReport:
     return compile_job(*item)
 
@@ -296,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{variant.name}: no preset shape has the shipped key {key_json}: skipped", file=sys.stderr)
             elif key_json not in given:
                 shapes.append(known[key_json])
-    all_fit = True
+    checks = []  # (shape, key, calls, target, source, config)
     for shape, shape_dtype in shapes:
         calls = meta_calls(variant.op, shape, shape_dtype)
         key = dict(OPS[variant.op].tuning_key(calls[0]))
@@ -315,18 +319,28 @@ def main(argv: list[str] | None = None) -> int:
             if opts.space:
                 configs += [("space", default.replace(role, c)) for role, space in variant.space(key, target).items()
                             for c in space if variant.prune_reason(role, c, key, target) is None]
-            for source, config in configs:
-                for report in check_variant(variant, calls, config, target, roles):
-                    all_fit &= report.fits
-                    if opts.json:
-                        row = {"target": target.key, "arch": target.arch, "key": key, "shape": shape,
-                               "source": source, "config": json.loads(config.to_json()), **asdict(report)}
-                        print(json.dumps(row), flush=True)
-                    else:
-                        why = f" ({report.reason})" if report.reason else ""
-                        print(f"{target.key} {target.arch} {key_json} {source} [{config}] {report.kernel}: "
-                              f"regs={report.registers} spills={report.spills} shared={report.shared_bytes} "
-                              f"fits={report.fits}{why}", flush=True)
+            checks += [(shape, key, calls, target, source, config) for source, config in configs]
+    # With cores to spare and many kernels, compile them in parallel first (a machine of many cores runs a
+    # whole table in a fraction of the time). A pool's start-up (~8 s) is not worth it for a few kernels,
+    # nor on two cores, where the tests run two of these commands at once.
+    workers = (os.cpu_count() or 1) - 1
+    for target in targets if workers >= 2 else ():
+        items = [(variant, calls, config, roles) for _, _, calls, t, _, config in checks if t == target]
+        if len({job for item in items for job in jobs(*item[:3], target, item[3])}) >= PARALLEL_FROM:
+            compile_all(items, target, workers=workers)
+    all_fit = True
+    for shape, key, calls, target, source, config in checks:
+        for report in check_variant(variant, calls, config, target, roles):
+            all_fit &= report.fits
+            if opts.json:
+                row = {"target": target.key, "arch": target.arch, "key": key, "shape": shape,
+                       "source": source, "config": json.loads(config.to_json()), **asdict(report)}
+                print(json.dumps(row), flush=True)
+            else:
+                why = f" ({report.reason})" if report.reason else ""
+                print(f"{target.key} {target.arch} {canonical_json(key)} {source} [{config}] {report.kernel}: "
+                      f"regs={report.registers} spills={report.spills} shared={report.shared_bytes} "
+                      f"fits={report.fits}{why}", flush=True)
     return 0 if all_fit else 1
 
 
