@@ -3,6 +3,8 @@ units a plain sweep runs, into one store; a worker killed mid-unit has its unit 
 its run (nothing recorded is lost or repeated); `--ray` without Ray is one clear line. On the CPU the
 workers run the interpreter (`--gpus N` is then N processes)."""
 
+import fcntl
+import json
 import os
 import signal
 import subprocess
@@ -82,13 +84,23 @@ def _descendants(pid: int) -> list[int]:
     return out
 
 
-@pytest.fixture(scope="module")
-def plain(tmp_path_factory) -> tuple[list[tuple], set[str]]:
-    """The trials and tuned keys of the same sweep run plainly (one process, one unit after another)."""
-    db = f"sqlite:///{tmp_path_factory.mktemp('plain') / 'plain.db'}"
-    done = _sweep(db)
-    assert done.returncode == 0, done.stderr
-    return _trials(db), {t.tuning_key for t in TuningStore(db).tuned()}
+@pytest.fixture(scope="session")
+def plain(tmp_path_factory, worker_id) -> tuple[list[tuple], set[str]]:
+    """The trials and tuned keys of the same sweep run plainly (one process, one unit after another):
+    run once per test run, whichever pytest-xdist worker asks first (the others wait for its file)."""
+    base = tmp_path_factory.getbasetemp()
+    shared = base if worker_id == "master" else base.parent  # the run's folder, above the workers'
+    result = shared / "fleet-plain.json"
+    with open(shared / "fleet-plain.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not result.exists():
+            db = f"sqlite:///{tmp_path_factory.mktemp('plain') / 'plain.db'}"
+            done = _sweep(db)
+            assert done.returncode == 0, done.stderr
+            keys = sorted({t.tuning_key for t in TuningStore(db).tuned()})
+            result.write_text(json.dumps({"trials": _trials(db), "keys": keys}))
+        found = json.loads(result.read_text())
+    return [tuple(t) for t in found["trials"]], set(found["keys"])
 
 
 def test_a_pool_of_two_stores_what_a_plain_sweep_does_though_a_worker_is_killed(tmp_path, plain):
