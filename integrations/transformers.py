@@ -10,14 +10,17 @@ passes sinks (gpt-oss's `s_aux`), else to `flash_attention`; a single new token 
 goes to `decode`. The model's `scaling`, `sliding_window` and GQA heads go with every call; queries
 are aligned bottom-right on the keys, which is what prefill and cached decode steps need.
 
-Masks. The mask hook recognises the masks kreg expresses (causal, sliding-window causal,
-bidirectional) and hands the attention a 2-D padding mask, or None when nothing is padded. A padded
-batch is packed into varlen sequences (as transformers' FlashAttention path does); the hook works the
-packing out once per forward (one host read), and every layer's call reuses it. Anything else (a 4-D mask the caller built, packed-sequence
-or image-token overlays, chunked attention), and `dropout > 0`, `softcap` or captured attention
-weights, goes to the model's own eager attention, with one logged warning per reason: never a kreg
-call that would drop the sinks, the window or the scale. `register(name, vendor=...)` adds the same
-backend under another name with one vendor's kernels (on CPU tensors: Triton's interpreter).
+Masks. The mask hook recognises the masks kreg expresses (causal, sliding-window causal, bidirectional)
+and hands the attention a 2-D padding mask, or None when nothing is padded (a static cache's mask over
+the tokens seen only cuts the keys there). A padded batch is packed into varlen sequences (as
+transformers' FlashAttention path does); the hook works the packing out once per forward (one host
+read), and every layer's call reuses it. Anything else (a 4-D mask the caller built, packed-sequence or
+image-token overlays, chunked attention), and `dropout > 0`, `softcap` or captured attention weights,
+goes to the model's own eager attention, with one logged warning per reason: never a kreg call that
+would drop the sinks, the window or the scale. `register(name, vendor=...)` adds the same backend under
+another name with one vendor's kernels (on CPU tensors: Triton's interpreter). Under `torch.compile`,
+padded and static-cache calls break the graph at those host reads: use `fullgraph=False` (transformers'
+default).
 """
 
 from __future__ import annotations
@@ -91,7 +94,7 @@ def kreg_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_off
         # per forward, not per layer). A cache whose first slot is not position 0 goes to eager.
         seen = int(q_offset) + q_length if kv_offset == 0 else kv_length + 1
         if seen <= kv_length:
-            return torch.ones(batch_size, seen, dtype=torch.bool, device=kwargs.get("device"))
+            return _all_kept(torch.ones(batch_size, seen, dtype=torch.bool, device=kwargs.get("device")))
         expressible = False
     if not expressible:
         return eager_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
@@ -100,12 +103,19 @@ def kreg_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_off
     if attention_mask is None:
         return None
     attention_mask = attention_mask[:, -kv_length:]
-    if attention_mask.shape[1] == kv_length and bool(attention_mask.all()):
-        return None
+    if bool(attention_mask.all()):  # nothing padded; a static cache's empty slots lie past the mask
+        return None if attention_mask.shape[1] == kv_length else _all_kept(attention_mask)
     # Every layer of this forward packs the batch alike: work the packing out once here (one host read
     # per forward), not in each layer's call.
     attention_mask.kreg_packing = Packing.of(attention_mask, q_length)
     return attention_mask
+
+
+def _all_kept(mask: torch.Tensor) -> torch.Tensor:
+    """A mask that keeps every one of its positions: the attention only cuts the keys to its length
+    (no packing)."""
+    mask.kreg_all_kept = True
+    return mask
 
 
 # ----------------------------------------------------------------------------- attention
@@ -238,8 +248,10 @@ def make_attention(vendor: str | None = None) -> Callable:
         q = query.transpose(1, 2)  # [b, s_q, h_q, d]: views, the last dimension stays contiguous
         if attention_mask is not None:
             length = attention_mask.shape[1]  # a static cache holds empty slots past the mask
-            k, v = key[:, :, :length].transpose(1, 2), value[:, :, :length].transpose(1, 2)
-            return _padded(flash, sink, q, k, v, attention_mask, causal, sinks, common), None
+            key, value = key[:, :, :length], value[:, :, :length]
+            if not getattr(attention_mask, "kreg_all_kept", False):
+                k, v = key.transpose(1, 2), value.transpose(1, 2)
+                return _padded(flash, sink, q, k, v, attention_mask, causal, sinks, common), None
         k, v = key.transpose(1, 2), value.transpose(1, 2)
         packed = _fa_packed(kwargs, b)
         if packed is not None:
