@@ -130,9 +130,11 @@ def write_csv(rows: list[dict], path: str) -> None:
         writer.writerows(rows)
 
 
-def host_us(fns: dict, iters: int = 2000, repeats: int = 9) -> dict[str, list[float]]:
+def host_us(fns: dict, iters: int = 2000, repeats: int = 9, wall: bool = False) -> dict[str, list[float]]:
     """Host microseconds per call of each zero-argument function: `repeats` samples of `iters` calls
-    each, the functions interleaved and the GPU drained around every sample."""
+    each, the functions interleaved and the GPU drained around every sample. With `wall`, a sample
+    ends when the GPU has drained: the wall time per call of calls made back to back (host time for a
+    host-bound call, GPU time for a GPU-bound one)."""
     samples: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
@@ -140,6 +142,8 @@ def host_us(fns: dict, iters: int = 2000, repeats: int = 9) -> dict[str, list[fl
             start = time.perf_counter()
             for _ in range(iters):
                 fn()
+            if wall:
+                torch.cuda.synchronize()
             elapsed = time.perf_counter() - start
             torch.cuda.synchronize()
             samples[name].append(elapsed / iters * 1e6)

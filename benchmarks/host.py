@@ -20,14 +20,13 @@ import cProfile
 import pstats
 import statistics
 import sys
-import time
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
 from kreg import registry
-from kreg.benchmarks.common import checked
+from kreg.benchmarks.common import checked, host_us
 from kreg.benchmarks.dispatch import _graph_us, _positional
 from kreg.ops import OPS
 
@@ -71,18 +70,8 @@ def _kreg(name: str, kw: dict) -> Callable[[], object]:
 
 
 def wall_us(fns: dict[str, Callable[[], object]], iters: int, repeats: int = 7) -> dict[str, float]:
-    """Median over `repeats` interleaved samples of the wall microseconds per call of `iters` calls
-    back to back, the GPU drained before each sample and inside it at the end."""
-    samples: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            for _ in range(iters):
-                fn()
-            torch.cuda.synchronize()
-            samples[name].append((time.perf_counter() - start) / iters * 1e6)
-    return {name: statistics.median(values) for name, values in samples.items()}
+    """Median wall microseconds per call of calls made back to back (`host_us` with `wall`)."""
+    return {name: statistics.median(v) for name, v in host_us(fns, iters, repeats, wall=True).items()}
 
 
 def rows(dtype: torch.dtype = torch.bfloat16) -> list[str]:
