@@ -135,6 +135,18 @@ def _no_probs(q: torch.Tensor) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------- dense
+def _dense(q, k, v, causal, window, scale, want: bool, deterministic, sinks, **varlen):
+    """flash_attention, or sink_attention with sinks, returning what 2.8 returns (with `want`, the
+    probabilities' empty tensor after out and lse)."""
+    if sinks is None:
+        res = _flash(q, k, v, causal=causal, sm_scale=scale, window=window, return_lse=want,
+                     deterministic=deterministic, **varlen)
+    else:
+        res = _sink(q, k, v, sinks=_as_fp32(sinks), window=window, causal=causal, sm_scale=scale, return_lse=want,
+                    deterministic=deterministic, **varlen)
+    return (*res, _no_probs(q)) if want else res
+
+
 def flash_attn_func(
     q,
     k,
@@ -155,19 +167,11 @@ def flash_attn_func(
     Returns `out [b, s_q, h_q, d]`, or with `return_attn_probs` the triple `(out, softmax_lse
     [b, h_q, s_q] fp32, empty tensor)`. `sinks [h_q]` (kreg's extension: one logit per query head with
     no value, gpt-oss's) runs `sink_attention`. Differentiable for q, k, v (and sinks)."""
-    if dropout_p or alibi_slopes is not None or (softcap is not None and softcap > 0):
-        _refuse(dropout_p, softcap, alibi_slopes)
+    _refuse(dropout_p, softcap, alibi_slopes)
     window = None
     if window_size != _NO_WINDOW:
         causal, window = _mask(causal, window_size, _size("q", q, 1), _size("k", k, 1))
-    want = bool(return_attn_probs)
-    if sinks is None:
-        res = _flash(q, k, v, causal=causal, sm_scale=softmax_scale, window=window, return_lse=want,
-                     deterministic=deterministic)
-    else:
-        res = _sink(q, k, v, sinks=_as_fp32(sinks), window=window, causal=causal, sm_scale=softmax_scale,
-                    return_lse=want, deterministic=deterministic)
-    return (*res, _no_probs(q)) if want else res
+    return _dense(q, k, v, causal, window, softmax_scale, bool(return_attn_probs), deterministic, sinks)
 
 
 def flash_attn_varlen_func(
@@ -200,24 +204,17 @@ def flash_attn_varlen_func(
 
     Returns `out [total_q, h_q, d]`, or with `return_attn_probs` `(out, softmax_lse [h_q, total_q] fp32,
     empty tensor)`. Rows of q outside every sequence come back as 0 (lse +inf)."""
-    if dropout_p or alibi_slopes is not None or (softcap is not None and softcap > 0):
-        _refuse(dropout_p, softcap, alibi_slopes)
+    _refuse(dropout_p, softcap, alibi_slopes)
     window = None
     if window_size != _NO_WINDOW:
         causal, window = _mask(causal, window_size, _int("max_seqlen_q", max_seqlen_q),
                                _int("max_seqlen_k", max_seqlen_k))
     want = bool(return_attn_probs)
-    if block_table is not None:
-        res = _paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, block_table, bool(causal), window,
-                            _as_fp32(sinks), softmax_scale, want)
-    elif sinks is None:
-        res = _flash(q, k, v, causal=causal, sm_scale=softmax_scale, window=window, return_lse=want,
-                     cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-                     max_seqlen_k=max_seqlen_k, deterministic=deterministic)
-    else:
-        res = _sink(q, k, v, sinks=_as_fp32(sinks), window=window, causal=causal, sm_scale=softmax_scale,
-                    return_lse=want, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                    max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, deterministic=deterministic)
+    if block_table is None:
+        return _dense(q, k, v, causal, window, softmax_scale, want, deterministic, sinks, cu_seqlens_q=cu_seqlens_q,
+                      cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+    res = _paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, block_table, bool(causal), window,
+                        _as_fp32(sinks), softmax_scale, want)
     return (*res, _no_probs(q)) if want else res
 
 
