@@ -92,8 +92,8 @@ def kreg_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_off
         # The cache holds more slots than tokens seen (a static cache): a mask over the tokens seen, which
         # the attention cuts the keys to. Its length is one host read per forward (the mask is built once
         # per forward, not per layer). A cache whose first slot is not position 0 goes to eager.
-        seen = int(q_offset) + q_length if kv_offset == 0 else kv_length + 1
-        if seen <= kv_length:
+        seen = int(q_offset) + q_length if kv_offset == 0 else None
+        if seen is not None and seen <= kv_length:
             return _all_kept(torch.ones(batch_size, seen, dtype=torch.bool, device=kwargs.get("device")))
         expressible = False
     if not expressible:
@@ -232,9 +232,13 @@ def make_attention(vendor: str | None = None) -> Callable:
                              "attn_implementation='sdpa' or a flash implementation for continuous batching")
         causal = kwargs.get("is_causal")
         causal = getattr(module, "is_causal", True) if causal is None else bool(causal)
+        b, _, s_q, _ = query.shape
         reason = _unsupported(attention_mask, dropout, causal, sliding_window, kwargs)
-        if reason is None and attention_mask is not None and sliding_window is not None:
-            if not _packing(attention_mask, query.shape[2]).runs_whole:
+        # A padded batch's packing: the mask hook's (worked out once per forward), looked up once here.
+        packing = None
+        if reason is None and attention_mask is not None and not getattr(attention_mask, "kreg_all_kept", False):
+            packing = _packing(attention_mask, s_q)
+            if sliding_window is not None and not packing.runs_whole:
                 reason = "a padding mask with holes under a sliding window"
         if reason is not None:
             _warn_once(reason)
@@ -244,15 +248,13 @@ def make_attention(vendor: str | None = None) -> Callable:
                                   sliding_window=sliding_window, s_aux=s_aux, **kwargs)
         sinks = None if s_aux is None else s_aux.to(torch.float32).contiguous()
         common = dict(sm_scale=scaling, window=sliding_window)
-        b, _, s_q, _ = query.shape
         q = query.transpose(1, 2)  # [b, s_q, h_q, d]: views, the last dimension stays contiguous
         if attention_mask is not None:
             length = attention_mask.shape[1]  # a static cache holds empty slots past the mask
             key, value = key[:, :, :length], value[:, :, :length]
-            if not getattr(attention_mask, "kreg_all_kept", False):
-                k, v = key.transpose(1, 2), value.transpose(1, 2)
-                return _padded(flash, sink, q, k, v, attention_mask, causal, sinks, common), None
         k, v = key.transpose(1, 2), value.transpose(1, 2)
+        if packing is not None:
+            return _padded(flash, sink, q, k, v, packing, causal, sinks, common), None
         packed = _fa_packed(kwargs, b)
         if packed is not None:
             out = _call(flash, sink, q[0], k[0], v[0], causal, sinks, **common, **packed)
@@ -284,10 +286,9 @@ def _fa_packed(kwargs: dict, batch: int) -> dict | None:
                 max_seqlen_q=int(max_q), max_seqlen_k=int(max_k))
 
 
-def _padded(flash, sink, q, k, v, mask, causal, sinks, common) -> torch.Tensor:
+def _padded(flash, sink, q, k, v, p: Packing, causal, sinks, common) -> torch.Tensor:
     """A padded batch as varlen sequences of its kept tokens; padded query rows come back as zeros."""
     b, s_q, h_q, d = q.shape
-    p = _packing(mask, s_q)
     out = q.new_zeros((b * s_q, h_q, d))
     if p.max_q == 0:
         return out.view(b, s_q, h_q, d)
