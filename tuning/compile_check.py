@@ -187,11 +187,11 @@ def compile_pool(workers: int):
 
 
 def compile_all(items: Iterable[tuple[Variant, list[dict], CallConfig, Iterable[str] | None]], target: DeviceInfo,
-                pool=None, workers: int | None = None) -> None:
+                pool=None, workers: int | None = None, parallel_from: int = 2) -> None:
     """Compile in parallel what `check_variant` would for each (variant, calls, config, roles), so that
     its later calls find the reports: in `pool` (`compile_pool`), or in a pool of `workers` processes
-    made for this call (default: all cores but one). Compiling is CPU work that one process does one
-    kernel at a time."""
+    made for this call (default: all cores but one) when at least `parallel_from` kernels are new.
+    Compiling is CPU work that one process does one kernel at a time."""
     todo: list[CompileJob] = []
     seen: set[CompileJob] = set()
     for variant, calls, config, roles in items:
@@ -201,7 +201,7 @@ def compile_all(items: Iterable[tuple[Variant, list[dict], CallConfig, Iterable[
                 todo.append(job)
     if pool is not None:
         _compile(todo, target, pool)
-    elif len(todo) >= 2:
+    elif len(todo) >= max(2, parallel_from):
         with compile_pool(min(len(todo), workers or max(1, (os.cpu_count() or 2) - 1))) as own:
             _compile(todo, target, own)
 
@@ -324,10 +324,10 @@ def main(argv: list[str] | None = None) -> int:
     # whole table in a fraction of the time). A pool's start-up (~8 s) is not worth it for a few kernels,
     # nor on two cores, where the tests run two of these commands at once.
     workers = (os.cpu_count() or 1) - 1
-    for target in targets if workers >= 2 else ():
-        items = [(variant, calls, config, roles) for _, _, calls, t, _, config in checks if t == target]
-        if len({job for item in items for job in jobs(*item[:3], target, item[3])}) >= PARALLEL_FROM:
-            compile_all(items, target, workers=workers)
+    if workers >= 2:
+        for target in targets:
+            items = [(variant, calls, config, roles) for _, _, calls, t, _, config in checks if t == target]
+            compile_all(items, target, workers=workers, parallel_from=PARALLEL_FROM)
     all_fit = True
     for shape, key, calls, target, source, config in checks:
         for report in check_variant(variant, calls, config, target, roles):
