@@ -35,9 +35,9 @@ def gpt_oss(layers: int, device, dtype=torch.bfloat16, **dims):
     shape = dict(hidden_size=2880, intermediate_size=2880, num_attention_heads=64, num_key_value_heads=8,
                  head_dim=64, sliding_window=128, num_local_experts=4, num_experts_per_tok=4)
     shape.update(dims)
+    alternating = [("sliding_attention", "full_attention")[i % 2] for i in range(layers)]
     config = GptOssConfig(vocab_size=VOCAB, num_hidden_layers=layers, max_position_embeddings=131072,
-                          layer_types=["sliding_attention", "full_attention"] * (layers // 2) + ["sliding_attention"]
-                          * (layers % 2), **shape)
+                          layer_types=alternating, **shape)
     torch.manual_seed(0)
     model = GptOssForCausalLM(config)
     for layer in model.model.layers:  # trained sinks are O(1): random ones of that size
