@@ -125,8 +125,9 @@ def _record(kernel: Any, compiled: Any, grid: tuple, args: tuple, kwargs: dict) 
 
 
 def _descriptor_fields(desc: Any) -> tuple:
-    """What Triton 3.6 mangles a host descriptor's type from: its class, element type, block shape,
-    shared layout (Gluon's) and padding."""
+    """What Triton 3.6 mangles a host descriptor's type from (its class, element type, block shape and
+    Gluon's shared layout), and its padding, which the mangling leaves out (comparing it only costs a
+    match)."""
     return (desc.__class__, desc.base.dtype, *desc.block_shape, getattr(desc, "layout", None), desc.padding)
 
 
