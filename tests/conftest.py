@@ -18,6 +18,23 @@ HAS_GPU = torch.cuda.is_available()
 gpu = pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA or ROCm GPU")
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked `long` start first, spread over the workers. pytest-xdist's work stealing hands each
+    of its w workers a contiguous share of the collection (what remains // workers left) and an idle
+    worker steals from the end of a busy one's share: each share begins with every w-th long test, so
+    that no long test starts last and no worker holds them all."""
+    workers = int(getattr(config, "workerinput", {}).get("workercount", 1))
+    long = [item for item in items if item.get_closest_marker("long")]
+    rest = [item for item in items if not item.get_closest_marker("long")]
+    ordered: list[pytest.Item] = []
+    for share in range(workers):
+        size = (len(items) - len(ordered)) // (workers - share)
+        mine = long[share::workers]
+        ordered += mine + rest[: max(0, size - len(mine))]
+        rest = rest[max(0, size - len(mine)):]
+    items[:] = ordered + rest
+
+
 @pytest.fixture
 def device() -> torch.device:
     """Where kernel tests run: the GPU when there is one, else the CPU through the interpreter."""

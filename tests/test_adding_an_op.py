@@ -11,6 +11,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -137,6 +138,7 @@ def _run(argv: list[str], cwd: Path, interpret: bool) -> subprocess.CompletedPro
     return subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.long
 def test_a_toy_op_is_only_its_own_files(tmp_path):
     repo = tmp_path / "repo"
     _copy_repository(repo)

@@ -255,6 +255,7 @@ def test_matches_reference(case):
     assert err <= TOLERANCE[args["q"].dtype], f"{case}: relative error {err:.3g}"
 
 
+@pytest.mark.long
 @hopper
 @pytest.mark.parametrize("d", [64, 128])
 def test_every_config_of_the_space_matches_reference(d):

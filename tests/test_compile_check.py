@@ -81,6 +81,7 @@ def test_nvidia_default_fits_h200_and_oversized_does_not():
         assert not row["fits"] and row["shared_bytes"] > h200.shared_mem_bytes and "shared memory" in row["reason"]
 
 
+@pytest.mark.long
 def test_amd_default_fits_gfx942_and_gfx950_and_lds_overflow_is_caught():
     key = {"causal": True, "d": 128, "dtype": "bf16", "h_kv": 8, "h_q": 32, "s_k": 8192, "s_q": 8192, "window": None}
     variant = _variant("amd")
@@ -297,6 +298,7 @@ def test_gqa_costs_the_dq_kernel_no_registers():
     assert registers[64] and registers[64] == registers[8], rows
 
 
+@pytest.mark.long
 def test_attention_window_of_one_compiles():
     """The JIT turns an integer argument equal to 1 into a constant, so a call with window=1 compiles
     the forward and dQ kernels with `window` as a Python int: the mask code must accept one (the
@@ -311,6 +313,7 @@ def test_attention_window_of_one_compiles():
         assert all(row["fits"] for row in rows), (target, rows)
 
 
+@pytest.mark.long
 def test_attention_window_without_a_loop_fits_every_target():
     """KEY_LOOPS 2 (a window of 128 keys without a loop) at the gpt-oss window key, 8 and 16 tokens a
     block: no spills, shared memory/LDS within budget on sm_90, gfx942 and gfx950, padded and varlen."""

@@ -103,6 +103,7 @@ def plain(tmp_path_factory, worker_id) -> tuple[list[tuple], set[str]]:
     return [tuple(t) for t in found["trials"]], set(found["keys"])
 
 
+@pytest.mark.long
 def test_a_pool_of_two_stores_what_a_plain_sweep_does_though_a_worker_is_killed(tmp_path, plain):
     """Two worker processes at once; one killed mid-unit: its unit runs again and resumes its run."""
     db = f"sqlite:///{tmp_path / 'killed.db'}"
@@ -156,6 +157,7 @@ def ray_installed() -> None:
 
 
 # Into PostgreSQL, the store a cluster of hosts shares (the pool's test covers SQLite's many writers).
+@pytest.mark.long
 @pytest.mark.parametrize("store_url", ["postgresql"], indirect=True)
 def test_a_ray_sweep_stores_what_a_plain_sweep_does_though_a_worker_is_killed(store_url, ray_installed, plain):
     """On a local cluster; one Ray worker killed mid-unit: Ray runs the task again and it resumes its run."""

@@ -24,6 +24,7 @@ ALL = sorted((v for vs in load_all().values() for v in vs), key=lambda v: (v.op,
 TABLES = {(v.name, v.vendor) for v in ALL if shipped_configs(v)}
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("variant", ALL, ids=[f"{v.name}-{v.vendor}" for v in ALL])
 def test_configs_compile_without_spills(variant):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

@@ -161,6 +161,7 @@ def test_a_role_with_role_arguments_is_gated_and_timed_with_them():
         assert seen and set(seen) == {expected}, role
 
 
+@pytest.mark.long
 def test_cli_sweeps_every_role_in_the_interpreter_and_prints_winners(tmp_path):
     """sparse_mla's call launches a forward and its backward kernels (the default and the deterministic
     passes): each role is tuned in turn (the backward ones gated on gradients and timed on the
@@ -184,6 +185,7 @@ def test_cli_sweeps_every_role_in_the_interpreter_and_prints_winners(tmp_path):
     assert tuned.time_ms > 0 and tuned.backward_ms > 0 and tuned.vendor == "nvidia"
 
 
+@pytest.mark.long
 @interpreter_only
 def test_a_resumed_multi_role_sweep_finds_its_stage_winners_in_the_database(tmp_path):
     """Resuming reads the earlier trials back from the database (their call configs' roles in another
@@ -205,6 +207,7 @@ def test_a_resumed_multi_role_sweep_finds_its_stage_winners_in_the_database(tmp_
     assert [w.config for w in again.winners] == [w.config for w in first.winners]
 
 
+@pytest.mark.long
 def test_roles_tunes_only_those_and_times_the_rest_once(tmp_path):
     db = f"sqlite:///{tmp_path / 'roles.db'}"
     done = _cli("--device", "cpu", "--op", "sparse_mla", "--shapes", "tiny:0", "--roles", "bwd_dkv", db=db)
@@ -234,6 +237,7 @@ def _assert_one_complete_run(store: TuningStore, expected: int) -> None:
     assert len(keys) == len(set(keys)) == expected
 
 
+@pytest.mark.long
 def test_max_minutes_stops_cleanly_and_resume_finishes_without_duplicates(tmp_path):
     db = f"sqlite:///{tmp_path / 'slices.db'}"
     first = _cli("--device", "cpu", "--op", "flash_attention", "--shapes", "tiny:1", "--max-minutes", "0", db=db)
@@ -246,6 +250,7 @@ def test_max_minutes_stops_cleanly_and_resume_finishes_without_duplicates(tmp_pa
     _assert_one_complete_run(store, _space_size("flash_attention", 1))
 
 
+@pytest.mark.long
 def test_sweep_killed_with_sigkill_resumes_without_duplicates(tmp_path):
     db = f"sqlite:///{tmp_path / 'killed.db'}"
     env = {**os.environ, "TRITON_INTERPRET": "1"}
@@ -364,6 +369,7 @@ def test_stale_lists_configs_of_an_older_kernel(tmp_path):
     assert len(listed) == 1 and "0000older0000000" in listed[0] and "stale tuned config(s)" in done.stdout
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("device", ["h100", "h200"])
 def test_compile_only_refuses_cpu_and_accepts_nvidia_targets(tmp_path, device):
     db = f"sqlite:///{tmp_path / 'n.db'}"

@@ -85,6 +85,12 @@ def calls(monkeypatch) -> list[tuple[str, dict]]:
     return seen
 
 
+def _fallbacks(caplog) -> list[logging.LogRecord]:
+    """The integration's own warnings (each names a call that ran eager attention); others, such as
+    torch.compile's graph-break notes under a static cache on a GPU, are not about kreg's choice."""
+    return [record for record in caplog.records if record.name == kt.__name__]
+
+
 def _logits(model, impl, ids, mask, **kwargs) -> torch.Tensor:
     model.set_attn_implementation(impl)
     with torch.no_grad():
@@ -101,7 +107,7 @@ def test_logits_match_eager(kind, size, calls, caplog):
         got = _logits(model, "kreg", ids, mask)
     kept = mask.bool()
     assert _rel(got[kept], want[kept]) < TOL
-    assert not caplog.records, "kreg fell back to eager attention"
+    assert not _fallbacks(caplog), "kreg fell back to eager attention"
     # One call per layer, to the op the model needs, with the model's scale, window and sinks.
     op = "sink_attention" if kind == "gpt_oss" else "flash_attention"
     assert [name for name, _ in calls] == [op, op]
@@ -178,9 +184,13 @@ def test_generate_follows_eager_step_by_step(kind, size, calls):
     assert "decode" in ops if size == 1 else ("decode" in ops) == (kind != "llama")
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("kind,size", [("llama", 1), ("gpt_oss", 3)])
 def test_generate_with_a_static_cache_follows_eager(kind, size, calls, caplog):
-    """A static cache holds empty slots past the tokens seen: kreg attends to the tokens only."""
+    """A static cache holds empty slots past the tokens seen: kreg attends to the tokens only. On a GPU
+    transformers compiles a static cache's decode steps (torch.compile): the unpadded batch goes through
+    that; the padded one runs eager (compiled, it took 4 minutes on an H200 for no path of kreg's that
+    the other two runs miss)."""
     model = _model(kind).eval()
     ids, mask = _batch(size)
     runs = {}
@@ -189,8 +199,8 @@ def test_generate_with_a_static_cache_follows_eager(kind, size, calls, caplog):
             model.set_attn_implementation(impl)
             runs[impl] = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False,
                                         cache_implementation="static", output_logits=True,
-                                        return_dict_in_generate=True, pad_token_id=0)
-    assert not caplog.records, "kreg fell back to eager attention"
+                                        return_dict_in_generate=True, pad_token_id=0, disable_compile=size > 1)
+    assert not _fallbacks(caplog), "kreg fell back to eager attention"
     if size == 1:  # nothing padded: the keys are cut to the tokens seen, no packing; one token steps decode
         assert "decode" in {name for name, _ in calls}
         assert not any("cu_seqlens_q" in kwargs for _, kwargs in calls)
@@ -213,7 +223,7 @@ def test_a_mask_kreg_cannot_express_runs_eager_with_one_warning(calls, caplog):
         first = _logits(model, "kreg", ids, mask)
         second = _logits(model, "kreg", ids, mask)
     assert torch.equal(first, want) and torch.equal(second, want)
-    assert len(caplog.records) == 1 and "cannot express" in caplog.records[0].getMessage()
+    assert len(_fallbacks(caplog)) == 1 and "cannot express" in _fallbacks(caplog)[0].getMessage()
     assert not calls
     # The same model without the mask's documents is a different answer: the mask was applied.
     assert _rel(_logits(model, "kreg", ids, None)[:, n // 2 :], want[:, n // 2 :]) > TOL
