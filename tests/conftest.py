@@ -35,6 +35,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     items[:] = ordered + rest
 
 
+def compile_jobs() -> str:
+    """`compile_check --jobs` for a test: its worker's share of the cores (each pytest-xdist worker may be
+    compiling at once; a pool per worker over every core would oversubscribe them)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    return str(max(1, (os.cpu_count() or 1) // workers))
+
+
 @pytest.fixture
 def device() -> torch.device:
     """Where kernel tests run: the GPU when there is one, else the CPU through the interpreter."""

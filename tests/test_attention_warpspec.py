@@ -30,7 +30,7 @@ from kreg.ops.contract import random_normal
 from kreg.ops.testing import GRAD_TOLERANCE, TOLERANCE, assert_close, gradients, max_relative_error, reference_gradients
 from kreg.registry.dispatch import candidates
 
-from .conftest import HAS_GPU
+from .conftest import HAS_GPU, compile_jobs
 
 F, S = "flash_attention", "sink_attention"
 # (this variant, the tiled one) per op.
@@ -286,7 +286,7 @@ def test_space_corners_compile_for_sm_90_without_spills(role, kernel, changes, b
     op = S if "sinks" in changes else F
     config = {role: {"blocks": blocks, "num_warps": 4}}
     argv = ["--variant", NAMES[op][0], "--vendor", "nvidia", "--target", "h200", "--roles", role, "--json",
-            *_shape_arguments({**KEY, **changes}), "--config-json", json.dumps(config)]
+            "--jobs", compile_jobs(), *_shape_arguments({**KEY, **changes}), "--config-json", json.dumps(config)]
     proc = subprocess.run([sys.executable, "-m", "kreg.tuning.compile_check", *argv], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]

@@ -27,7 +27,7 @@ from kreg.ops.contract import random_normal
 from kreg.ops.testing import GRAD_TOLERANCE, TOLERANCE, assert_close, gradients, max_relative_error, reference_gradients
 from kreg.registry.dispatch import candidates
 
-from .conftest import HAS_GPU
+from .conftest import HAS_GPU, compile_jobs
 
 F, S = "flash_attention", "sink_attention"
 NAMES = {S: ("sink_attention_window_tma", "sink_attention_flash")}
@@ -130,7 +130,7 @@ def test_compiles_for_sm_90_without_spills(changes, config):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     warps = config["TOKENS"] * config["HEADS"] // 16
     argv = ["--variant", NAMES[S][0], "--vendor", "nvidia", "--target", "h100", "--roles", "fwd", "--json",
-            *_shape_arguments({**KEY, **changes}),
+            "--jobs", compile_jobs(), *_shape_arguments({**KEY, **changes}),
             "--config-json", json.dumps({"fwd": {"blocks": config, "num_warps": warps}})]
     proc = subprocess.run([sys.executable, "-m", "kreg.tuning.compile_check", *argv], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)

@@ -21,6 +21,8 @@ from kreg.core.records import CallConfig, LaunchConfig
 from kreg.ops.catalog import load_all
 from kreg.tuning.compile_check import main
 
+from .conftest import compile_jobs
+
 ROOT = Path(__file__).resolve().parents[1]
 SHAPE = {"b": 2, "s_q": 8192, "s_k": 8192, "h_q": 32, "h_kv": 8, "d": 128, "causal": True, "window": None}
 
@@ -32,7 +34,8 @@ def _env() -> dict[str, str]:
 
 
 def _compile_check(*argv: str) -> tuple[int, list[dict]]:
-    proc = subprocess.run([sys.executable, "-m", "kreg.tuning.compile_check", "--json", *argv], cwd=ROOT, env=_env(),
+    argv = ("--json", "--jobs", compile_jobs(), *argv)
+    proc = subprocess.run([sys.executable, "-m", "kreg.tuning.compile_check", *argv], cwd=ROOT, env=_env(),
                           capture_output=True, text=True, timeout=300)
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert rows, proc.stderr[-3000:]
@@ -283,6 +286,9 @@ def test_cli_rejects_a_target_of_another_vendor(capsys):
         main(["--variant", "flash_attention_tiled", "--vendor", "amd", "--target", "mi300x", "--roles", "split"])
     assert "--roles: flash_attention_tiled has the roles fwd, bwd_pre, bwd_dkv, bwd_dq, got split" in \
         capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--variant", "flash_attention_tiled", "--vendor", "amd", "--target", "mi300x", "--jobs", "0"])
+    assert "--jobs: expected a count of at least 1, got 0" in capsys.readouterr().err
 
 
 def test_gqa_costs_the_dq_kernel_no_registers():

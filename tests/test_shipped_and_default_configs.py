@@ -16,6 +16,8 @@ from kreg.ops.catalog import load_all
 from kreg.tuning.compile_check import shipped_configs
 from kreg.tuning_db.table_files import shipped_tables
 
+from .conftest import compile_jobs
+
 ROOT = Path(__file__).resolve().parents[1]
 TARGETS = {"nvidia": "h200", "amd": "mi300x,mi355x"}
 ALL = sorted((v for vs in load_all().values() for v in vs), key=lambda v: (v.op, v.name, v.vendor))
@@ -30,7 +32,7 @@ def test_configs_compile_without_spills(variant):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     with_tables = (variant.name, variant.vendor) in TABLES
     argv = ["--variant", variant.name, "--vendor", variant.vendor, "--target", TARGETS[variant.vendor], "--json",
-            "--defaults", *(["--tables"] if with_tables else [])]
+            "--jobs", compile_jobs(), "--defaults", *(["--tables"] if with_tables else [])]
     proc = subprocess.run([sys.executable, "-m", "kreg.tuning.compile_check", *argv], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=1500)
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]

@@ -271,7 +271,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--roles", default=None, help="comma-separated kernel roles to compile (default: all)")
     parser.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16", help="input dtype (default bf16)")
     parser.add_argument("--json", action="store_true", help="print one JSON object per line")
+    parser.add_argument("--jobs", type=int, default=max(1, (os.cpu_count() or 1) - 1),
+                        help="compile processes (default: all cores but one; fewer than 2 compiles in this one)")
     opts = parser.parse_args(argv)
+    if opts.jobs < 1:
+        parser.error(f"--jobs: expected a count of at least 1, got {opts.jobs}")
 
     variant = _find_variant(opts.variant, opts.vendor)
     roles = tuple(opts.roles.split(",")) if opts.roles else None
@@ -320,10 +324,10 @@ def main(argv: list[str] | None = None) -> int:
                 configs += [("space", default.replace(role, c)) for role, space in variant.space(key, target).items()
                             for c in space if variant.prune_reason(role, c, key, target) is None]
             checks += [(shape, key, calls, target, source, config) for source, config in configs]
-    # With cores to spare and many kernels, compile them in parallel first (a machine of many cores runs a
-    # whole table in a fraction of the time). A pool's start-up (~8 s) is not worth it for a few kernels,
-    # nor on two cores, where the tests run two of these commands at once.
-    workers = (os.cpu_count() or 1) - 1
+    # With processes to spare (--jobs) and many kernels, compile them in parallel first (a machine of many
+    # cores runs a whole table in a fraction of the time). A pool's start-up (~8 s) is not worth it for a
+    # few kernels.
+    workers = opts.jobs
     if workers >= 2:
         for target in targets:
             items = [(variant, calls, config, roles) for _, _, calls, t, _, config in checks if t == target]
