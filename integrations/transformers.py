@@ -19,8 +19,8 @@ image-token overlays, chunked attention), and `dropout > 0`, `softcap` or captur
 goes to the model's own eager attention, with one logged warning per reason: never a kreg call that
 would drop the sinks, the window or the scale. `register(name, vendor=...)` adds the same backend under
 another name with one vendor's kernels (on CPU tensors: Triton's interpreter). Under `torch.compile`,
-padded and static-cache calls break the graph at those host reads: use `fullgraph=False` (transformers'
-default).
+a forward given a padding mask, or a static cache, breaks the graph at those host reads: use
+`fullgraph=False` (transformers' default).
 """
 
 from __future__ import annotations
