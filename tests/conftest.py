@@ -1,9 +1,13 @@
 """Test setup: without a GPU, Triton kernels run in the interpreter (read when kernels are decorated,
 so it is set before anything imports them)."""
 
+import json
 import os
+import subprocess
+import sys
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -28,18 +32,27 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     rest = [item for item in items if not item.get_closest_marker("long")]
     ordered: list[pytest.Item] = []
     for share in range(workers):
-        size = (len(items) - len(ordered)) // (workers - share)
         mine = long[share::workers]
-        ordered += mine + rest[: max(0, size - len(mine))]
-        rest = rest[max(0, size - len(mine)):]
+        take = max(0, (len(items) - len(ordered)) // (workers - share) - len(mine))
+        ordered += mine + rest[:take]
+        rest = rest[take:]
     items[:] = ordered + rest
 
 
-def compile_jobs() -> str:
-    """`compile_check --jobs` for a test: its worker's share of the cores (each pytest-xdist worker may be
-    compiling at once; a pool per worker over every core would oversubscribe them)."""
-    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    return str(max(1, (os.cpu_count() or 1) // workers))
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_compile_check(*argv: str, timeout: int = 600) -> tuple[subprocess.CompletedProcess, list[dict]]:
+    """`python -m kreg.tuning.compile_check --json ARGV` in a process without the interpreter (the repo
+    first on its path, then whatever supplies the dependencies: a GPU machine's carried wheels), with
+    this worker's share of the cores as `--jobs` (pytest-xdist's workers may all be compiling at once; a
+    pool per worker over every core would oversubscribe them). The process and its JSON rows."""
+    jobs = max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+    path = os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))
+    env = {**{k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}, "PYTHONPATH": path}
+    proc = subprocess.run([sys.executable, "-m", "kreg.tuning.compile_check", "--json", "--jobs", str(jobs), *argv],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    return proc, [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
 
 
 @pytest.fixture

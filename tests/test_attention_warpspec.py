@@ -13,10 +13,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -30,13 +26,12 @@ from kreg.ops.contract import random_normal
 from kreg.ops.testing import GRAD_TOLERANCE, TOLERANCE, assert_close, gradients, max_relative_error, reference_gradients
 from kreg.registry.dispatch import candidates
 
-from .conftest import HAS_GPU, compile_jobs
+from .conftest import HAS_GPU, run_compile_check
 
 F, S = "flash_attention", "sink_attention"
 # (this variant, the tiled one) per op.
 NAMES = {F: ("flash_attention_warpspec", "flash_attention_tiled"),
          S: ("sink_attention_warpspec", "sink_attention_flash")}
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _named(op: str, name: str):
@@ -282,14 +277,10 @@ CORNER_CASES = [(role, kernel, changes, blocks)
 @pytest.mark.parametrize("role,kernel,changes,blocks", CORNER_CASES,
                          ids=[f"{role}-{n}" for n, (role, *_) in enumerate(CORNER_CASES)])
 def test_space_corners_compile_for_sm_90_without_spills(role, kernel, changes, blocks):
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     op = S if "sinks" in changes else F
     config = {role: {"blocks": blocks, "num_warps": 4}}
-    argv = ["--variant", NAMES[op][0], "--vendor", "nvidia", "--target", "h200", "--roles", role, "--json",
-            "--jobs", compile_jobs(), *_shape_arguments({**KEY, **changes}), "--config-json", json.dumps(config)]
-    proc = subprocess.run([sys.executable, "-m", "kreg.tuning.compile_check", *argv], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
-    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    proc, rows = run_compile_check("--variant", NAMES[op][0], "--vendor", "nvidia", "--target", "h200", "--roles",
+                                   role, *_shape_arguments({**KEY, **changes}), "--config-json", json.dumps(config))
     own = [row for row in rows if row["kernel"] == kernel]
     assert proc.returncode == 0 and own, proc.stderr[-2000:]
     for row in own:

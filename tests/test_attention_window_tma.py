@@ -10,10 +10,6 @@ call reaches it through `registry.get`, a varlen one the tiled forward."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -27,11 +23,10 @@ from kreg.ops.contract import random_normal
 from kreg.ops.testing import GRAD_TOLERANCE, TOLERANCE, assert_close, gradients, max_relative_error, reference_gradients
 from kreg.registry.dispatch import candidates
 
-from .conftest import HAS_GPU, compile_jobs
+from .conftest import HAS_GPU, run_compile_check
 
 F, S = "flash_attention", "sink_attention"
 NAMES = {S: ("sink_attention_window_tma", "sink_attention_flash")}
-ROOT = Path(__file__).resolve().parents[1]
 # gpt-oss's sliding-window layers.
 KEY = {"causal": True, "d": 64, "dtype": "bf16", "h_kv": 8, "h_q": 64, "s_k": 8192, "s_q": 8192, "sinks": True,
        "window": 128}
@@ -127,14 +122,10 @@ def _shape_arguments(key: dict) -> list[str]:
 ])
 def test_compiles_for_sm_90_without_spills(changes, config):
     """The kernel (lse on) and the tiled forward its handed-over calls run, for sm_90, offline."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     warps = config["TOKENS"] * config["HEADS"] // 16
-    argv = ["--variant", NAMES[S][0], "--vendor", "nvidia", "--target", "h100", "--roles", "fwd", "--json",
-            "--jobs", compile_jobs(), *_shape_arguments({**KEY, **changes}),
-            "--config-json", json.dumps({"fwd": {"blocks": config, "num_warps": warps}})]
-    proc = subprocess.run([sys.executable, "-m", "kreg.tuning.compile_check", *argv], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
-    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    proc, rows = run_compile_check("--variant", NAMES[S][0], "--vendor", "nvidia", "--target", "h100", "--roles", "fwd",
+                                   *_shape_arguments({**KEY, **changes}),
+                                   "--config-json", json.dumps({"fwd": {"blocks": config, "num_warps": warps}}))
     assert proc.returncode == 0 and rows, proc.stderr[-2000:]
     # Padded calls run this kernel, varlen ones the tiled forward (each with and without lse).
     assert {r["kernel"] for r in rows} == {"_attention_fwd_kernel", "_attention_fwd_window_tma_kernel"}

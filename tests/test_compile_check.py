@@ -21,7 +21,7 @@ from kreg.core.records import CallConfig, LaunchConfig
 from kreg.ops.catalog import load_all
 from kreg.tuning.compile_check import main
 
-from .conftest import compile_jobs
+from .conftest import run_compile_check
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAPE = {"b": 2, "s_q": 8192, "s_k": 8192, "h_q": 32, "h_kv": 8, "d": 128, "causal": True, "window": None}
@@ -34,10 +34,7 @@ def _env() -> dict[str, str]:
 
 
 def _compile_check(*argv: str) -> tuple[int, list[dict]]:
-    argv = ("--json", "--jobs", compile_jobs(), *argv)
-    proc = subprocess.run([sys.executable, "-m", "kreg.tuning.compile_check", *argv], cwd=ROOT, env=_env(),
-                          capture_output=True, text=True, timeout=300)
-    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    proc, rows = run_compile_check(*argv, timeout=300)
     assert rows, proc.stderr[-3000:]
     return proc.returncode, rows
 

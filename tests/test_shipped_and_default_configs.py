@@ -4,11 +4,6 @@ variants, gfx942 and gfx950 for AMD ones; every kernel the calls launch, forward
 specialization (`tuning.launch_record`). One compile-check process per variant, defaults and tables
 together (a kernel both use compiles once). Compiles run in a subprocess without TRITON_INTERPRET."""
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -16,9 +11,8 @@ from kreg.ops.catalog import load_all
 from kreg.tuning.compile_check import shipped_configs
 from kreg.tuning_db.table_files import shipped_tables
 
-from .conftest import compile_jobs
+from .conftest import run_compile_check
 
-ROOT = Path(__file__).resolve().parents[1]
 TARGETS = {"nvidia": "h200", "amd": "mi300x,mi355x"}
 ALL = sorted((v for vs in load_all().values() for v in vs), key=lambda v: (v.op, v.name, v.vendor))
 # Only variants that shipped tables name are checked against tables: an empty check would pass having
@@ -29,13 +23,10 @@ TABLES = {(v.name, v.vendor) for v in ALL if shipped_configs(v)}
 @pytest.mark.long
 @pytest.mark.parametrize("variant", ALL, ids=[f"{v.name}-{v.vendor}" for v in ALL])
 def test_configs_compile_without_spills(variant):
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     with_tables = (variant.name, variant.vendor) in TABLES
-    argv = ["--variant", variant.name, "--vendor", variant.vendor, "--target", TARGETS[variant.vendor], "--json",
-            "--jobs", compile_jobs(), "--defaults", *(["--tables"] if with_tables else [])]
-    proc = subprocess.run([sys.executable, "-m", "kreg.tuning.compile_check", *argv], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=1500)
-    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    proc, rows = run_compile_check("--variant", variant.name, "--vendor", variant.vendor, "--target",
+                                   TARGETS[variant.vendor], "--defaults", *(["--tables"] if with_tables else []),
+                                   timeout=1500)
     unfit = [(r["arch"], r["source"], r["key"], r["config"], r["kernel"], r["reason"]) for r in rows if not r["fits"]]
     assert proc.returncode == 0 and not unfit, unfit or proc.stderr[-2000:]
     assert rows and all(r["spills"] == 0 for r in rows), proc.stderr[-2000:]

@@ -272,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16", help="input dtype (default bf16)")
     parser.add_argument("--json", action="store_true", help="print one JSON object per line")
     parser.add_argument("--jobs", type=int, default=max(1, (os.cpu_count() or 1) - 1),
-                        help="compile processes (default: all cores but one; fewer than 2 compiles in this one)")
+                        help="compile processes (default: all cores but one; 1 compiles in this process)")
     opts = parser.parse_args(argv)
     if opts.jobs < 1:
         parser.error(f"--jobs: expected a count of at least 1, got {opts.jobs}")
@@ -327,11 +327,10 @@ def main(argv: list[str] | None = None) -> int:
     # With processes to spare (--jobs) and many kernels, compile them in parallel first (a machine of many
     # cores runs a whole table in a fraction of the time). A pool's start-up (~8 s) is not worth it for a
     # few kernels.
-    workers = opts.jobs
-    if workers >= 2:
+    if opts.jobs >= 2:
         for target in targets:
             items = [(variant, calls, config, roles) for _, _, calls, t, _, config in checks if t == target]
-            compile_all(items, target, workers=workers, parallel_from=PARALLEL_FROM)
+            compile_all(items, target, workers=opts.jobs, parallel_from=PARALLEL_FROM)
     all_fit = True
     for shape, key, calls, target, source, config in checks:
         for report in check_variant(variant, calls, config, target, roles):
