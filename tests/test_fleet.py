@@ -176,7 +176,8 @@ def test_a_ray_sweep_stores_what_a_plain_sweep_does_though_a_worker_is_killed(st
 
 def test_retune_stale_tunes_exactly_the_devices_stale_entries(tmp_path):
     """Each stale entry of the device is one unit (its key's preset shape, its variant); another device's
-    stale entry and an entry whose key no preset shape has are left alone."""
+    stale entry, an entry whose key no preset shape has and, with --op, another op's entry are left
+    alone."""
     import torch
 
     from kreg.core.device import CPU, preset
@@ -193,8 +194,14 @@ def test_retune_stale_tunes_exactly_the_devices_stale_entries(tmp_path):
     store = TuningStore(db)
     for device, key in ((CPU, tiny[0]), (CPU, '{"d":64}'), (preset("h200"), tiny[1])):
         store.upsert_tuned(TunedConfig(device_key=device.key, tuning_key=key, **old), device)
+    dense = OPS["flash_attention"]
+    dense_key = canonical_json(shape_key(dense, dense.presets["tiny"][0], torch.float16))
+    store.upsert_tuned(TunedConfig(device_key=CPU.key, tuning_key=dense_key, **{
+        **old, "op": "flash_attention", "variant": "flash_attention_tiled",
+        "config": LaunchConfig(blocks={"BLOCK_M": 16, "BLOCK_N": 16})}), CPU)
     done = subprocess.run([sys.executable, "-m", "kreg.tuning.sweep", "--device", "cpu", "--retune-stale", "--db", db,
-                           "--no-progress"], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+                           "--op", "decode", "--no-progress"], cwd=ROOT, env=_env(), capture_output=True, text=True,
+                          timeout=600)
     assert done.returncode == 0, done.stderr
     assert "1 stale entry of cpu to re-tune, 1 without a preset shape" in done.stderr
     assert {t.tuning_key for t in store.trials()} == {tiny[0]}
@@ -202,4 +209,4 @@ def test_retune_stale_tunes_exactly_the_devices_stale_entries(tmp_path):
     current = next(v for v in load_all()["decode"]
                    if v.name == "decode_splitkv").source_hash
     assert now == {("cpu", tiny[0]): current, ("cpu", '{"d":64}'): "0000older0000000",
-                   (preset("h200").key, tiny[1]): "0000older0000000"}
+                   (preset("h200").key, tiny[1]): "0000older0000000", ("cpu", dense_key): "0000older0000000"}

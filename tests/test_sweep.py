@@ -282,6 +282,7 @@ def test_unknown_device_op_and_filter_are_clear_errors(tmp_path):
     db = f"sqlite:///{tmp_path / 'x.db'}"
     assert "unknown device" in _cli("--device", "tpu", db=db).stderr
     assert "--op" in _cli("--device", "cpu", "--op", "nope", db=db).stderr
+    assert "--op: unknown op 'nope'" in _cli("--device", "cpu", "--retune-stale", "--op", "nope", db=db).stderr
     assert "--filter" in _cli("--device", "cpu", "--filter", "BLOCK_H", db=db).stderr
 
 

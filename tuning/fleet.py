@@ -112,14 +112,15 @@ def plan_units(work, device_info: DeviceInfo, dtype: torch.dtype) -> list:
     return units
 
 
-def stale_units(store, registry_variants, device_info: DeviceInfo, dtype: torch.dtype) -> tuple[list, list]:
+def stale_units(store, registry_variants, device_info: DeviceInfo, dtype: torch.dtype,
+                ops: list[str] | None = None) -> tuple[list, list]:
     """(units, entries left): a unit for each stale tuned entry of the device (database and shipped
-    tables), the preset shape with the entry's key and the entry's variant; the entries whose key no
-    preset shape has are left as they are."""
+    tables) of `ops` (None: every op), the preset shape with the entry's key and the entry's variant;
+    the entries whose key no preset shape has are left as they are."""
     from kreg.ops import OPS
 
     variants = {(v.vendor, v.name): v for vs in registry_variants.values() for v in vs}
-    stale = [t for _, t in stale_entries(store, registry_variants, device_info.key)]
+    stale = [t for _, t in stale_entries(store, registry_variants, device_info.key) if not ops or t.op in ops]
     keys: dict[tuple[str, str], tuple[str, int]] = {}
     for op_name in sorted({t.op for t in stale}):
         op = OPS[op_name]

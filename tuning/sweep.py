@@ -89,7 +89,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                    help="list the device's tuned configs whose kernel source changed, and exit")
     p.add_argument("--retune-stale", action="store_true",
                    help="re-tune exactly the device's stale entries (database and shipped tables): each key "
-                        "and variant, all its roles")
+                        "and variant, all its roles (with --op: only those ops')")
     p.add_argument("--gpus", type=int, default=None, metavar="N",
                    help="spread the sweep over N GPUs of this machine, a worker process each (on the CPU: N "
                         "interpreter processes)")
@@ -233,7 +233,10 @@ def _main(args: argparse.Namespace) -> int:
     executor = _executor(args, device_info, gpu)
 
     if args.retune_stale:
-        units, unmatched = stale_units(store, registry_variants, device_info, dtype)
+        unknown_ops = [name for name in args.op or () if name not in OPS]
+        if unknown_ops:
+            raise UsageError(f"--op: unknown op {unknown_ops[0]!r}; expected one of {', '.join(OPS)}")
+        units, unmatched = stale_units(store, registry_variants, device_info, dtype, args.op)
         for t in unmatched:
             console.print(f"not re-tuned (no preset shape has this key): {t.op} {t.tuning_key} {t.variant}",
                           highlight=False, markup=False, soft_wrap=True)
