@@ -33,8 +33,8 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 import torch
 import triton
@@ -321,7 +321,7 @@ class DecodeLaunch:
     """What a call plan fixes for every launch: both roles' tiles and launch knobs, the device's SM count
     and whether the combine may start as a programmatic dependent of the split (NVIDIA Hopper and later:
     its launch then overlaps the split grid's tail), read out of the plan once (`DecodeSplitKVBase.bind`)
-    instead of on every call."""
+    instead of on every call; and the launch geometry of each call signature seen (`geometries`)."""
 
     block_n: int
     waves: int
@@ -332,6 +332,8 @@ class DecodeLaunch:
     combine_knobs: dict
     num_sms: int
     pdl: bool
+    # Call signature (shapes, strides, flags) -> _Geometry, so that a repeated call skips working it out.
+    geometries: dict = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def of(cls, plan: CallPlan) -> DecodeLaunch:
@@ -341,79 +343,125 @@ class DecodeLaunch:
                    combine.blocks["CHUNK"], split.knobs(), combine.knobs(), device.num_sms, pdl)
 
 
-def decode_forward(args: dict, plan: DecodeLaunch, launch: Callable[..., Any] = triton_launch):
-    """Run the split and combine kernels on the decode contract's validated args: `out`, or
-    `(out, lse)` with `return_lse`. Outputs and the workspace are allocated here (a CUDA graph
-    captures them with the launches). A 3-D q (one token) is passed with a token stride of 0 and its
-    outputs are allocated 3-D: no view is made, each would cost a microsecond of host time. `launch`
-    runs each kernel: Triton's own launch, or a dispatch plan's `LaunchCache`."""
-    q, k_cache, v_cache, table = args["q"], args["k_cache"], args["v_cache"], args["block_table"]
-    one_token = q.dim() == 3
+# Call signatures a plan keeps geometries for; past it they are dropped (a growing cache is a new shape
+# every step).
+MAX_GEOMETRIES = 256
+
+
+class _Geometry(NamedTuple):
+    """A call's launches less their tensors and sm_scale: output and workspace shapes, both kernels' grids,
+    their scalar arguments after sm_scale (sizes, strides) and keyword arguments (constexprs, knobs). A
+    function of the call signature alone: every tensor it allocates is contiguous."""
+
+    out_shape: tuple
+    lse_shape: tuple | None
+    part_shapes: tuple | None  # (partial outputs, partial lse); None: one split writes the outputs itself
+    split_grid: tuple
+    split_scalars: tuple
+    split_kwargs: dict
+    combine_grid: tuple
+    combine_scalars: tuple
+    combine_kwargs: dict
+
+
+def _contiguous_strides(shape: tuple) -> tuple:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    return tuple(reversed(strides))
+
+
+def _geometry(plan: DecodeLaunch, q_shape, q_stride, k_shape, k_stride, v_stride, table, window, num_splits,
+              return_lse: bool, has_sinks: bool) -> _Geometry:
+    """The launch geometry of one call signature (`table`: the block table's (shape, row stride) or None)."""
+    one_token = len(q_shape) == 3
     if one_token:
-        (b, h_q, d), (sqb, sqh, _) = q.shape, q.stride()
+        (b, h_q, d), (sqb, sqh, _) = q_shape, q_stride
         s_q, q_strides = 1, (sqb, 0, sqh)
     else:
-        (b, s_q, h_q, d), q_strides = q.shape, q.stride()[:3]
-    h_kv = k_cache.shape[2]
+        (b, s_q, h_q, d), q_strides = q_shape, q_stride[:3]
+    h_kv = k_shape[2]
     group = h_q // h_kv
     paged = table is not None
-    page = k_cache.shape[1] if paged else 1
-    capacity = table.shape[1] * page if paged else k_cache.shape[1]
+    page = k_shape[1] if paged else 1
+    capacity = table[0][1] * page if paged else k_shape[1]
     # A window of at least the capacity masks nothing more than the capacity does: capped there, the
     # kernel's window arithmetic (length - s_q - window, pos - window) stays far inside int32.
-    window = None if args["window"] is None else min(args["window"], capacity)
+    window = None if window is None else min(window, capacity)
     block_n = plan.block_n
     kv_heads = heads_per_program(h_kv, plan.kv_heads)
     programs = b * (h_kv // kv_heads)
     # Pages holding whole tiles: the kernel aligns a window's first tile down to a multiple of block_n.
     reach = key_range(capacity, s_q, window, block_n if paged and page >= block_n else 1)
-    if args["num_splits"] is None:
+    if num_splits is None:
         splits = choose_splits(programs, reach, plan.num_sms, block_n, plan.waves)
     else:  # splits past the key tiles would be empty (no result changes), and the grid's y is limited
-        splits = min(args["num_splits"], max(1, cdiv(reach, block_n)), MAX_SPLITS)
+        splits = min(num_splits, max(1, cdiv(reach, block_n)), MAX_SPLITS)
     split_len = cdiv(cdiv(reach, splits), block_n) * block_n
     block_d = dot_block(d)
     pdl = plan.pdl
-    out = torch.empty(q.shape, device=q.device, dtype=q.dtype)
-    lse = None
-    if args["return_lse"]:
-        lse = torch.empty((b, h_q) if one_token else (b, h_q, s_q), device=q.device, dtype=torch.float32)
-    so, sl = out.stride(), (lse.stride() if lse is not None else (0, 0, 0))
+    out_shape = tuple(q_shape)
+    lse_shape = ((b, h_q) if one_token else (b, h_q, s_q)) if return_lse else None
+    so, sl = _contiguous_strides(out_shape), (_contiguous_strides(lse_shape) if return_lse else (0, 0, 0))
     out_strides = (so[0], 0, so[1]) if one_token else so[:3]
     lse_strides = (sl[0], sl[1], 0) if one_token else sl
-    sinks = args["sinks"]
     final = splits == 1
     if final:
         # Nothing to merge: the split program writes out and lse (laid out [b, h, s]) itself.
-        o_part, o_strides = out, (*out_strides, 0)
-        lse_part, lse_part_strides = (lse if lse is not None else out), (lse_strides[0], lse_strides[2], lse_strides[1])
+        part_shapes = None
+        o_strides, lse_part_strides = (*out_strides, 0), (lse_strides[0], lse_strides[2], lse_strides[1])
     else:
-        o_part = torch.empty((b, s_q, h_q, splits, d), device=q.device, dtype=torch.float32)
-        lse_part = torch.empty((b, s_q, h_q, splits), device=q.device, dtype=torch.float32)
-        o_strides, lse_part_strides = o_part.stride()[:4], lse_part.stride()[:3]
-    launch(
-        _decode_split_kernel, (programs, splits),
-        q, k_cache, v_cache, args["cache_seqlens"], table if paged else args["cache_seqlens"], o_part, lse_part,
-        sinks if sinks is not None else lse_part,
-        float(args["sm_scale"]) * LOG2E.value, window or 0, capacity, k_cache.shape[0], s_q, group, h_kv, split_len,
-        *q_strides, *k_cache.stride()[:3], *v_cache.stride()[:3], table.stride(0) if paged else 0,
-        *o_strides, *lse_part_strides,
-        HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=rows_block(s_q, group), BLOCK_N=block_n, KV_HEADS=kv_heads,
-        PAGED=paged, PAGE=page, HAS_WINDOW=window is not None, FINAL=final, HAS_SINK=sinks is not None,
-        RETURN_LSE=lse is not None, PDL=pdl and not final, **plan.split_knobs,
-    )
-    if final:
-        return (out, lse) if lse is not None else out
+        part_shapes = ((b, s_q, h_q, splits, d), (b, s_q, h_q, splits))
+        o_strides = _contiguous_strides(part_shapes[0])[:4]
+        lse_part_strides = _contiguous_strides(part_shapes[1])[:3]
+    split_scalars = (window or 0, capacity, k_shape[0], s_q, group, h_kv, split_len, *q_strides, *k_stride[:3],
+                     *v_stride[:3], table[1] if paged else 0, *o_strides, *lse_part_strides)
+    split_kwargs = dict(HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=rows_block(s_q, group), BLOCK_N=block_n,
+                        KV_HEADS=kv_heads, PAGED=paged, PAGE=page, HAS_WINDOW=window is not None, FINAL=final,
+                        HAS_SINK=has_sinks, RETURN_LSE=return_lse, PDL=pdl and not final, **plan.split_knobs)
     rows, per_program = b * s_q * h_q, plan.rows
-    launch(
-        _decode_combine_kernel, (cdiv(rows, per_program),),
-        o_part, lse_part, sinks if sinks is not None else lse_part, out, lse if lse is not None else lse_part,
-        rows, s_q, h_q, splits,
-        *o_strides, *lse_part_strides, *out_strides, *lse_strides,
-        HEAD_DIM=d, BLOCK_D=block_d, ROWS=per_program, CHUNK=min(plan.chunk, next_pow2(splits)),
-        HAS_SINK=sinks is not None, RETURN_LSE=lse is not None, PDL=pdl, **({"launch_pdl": True} if pdl else {}),
-        **plan.combine_knobs,
-    )
+    combine_scalars = (rows, s_q, h_q, splits, *o_strides, *lse_part_strides, *out_strides, *lse_strides)
+    combine_kwargs = dict(HEAD_DIM=d, BLOCK_D=block_d, ROWS=per_program, CHUNK=min(plan.chunk, next_pow2(splits)),
+                          HAS_SINK=has_sinks, RETURN_LSE=return_lse, PDL=pdl,
+                          **({"launch_pdl": True} if pdl else {}), **plan.combine_knobs)
+    return _Geometry(out_shape, lse_shape, part_shapes, (programs, splits), split_scalars, split_kwargs,
+                     (cdiv(rows, per_program),), combine_scalars, combine_kwargs)
+
+
+def decode_forward(args: dict, plan: DecodeLaunch, launch: Callable[..., Any] = triton_launch):
+    """Run the split and combine kernels on the decode contract's validated args: `out`, or
+    `(out, lse)` with `return_lse`. Outputs and the workspace are allocated here (a CUDA graph
+    captures them with the launches). A 3-D q (one token) is passed with a token stride of 0 and its
+    outputs are allocated 3-D: no view is made, each would cost a microsecond of host time. `launch`
+    runs each kernel: Triton's own launch, or a dispatch plan's `LaunchCache`. The launch geometry
+    comes from the plan's geometries when this call signature was seen before."""
+    q, k_cache, v_cache, table = args["q"], args["k_cache"], args["v_cache"], args["block_table"]
+    sinks, return_lse, seqlens = args["sinks"], args["return_lse"], args["cache_seqlens"]
+    paged = table is not None
+    signature = (q.shape, q.stride(), k_cache.shape, k_cache.stride(), v_cache.stride(),
+                 (table.shape, table.stride(0)) if paged else None, args["window"], args["num_splits"], return_lse,
+                 sinks is not None)
+    geometries = plan.geometries
+    geo = geometries.get(signature)
+    if geo is None:
+        if len(geometries) >= MAX_GEOMETRIES:
+            geometries.clear()
+        geo = geometries[signature] = _geometry(plan, *signature)
+    device = q.device
+    out = torch.empty(geo.out_shape, device=device, dtype=q.dtype)
+    lse = None if geo.lse_shape is None else torch.empty(geo.lse_shape, device=device, dtype=torch.float32)
+    if geo.part_shapes is None:
+        o_part, lse_part = out, (lse if lse is not None else out)
+    else:
+        o_part = torch.empty(geo.part_shapes[0], device=device, dtype=torch.float32)
+        lse_part = torch.empty(geo.part_shapes[1], device=device, dtype=torch.float32)
+    launch(_decode_split_kernel, geo.split_grid, q, k_cache, v_cache, seqlens, table if paged else seqlens, o_part,
+           lse_part, sinks if sinks is not None else lse_part, float(args["sm_scale"]) * LOG2E.value,
+           *geo.split_scalars, **geo.split_kwargs)
+    if geo.part_shapes is not None:
+        launch(_decode_combine_kernel, geo.combine_grid, o_part, lse_part, sinks if sinks is not None else lse_part,
+               out, lse if lse is not None else lse_part, *geo.combine_scalars, **geo.combine_kwargs)
     return (out, lse) if lse is not None else out
 
 
