@@ -57,15 +57,20 @@ def _block_layout(rows: int, head_dim: int, elem: str, heads: int = 1) -> gl.NVM
     return gl.NVMMASharedLayout.get_default_for([1, rows, heads, head_dim], element)
 
 
-def _strides(t: torch.Tensor) -> list[int]:
-    """`t`'s strides, those of size-1 dims (never stepped over, and free to be anything in torch) set to
-    what a packed layout would give them, so that they do not decide whether TMA can address `t`."""
-    strides, shape = list(t.stride()), t.shape
+@functools.lru_cache(maxsize=1024)  # on every call's host path: a process sees few distinct layouts
+def _tma_strides(shape: tuple, strides: tuple, elem: int) -> tuple | None:
+    """The strides a descriptor over a tensor of this layout takes, those of size-1 dims (never stepped
+    over, and free to be anything in torch) set to what a packed layout would give them; None when TMA
+    cannot address the layout: every stride but the last (which the contract makes 1) must be a
+    positive multiple of 16 bytes (an expanded, stride-0 dim is not one)."""
+    strides = list(strides)
     if 1 in shape:
         for i in range(len(shape) - 2, -1, -1):
             if shape[i] == 1:
                 strides[i] = strides[i + 1] * shape[i + 1]
-    return strides
+    if not all(stride > 0 and stride * elem % 16 == 0 for stride in strides[:-1]):
+        return None
+    return tuple(strides)
 
 
 def descriptor(t: torch.Tensor, rows: int, heads: int = 1) -> TensorDescriptor:
@@ -78,7 +83,8 @@ def descriptor(t: torch.Tensor, rows: int, heads: int = 1) -> TensorDescriptor:
     shape = t.shape
     d = shape[-1]
     made = object.__new__(TensorDescriptor)
-    made.__dict__.update(base=t, shape=list(shape), strides=_strides(t), block_shape=[1, rows, heads, d],
+    made.__dict__.update(base=t, shape=list(shape), strides=list(_tma_strides(shape, t.stride(), t.element_size())),
+                         block_shape=[1, rows, heads, d],
                          layout=_block_layout(rows, d, _ELEMENT_NAMES[t.dtype], heads), padding="zero")
     return made
 
@@ -93,7 +99,5 @@ def padded_outputs(q: torch.Tensor, keep_lse: bool, return_lse: bool) -> tuple[t
 
 
 def tma_addressable(t: torch.Tensor) -> bool:
-    """Whether TMA can address `t`: a 16-byte aligned base and every stride but the last (which the
-    contract makes 1) a positive multiple of 16 bytes (an expanded, stride-0 dim is not one)."""
-    elem = t.element_size()
-    return t.data_ptr() % 16 == 0 and all(stride > 0 and stride * elem % 16 == 0 for stride in _strides(t)[:-1])
+    """Whether TMA can address `t`: a 16-byte aligned base and a layout `_tma_strides` accepts."""
+    return t.data_ptr() % 16 == 0 and _tma_strides(t.shape, t.stride(), t.element_size()) is not None
