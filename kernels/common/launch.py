@@ -3,15 +3,18 @@
 `kernel[grid](*args, **kwargs)` costs Triton 3.6 tens of microseconds of host time per launch on a GPU
 host, most of it in `JITFunction.run` working out the specialization of every argument again (one
 `native_specialize_impl` call each, then a string key over all of them). Dispatch keeps one launcher per
-raw key (registry/dispatch.py: the same shapes, dtype and flags on every call), so its launches repeat
-the same kernels with the same specialization. `LaunchCache` keeps the compiled kernel of such a launch
-with what it specialized on, and launches it directly when a later launch matches. What it compares is
-everything Triton 3.6 specializes on:
+tuning key (registry/dispatch.py), so its launches repeat the same kernels with the same config.
+`LaunchCache` keeps the compiled kernel of such a launch with what it specialized on, and launches it
+directly when a later launch would specialize alike. What it compares is everything Triton 3.6
+specializes on:
 
-- the grid, and the keyword arguments (constexprs and launch options) by type and value;
-- the type of every positional argument, and the value of every one after the last tensor (sizes,
-  strides, flags): equal ints specialize alike (== 1, divisible by 16, int32 or int64 range); floats
-  always specialize as fp32, so their values are not compared;
+- the keyword arguments (constexprs and launch options) by type and value; the grid only by its
+  number of dimensions (each positive): the launch takes the call's grid;
+- the type of every positional argument, and each one after the last tensor (sizes, strides, flags)
+  as Triton specializes it: equal values, or Triton's own class of each (`native_specialize_impl`:
+  an int's type, whether it is 1 and whether 16 divides it), so that a KV cache one token longer
+  or a new varlen batch takes the recorded kernel; floats always specialize as fp32, so their values
+  are not compared;
 - each tensor's dtype, and that every tensor is 16-byte aligned (a launch with a misaligned tensor is
   never recorded); None where the recorded launch had None;
 - each TMA tensor descriptor's type as Triton mangles it (element type, block shape, shared layout:
@@ -36,6 +39,8 @@ from typing import Any
 import torch
 import triton
 from triton import knobs
+from triton._C.libtriton import native_specialize_impl
+from triton.backends.compiler import BaseBackend
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
 from triton.runtime.driver import driver
 from triton.runtime.jit import mangle_type
@@ -49,6 +54,13 @@ _dtype = attrgetter("dtype")
 # encodes their tensor maps; a record keeps their mangled types, never the descriptors (or tensors).
 _DESCRIPTORS = (TensorDescriptor, GluonDescriptor)
 _data_ptr = torch.Tensor.data_ptr  # raises TypeError for anything but a tensor
+# The current GPU, read without torch.cuda.current_device's lazy-init check (a record exists only after a
+# launch, so the device is initialized): what Triton's driver reads, a Python call sooner.
+_cuda_get_device = getattr(torch._C, "_cuda_getDevice", None)
+try:
+    from triton.backends.nvidia.driver import CudaLauncher as _CudaLauncher
+except ImportError:  # a Triton without the NVIDIA backend: every launch goes through the launcher's call
+    _CudaLauncher = None
 
 
 def triton_launch(kernel: Any, grid: tuple, *args: Any, **kwargs: Any) -> Any:
@@ -59,21 +71,27 @@ def triton_launch(kernel: Any, grid: tuple, *args: Any, **kwargs: Any) -> Any:
 class _Record:
     """What one launch of a kernel specialized on, and the compiled kernel it ran. Holds no tensor."""
 
-    __slots__ = ("grid", "grid3", "kwargs", "kwarg_types", "arg_types", "split", "scalars", "exact", "exact_values",
-                 "tensors", "dtypes", "descriptors", "descriptor_types", "descriptor_fields", "tail", "device",
-                 "compiled", "current_device", "current_stream")
+    __slots__ = ("grid_types", "kwargs", "kwarg_types", "arg_types", "split", "scalars", "exact", "exact_values",
+                 "exact_classes", "tensors", "dtypes", "descriptors", "descriptor_types", "descriptor_fields",
+                 "device", "compiled", "current_device", "current_stream", "run")
 
     def matches(self, grid: tuple, args: tuple, kwargs: dict) -> bool:
         """Whether a launch specializes as the recorded one: the checks are maps and compares that run
-        in C, types before values (an int compared with a tensor would compare elementwise)."""
-        if grid != self.grid or tuple(map(type, kwargs.values())) != self.kwarg_types or kwargs != self.kwargs:
+        in C, types before values (an int compared with a tensor would compare elementwise). The grid
+        only has to be as many positive ints: the launch takes the call's own."""
+        if tuple(map(type, grid)) != self.grid_types or min(grid) < 1:
+            return False
+        if tuple(map(type, kwargs.values())) != self.kwarg_types or kwargs != self.kwargs:
             return False
         if tuple(map(type, args)) != self.arg_types:
             return False
         scalars = args[self.split:]
-        # Floats specialize only as fp32: another value (a new sm_scale) still matches.
-        if scalars != self.scalars and self.exact(scalars) != self.exact_values:
-            return False
+        # Floats specialize only as fp32: another value (a new sm_scale) still matches. Other values
+        # match when Triton specializes them alike (a cache one key longer, new sizes and strides).
+        if scalars != self.scalars:
+            exact = self.exact(scalars)
+            if exact != self.exact_values and tuple(map(_specialization, exact)) != self.exact_classes:
+                return False
         if self.descriptor_types:
             descriptors = self.descriptors(args)
             # The fields the mangled type is made of, compared first (launchers pass the same cached
@@ -106,22 +124,52 @@ def _record(kernel: Any, compiled: Any, grid: tuple, args: tuple, kwargs: dict) 
     if any(name not in kwargs for name in names):
         return None  # a parameter left to its default
     rec = _Record()
-    rec.grid, rec.grid3 = grid, (*grid, 1, 1)[:3]
+    rec.grid_types = tuple(map(type, grid))
     rec.kwargs, rec.kwarg_types = dict(kwargs), tuple(map(type, kwargs.values()))
     rec.arg_types, rec.split, rec.scalars = tuple(map(type, args)), split, args[split:]
     rec.exact = _picker([i for i, a in enumerate(rec.scalars) if type(a) is not float])
     rec.exact_values = rec.exact(rec.scalars)
+    rec.exact_classes = tuple(map(_specialization, rec.exact_values))
     rec.tensors = _picker(positions)
     rec.dtypes = tuple(args[i].dtype for i in positions)
     rec.descriptors = _picker(descriptors)
     rec.descriptor_types = tuple(mangle_type(args[i]) for i in descriptors)
     rec.descriptor_fields = tuple(_descriptor_fields(args[i]) for i in descriptors)
-    rec.tail = tuple(kwargs[name] for name in names)
-    rec.current_device = driver.active.get_current_device
+    rec.current_device = _cuda_get_device or driver.active.get_current_device
     rec.current_stream = driver.active.get_current_stream
     rec.device = rec.current_device()
     rec.compiled = compiled
+    rec.run = _prepared_launch(compiled, len(grid), tuple(kwargs[name] for name in names))
     return rec
+
+
+def _specialization(value: Any) -> tuple:
+    """How Triton specializes a scalar parameter: its own answer (type, and for an int whether it is 1,
+    which becomes a constant, and whether 16 divides it)."""
+    return native_specialize_impl(BaseBackend, value, False, True, True)
+
+
+def _prepared_launch(compiled: Any, dims: int, tail: tuple):
+    """`run(stream, grid, args)`: the compiled kernel's launch over a grid of `dims` dimensions on `args`
+    (then the recorded `tail` of parameters Triton passes after them), with no hook set. Triton's
+    launcher gets None for the metadata and both hooks and skips them. A CUDA launcher that needs no
+    scratch memory is called below its Python wrapper, whose only work is allocating that scratch (a few
+    microseconds a launch)."""
+    launcher, function, metadata = compiled.run, compiled.function, compiled.packed_metadata
+    if (_CudaLauncher is not None and type(launcher) is _CudaLauncher and not launcher.global_scratch_size
+            and not launcher.profile_scratch_size):
+        direct, cooperative, pdl = launcher.launch, launcher.launch_cooperative_grid, launcher.launch_pdl
+        if dims == 1:
+            return lambda stream, grid, args: direct(grid[0], 1, 1, stream, function, cooperative, pdl, None, None,
+                                                     metadata, None, None, None, *args, *tail)
+        if dims == 2:
+            return lambda stream, grid, args: direct(grid[0], grid[1], 1, stream, function, cooperative, pdl, None,
+                                                     None, metadata, None, None, None, *args, *tail)
+        return lambda stream, grid, args: direct(*grid, stream, function, cooperative, pdl, None, None, metadata,
+                                                 None, None, None, *args, *tail)
+    pad = (1, 1)[: 3 - dims]
+    return lambda stream, grid, args: launcher(*grid, *pad, stream, function, metadata, None, None, None, *args,
+                                               *tail)
 
 
 def _descriptor_fields(desc: Any) -> tuple:
@@ -150,29 +198,30 @@ def _hooks_set() -> bool:
 
 # Specializations kept per kernel (a flag outside the raw key, such as return_lse, on and off).
 MAX_RECORDS = 4
-# Launches through Triton after a kernel's first, past which it stops recording: its launches differ
+# Launches through Triton with no hit between, past which a kernel stops recording: its launches differ
 # every time (each record costs about as much host time as Triton's own specialization).
 MAX_MISSES = 16
 
 
 class _Site:
     """One kernel's records in a cache, newest first, and how many of its launches went through Triton
-    after its first."""
+    after its first. Sites are found by the kernel's id (a JIT function hashes in Python); the site
+    holds the kernel, so that id stays its own."""
 
-    __slots__ = ("records", "misses")
+    __slots__ = ("kernel", "records", "misses")
 
-    def __init__(self) -> None:
+    def __init__(self, kernel: Any) -> None:
+        self.kernel = kernel
         self.records: tuple[_Record, ...] = ()
         self.misses = 0
 
 
 class LaunchCache:
-    """The kernels of one raw key's launches: `cache(kernel, grid, *args, **kwargs)` launches as
+    """The kernels of one tuning key's launches: `cache(kernel, grid, *args, **kwargs)` launches as
     `kernel[grid](*args, **kwargs)` does, skipping Triton's specialization when the launch matches one
     recorded for the kernel (the module docstring says what is compared). A kernel's first launch in a
-    cache records nothing (a raw key called once, as varlen calls with new lengths are, costs nothing
-    more); later launches through Triton record theirs, up to MAX_RECORDS per kernel and MAX_MISSES
-    launches."""
+    cache records nothing (a key called once costs nothing more); later launches through Triton record
+    theirs, up to MAX_RECORDS per kernel, until MAX_MISSES of them come with no hit between."""
 
     __slots__ = ("_sites",)
 
@@ -180,7 +229,7 @@ class LaunchCache:
         self._sites: dict[Any, _Site] = {}
 
     def __call__(self, kernel: Any, grid: tuple, *args: Any, **kwargs: Any) -> Any:
-        site = self._sites.get(kernel)
+        site = self._sites.get(id(kernel))
         if site is not None:
             for rec in site.records:
                 if rec.matches(grid, args, kwargs):
@@ -189,15 +238,14 @@ class LaunchCache:
                         continue  # another device's record
                     if _hooks_set():
                         break
-                    compiled = rec.compiled
-                    # No hook is set: the launcher gets None for the metadata and both hooks and skips
-                    # them (Triton passes its empty hook chains, which do nothing).
-                    compiled.run(*rec.grid3, rec.current_stream(device), compiled.function,
-                                 compiled.packed_metadata, None, None, None, *args, *rec.tail)
-                    return compiled
+                    # No hook is set: Triton would pass its empty hook chains, which do nothing.
+                    rec.run(rec.current_stream(device), grid, args)
+                    if site.misses:
+                        site.misses = 0  # misses since the last hit are what stops recording
+                    return rec.compiled
         compiled = kernel[grid](*args, **kwargs)
         if site is None:
-            self._sites[kernel] = _Site()
+            self._sites[id(kernel)] = _Site(kernel)
         elif site.misses < MAX_MISSES:
             site.misses += 1
             rec = None if _hooks_set() else _record(kernel, compiled, grid, args, kwargs)
