@@ -3,11 +3,11 @@
 
 Eager rows time host microseconds per call (interleaved repeats of many calls, the GPU drained
 between repeats) of four ways to run one call: `registry.get(op)(...)` (the handle's lookup,
-validation, two dict lookups, the raw key's launcher); `variant.launch(args, plan)` on arguments
+validation, two dict lookups, the launcher it keeps); `variant.launch(args, plan)` on arguments
 validated once ("direct": what a user who picked the variant and config would call, launching through
 Triton's `kernel[grid](...)`); the variant's `bind(plan)` launcher on those arguments ("bound": the
-config read out once, Triton's launch); and the launcher the registry keeps for the call's raw key
-("cached": `bind_cached`, whose launches skip Triton's specialization when it matches the previous
+config read out once, Triton's launch); and the launcher the registry keeps for the call's tuning key
+("cached": `bind_cached`, whose launches skip Triton's specialization when it matches an earlier
 launch, kernels/common/launch.py). registry - cached is what dispatch itself costs; registry - direct
 is what a user sees against launching the kernels themselves. Graph rows time a replay of a CUDA graph
 of CALLS calls captured through registry and direct: dispatch runs only at capture, so the replays

@@ -114,9 +114,10 @@ class Variant:
         return lambda args: launch(args, plan)
 
     def bind_cached(self, plan: CallPlan) -> Callable[[dict], Any]:
-        """A callable(args) that dispatch keeps for one raw key (`Args.key`: the same shapes, dtype and
-        flags on every call): `bind`'s, but free to keep state across its calls, such as the compiled
-        kernels of its launches (`kernels.common.launch.LaunchCache`). The default is `bind(plan)`."""
+        """A callable(args) that dispatch keeps for one tuning key and runs for every raw key that
+        resolves to it (other shapes in its length buckets, other layouts): `bind`'s, but free to keep
+        state across its calls that holds for any such call, such as the compiled kernels of its
+        launches (`kernels.common.launch.LaunchCache`). The default is `bind(plan)`."""
         return self.bind(plan)
 
     def plan(self, args: Mapping[str, Any], config: CallConfig) -> CallPlan:

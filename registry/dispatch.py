@@ -3,7 +3,7 @@
 Lookup order on a cache miss (docs/architecture.md): user database -> shipped tables -> nearest tuned
 key for the same op and device -> the highest-priority supporting variant's heuristic default. After
 the first call for a key, a call costs the op's validation, a read of the device, two dict lookups and
-the raw key's launcher, which keeps the compiled kernels of its launches (`Variant.bind_cached`).
+the tuning key's launcher, which keeps the compiled kernels of its launches (`Variant.bind_cached`).
 """
 
 from __future__ import annotations
@@ -37,12 +37,16 @@ _is_compiling = torch.compiler.is_compiling
 @dataclass(frozen=True)
 class Choice:
     """What a key resolved to: the variant (None: the PyTorch reference), its plan (call config, key and
-    device: what the variant launches with), and where the config came from."""
+    device: what the variant launches with), where the config came from, and its launchers: `launcher`
+    (`Variant.bind`) and `cached_launcher` (`Variant.bind_cached`: the one dispatch runs, shared by every
+    raw key of the tuning key, so that a new raw key, such as a KV cache one token longer, launches
+    through the compiled kernels its tuning key already recorded)."""
 
     variant: Variant | None
     plan: CallPlan | None
     source: str  # "database", "tables", "nearest-database", "nearest-tables", "default", "autotune", "reference"
     launcher: Callable[[dict], Any]
+    cached_launcher: Callable[[dict], Any]
 
     @property
     def config(self) -> CallConfig | None:
@@ -141,9 +145,16 @@ def tuned_lookups(op: Op, device: DeviceInfo, key_json: str, dims: dict):
         lambda accept: shipped_tables().nearest(op.name, device, dims, op.length_dims, accept))
 
 
+def _reference_choice(op: Op) -> Choice:
+    def run(a: dict) -> Any:
+        return op.reference(**a)
+
+    return Choice(None, None, "reference", run, run)
+
+
 def _bound(variant: Variant, config: CallConfig, source: str, dims: dict, device: DeviceInfo) -> Choice:
     plan = CallPlan(variant.complete(config, dims, device), dims, device)
-    return Choice(variant, plan, source, variant.bind(plan))
+    return Choice(variant, plan, source, variant.bind(plan), variant.bind_cached(plan))
 
 
 def resolve(op: Op, vendor: str, variant: str | None, key: tuple, device: DeviceInfo, args: dict) -> Choice:
@@ -153,7 +164,7 @@ def resolve(op: Op, vendor: str, variant: str | None, key: tuple, device: Device
     if not pool:
         _warn_once(f"kreg: no {vendor} variant of {op.name} supports {canonical_json(dims)}; "
                    "running the PyTorch reference")
-        return Choice(None, None, "reference", lambda a: op.reference(**a))
+        return _reference_choice(op)
     by_name = {v.name: v for v in pool}
     key_json = canonical_json(dims)
     for source, lookup in tuned_lookups(op, device, key_json, dims):
@@ -185,14 +196,14 @@ class OpHandle:
 
     The hot path after a key's first call: the op's validation, one read of the device, two dict
     lookups (the device, then the raw key validation returns as `Args.key`: shapes, dtype and flags as
-    read), the raw key's launcher: the variant's `bind_cached`, whose launches skip Triton's
-    per-launch specialization when they provably match an earlier launch of the key
-    (kernels/common/launch.py). The canonical tuning key is computed only on a miss; new raw keys that
-    map to a known tuning key (another sequence length in its bucket, the other layout) reuse its
-    resolution. Validation runs on every call: a call signature that would let it be skipped costs as
-    much to read as the validation (benchmarks/NOTES.md, "Dispatch v4"). Under torch.compile the call
-    becomes the op's `kreg::<op>` custom op instead (registry/library.py), which runs this same eager
-    path at run time.
+    read), the launcher stored for the raw key: the variant's `bind_cached` of its tuning key, whose
+    launches skip Triton's per-launch specialization when they provably match an earlier launch of the
+    tuning key (kernels/common/launch.py). The canonical tuning key is computed only on a miss; new raw
+    keys that map to a known tuning key (another sequence length in its bucket, the other layout) reuse
+    its resolution and its launcher. Validation runs on every call: a call signature that would let it
+    be skipped costs as much to read as the validation (benchmarks/NOTES.md, "Dispatch v4"). Under
+    torch.compile the call becomes the op's `kreg::<op>` custom op instead (registry/library.py), which
+    runs this same eager path at run time.
     """
 
     def __init__(self, op: Op, vendor: str | None, variant: str | None) -> None:
@@ -209,7 +220,7 @@ class OpHandle:
         self._targets: dict[torch.device, tuple[str, DeviceInfo]] = {}
         self._by_tuning_key: dict[tuple[str, tuple], Choice] = {}
         self._lock = threading.Lock()
-        self._reference_choice = Choice(None, None, "reference", lambda a: op.reference(**a))
+        self._reference_choice = _reference_choice(op)
         self.__doc__ = op.validate.__doc__
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -237,8 +248,9 @@ class OpHandle:
         return self._launcher(self._validate(*args, **kwargs))
 
     def _launcher(self, a: dict) -> Callable[[dict], Any]:
-        """The raw key's launcher, made on its first call and kept (the reference's too, when no kernel
-        variant serves the key, so that such calls also skip the tuning key after their first)."""
+        """The raw key's launcher, its tuning key's `cached_launcher`, found on the raw key's first call
+        and kept (the reference's too, when no kernel variant serves the key, so that such calls also
+        skip the tuning key after their first)."""
         choice = self._choose(a)
         raw = a.key if a.__class__ is Args else self.op.tuning_key(a)
         launchers = self._launchers.setdefault(a[self._device_arg].device, {})
@@ -246,9 +258,8 @@ class OpHandle:
         if launch is None:
             if len(launchers) >= MAX_RAW_KEYS:  # shapes that change on every call: drop the oldest
                 launchers.pop(next(iter(launchers), None), None)
-            made = choice.launcher if choice.variant is None else choice.variant.bind_cached(choice.plan)
-            # setdefault: of two threads making a raw key's launcher, both keep the one stored first.
-            launch = launchers.setdefault(raw, made)
+            # setdefault: of two threads storing a raw key's launcher, both keep the one stored first.
+            launch = launchers.setdefault(raw, choice.cached_launcher)
         return launch
 
     def _target(self, dev: torch.device) -> tuple[str, DeviceInfo]:
