@@ -7,6 +7,8 @@ CALLS captured calls, which costs no host time per call. eager - graph is what t
 as a user sees it (0 when the GPU is the bound). Rows:
 - the serving calls of the eager-cost table (dense prefill, decode steps), beside SDPA on the same
   tensors in [b, h, s, d] layout (SDPA's decode: one query, GQA through `enable_gqa`);
+- a decode step whose cache is one key longer every call (a generation loop's: every call a new raw
+  key of one tuning key), on views of one [1, 16384, 8, 128] cache, beside SDPA on the same views;
 - each op at the smallest shape of its full preset (the fewest FLOPs), forward only.
 
     python -m benchmarks.host                      # the table
@@ -52,6 +54,32 @@ def _sdpa(name: str, kw: dict) -> Callable[[], torch.Tensor]:
     return lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
 
 
+GROWING = "decode b1 h32/8 d128, cache from n1024 one key longer each call"
+
+
+def _growing(dtype: torch.dtype) -> dict[str, Callable[[], object]]:
+    """kreg's and SDPA's decode calls on one token over a cache view one key longer at every call (from
+    1024 keys, up to 16384; the lengths tensor says 16384, which decode clamps to the view's keys)."""
+    op = OPS["decode"]
+    kw = op.make_inputs({"b": 1, "s_q": 1, "h_q": 32, "h_kv": 8, "d": 128, "n": 16384, "block_size": None,
+                         "sinks": False, "window": None}, device="cuda", dtype=dtype, seed=0)
+    q, k, v = kw["q"], kw["k_cache"], kw["v_cache"]
+    kt, vt, q4 = k.transpose(1, 2), v.transpose(1, 2), q.unsqueeze(2)
+    handle = registry.get("decode")
+    lengths = torch.full((1,), 16384, dtype=torch.int32, device="cuda")  # clamped to each view's n keys
+    steps = {"kreg": iter(range(1024, 16384)), "sdpa": iter(range(1024, 16384))}
+
+    def ours() -> object:
+        n = next(steps["kreg"])
+        return handle(q, k[:, :n], v[:, :n], lengths)
+
+    def sdpa() -> object:
+        n = next(steps["sdpa"])
+        return F.scaled_dot_product_attention(q4, kt[:, :, :n], vt[:, :, :n], enable_gqa=True)
+
+    return {"kreg": ours, "sdpa": sdpa}
+
+
 def smallest_full_shape(name: str) -> dict:
     """The shape of the op's full preset with the fewest FLOPs (its flops() on meta tensors)."""
     op = OPS[name]
@@ -86,6 +114,13 @@ def rows(dtype: torch.dtype = torch.bfloat16) -> list[str]:
         graph = {k: statistics.median(_graph_us(fn)) for k, fn in fns.items()}
         lines.append(f"| {label} | {eager['kreg']:.1f} | {eager['sdpa']:.1f} | {graph['kreg']:.1f} | "
                      f"{graph['sdpa']:.1f} | {eager['kreg'] / eager['sdpa']:.2f}x |")
+    fns = _growing(dtype)
+    for _ in range(64):  # the first lengths compile the specializations a growing cache meets
+        for fn in fns.values():
+            fn()
+    growing = wall_us(fns, iters=500, repeats=5)
+    lines.append(f"| {GROWING} | {growing['kreg']:.1f} | {growing['sdpa']:.1f} | - | - | "
+                 f"{growing['kreg'] / growing['sdpa']:.2f}x |")
     lines += ["", "| op at its smallest full-preset shape | eager us | graph us | eager - graph |",
               "| --- | --- | --- | --- |"]
     for name in OPS:

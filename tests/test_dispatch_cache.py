@@ -126,7 +126,8 @@ def test_raw_key_launchers_are_capped_per_device(monkeypatch):
         kw = OPS["decode"].make_inputs({**DECODE, "n": n}, device=DEVICE, dtype=DTYPE, seed=0)
         made.append(handle.launcher(**kw))
     (launchers,) = handle._launchers.values()
-    assert list(launchers.values()) == made[1:]
+    assert [key[1][1] for key in launchers] == [38, 39]  # the oldest raw key dropped
+    assert len(set(made)) == 1  # one tuning key: one launcher, which every raw key runs
 
 
 # ----------------------------------------------------------------------------- LaunchCache (a stand-in kernel)
@@ -168,6 +169,7 @@ def fake_device(monkeypatch):
     current = [0]
     active = types.SimpleNamespace(get_current_device=lambda: current[0], get_current_stream=lambda d: 100 + d)
     monkeypatch.setattr(launch, "driver", types.SimpleNamespace(active=active))
+    monkeypatch.setattr(launch, "_cuda_get_device", None)  # read through the driver above
     return current
 
 
@@ -190,8 +192,43 @@ def test_the_second_launch_records_and_the_third_launches_the_compiled_kernel(fa
                                        True)]
 
 
+def _cuda_launcher(global_scratch: int = 0):
+    """A Triton CudaLauncher (made without compiling a launcher module) whose C launch records its
+    arguments."""
+    from triton.backends.nvidia.driver import CudaLauncher
+
+    made = object.__new__(CudaLauncher)
+    made.calls = []
+    made.launch = lambda *args: made.calls.append(args)
+    made.num_ctas, made.launch_cooperative_grid, made.launch_pdl = 1, False, True
+    made.global_scratch_size, made.global_scratch_align = global_scratch, 128
+    made.profile_scratch_size, made.profile_scratch_align = 0, 1
+    return made
+
+
+@pytest.mark.parametrize("global_scratch", [0, 256])
+def test_a_cuda_launch_below_the_launchers_call_passes_what_its_call_would(fake_device, monkeypatch, global_scratch):
+    """Without scratch memory the recorded launch calls the CUDA launcher's C launch itself: with the
+    arguments Triton's own `CudaLauncher.__call__` passes it (run here on the same launch). A launcher
+    that needs scratch memory is called as Triton calls it."""
+    from triton.runtime import _allocation
+
+    monkeypatch.setattr(_allocation, "_allocator", types.SimpleNamespace(get=lambda: lambda size, align, stream: "s"))
+    cache, kernel = launch.LaunchCache(), _Kernel()
+    kernel.compiled.run = launcher = _cuda_launcher(global_scratch)
+    x, y = _tensors()
+    for _ in range(3):
+        _launch(cache, kernel, x, y)
+    assert len(kernel.through_triton) == 2 and len(launcher.calls) == 1
+    type(launcher).__call__(launcher, 4, 2, 1, 100, "function", (4, 1, 0), None, None, None, x, y, 64, 0.5, 16, 32,
+                            True)
+    direct, tritons = launcher.calls
+    assert direct == tritons and direct[7] == ("s" if global_scratch else None)
+
+
 CHANGES = {
-    "grid": lambda x, y: {"grid": (4, 3)},
+    "grid dimensions": lambda x, y: {"grid": (4, 2, 1)},
+    "an empty grid": lambda x, y: {"grid": (0, 2)},
     "constexpr value": lambda x, y: {"BLOCK": 64},
     "constexpr type (1 for True)": lambda x, y: {"FLAG": 1},
     "int value": lambda x, y: {"n": 65},
@@ -215,6 +252,20 @@ def test_a_launch_that_specializes_otherwise_goes_through_triton(change, fake_de
     assert len(kernel.through_triton) == 3 and not kernel.compiled.direct
     _launch(cache, kernel, x, y)  # the recorded launch is still served
     assert len(kernel.compiled.direct) == 1
+
+
+def test_ints_that_specialize_alike_and_another_grid_launch_the_record_with_their_values(fake_device):
+    """A launch of new sizes (a cache one key longer, another grid) takes the recorded compiled kernel
+    when Triton would specialize every int alike: 64 and 80 are both multiples of 16 in int32."""
+    cache, kernel = launch.LaunchCache(), _Kernel()
+    x, y = _tensors()
+    for _ in range(2):
+        _launch(cache, kernel, x, y)
+    _launch(cache, kernel, x, y, grid=(5, 3), n=80, stride=2**31 + 16)  # stride: int64 now
+    _launch(cache, kernel, x, y, grid=(5, 3), n=80, stride=32)
+    assert len(kernel.through_triton) == 3
+    assert kernel.compiled.direct == [(5, 3, 1, 100, "function", (4, 1, 0), None, None, None, x, y, 80, 0.5, 32, 32,
+                                       True)]
 
 
 def test_another_current_device_or_a_launch_hook_goes_through_triton(fake_device):
@@ -268,8 +319,8 @@ def test_launches_that_change_every_time_stop_recording(fake_device, monkeypatch
     monkeypatch.setattr(launch, "_record", lambda *a: records.append(1) or real(*a))
     cache, kernel = launch.LaunchCache(), _Kernel()
     x, y = _tensors()
-    for n in range(100, 150):
-        _launch(cache, kernel, x, y, n=n)
+    for block in range(100, 150):  # a new constexpr each time
+        _launch(cache, kernel, x, y, BLOCK=block)
     assert len(records) == launch.MAX_MISSES
     (site,) = cache._sites.values()
     assert len(site.records) == launch.MAX_RECORDS
@@ -414,6 +465,24 @@ def test_cached_backward_launches_give_tritons_gradients(window, triton_runs):
     assert all(torch.equal(x, y) for x, y in zip(got, direct, strict=True))
     err = max_relative_error([g.float() for g in got], reference_gradients(op, args, dout))
     assert err <= GRAD_TOLERANCE[DTYPE], f"relative error {err:.3g}"
+
+
+@gpu
+def test_a_growing_cache_launches_the_recorded_kernels(triton_runs):
+    """Decoding into a cache one token longer each step is a new raw key every step, of one tuning key:
+    after two steps have recorded the split and combine kernels, steps whose sizes Triton specializes
+    alike (no length a multiple of 16) launch them directly, with their own sizes and grids, and give the
+    bits of Triton's own launches (and match the reference)."""
+    handle = registry.get("decode")
+    for n in (301, 302):
+        handle(**OPS["decode"].make_inputs({**DECODE, "n": n}, device=DEVICE, dtype=DTYPE, seed=n))
+    for n in (303, 305, 306, 307):
+        kw = OPS["decode"].make_inputs({**DECODE, "n": n}, device=DEVICE, dtype=DTYPE, seed=n)
+        triton_runs.clear()
+        out = handle(**kw)
+        assert not triton_runs, f"n {n}: launched through Triton: {triton_runs}"
+        assert torch.equal(out, _direct("decode", kw)), f"n {n}: differs from Triton's launch"
+        assert_close(out, _reference("decode", kw), TOLERANCE[DTYPE], what=f"decode n {n}")
 
 
 @gpu
