@@ -268,6 +268,20 @@ def test_ints_that_specialize_alike_and_another_grid_launch_the_record_with_thei
                                        True)]
 
 
+def test_a_constexpr_passed_by_position_is_compared_by_value(fake_device):
+    """Triton compiles a constexpr's value in: 16 and 32 specialize alike as ints, not as constexprs."""
+    cache, kernel = launch.LaunchCache(), _Kernel()
+    kernel.params = [types.SimpleNamespace(is_constexpr=name in ("stride", "BLOCK", "FLAG"))
+                     for name in kernel.arg_names]
+    x, y = _tensors()
+    for _ in range(2):
+        _launch(cache, kernel, x, y)
+    _launch(cache, kernel, x, y, stride=32)
+    assert len(kernel.through_triton) == 3 and not kernel.compiled.direct
+    _launch(cache, kernel, x, y, n=80)  # an int parameter: its class decides
+    assert len(kernel.compiled.direct) == 1
+
+
 def test_another_current_device_or_a_launch_hook_goes_through_triton(fake_device):
     cache, kernel = launch.LaunchCache(), _Kernel()
     x, y = _tensors()

@@ -13,8 +13,8 @@ specializes on:
 - the type of every positional argument, and each one after the last tensor (sizes, strides, flags)
   as Triton specializes it: equal values, or Triton's own class of each (`native_specialize_impl`:
   an int's type, whether it is 1 and whether 16 divides it), so that a KV cache one token longer
-  or a new varlen batch takes the recorded kernel; floats always specialize as fp32, so their values
-  are not compared;
+  or a new varlen batch takes the recorded kernel (a constexpr passed by position is compared by
+  value: it is compiled in); floats always specialize as fp32, so their values are not compared;
 - each tensor's dtype, and that every tensor is 16-byte aligned (a launch with a misaligned tensor is
   never recorded); None where the recorded launch had None;
 - each TMA tensor descriptor's type as Triton mangles it (element type, block shape, shared layout:
@@ -72,8 +72,9 @@ class _Record:
     """What one launch of a kernel specialized on, and the compiled kernel it ran. Holds no tensor."""
 
     __slots__ = ("grid_types", "kwargs", "kwarg_types", "arg_types", "split", "scalars", "exact", "exact_values",
-                 "exact_classes", "tensors", "dtypes", "descriptors", "descriptor_types", "descriptor_fields",
-                 "device", "compiled", "current_device", "current_stream", "run")
+                 "exact_classes", "constants", "constant_values", "tensors", "dtypes", "descriptors",
+                 "descriptor_types", "descriptor_fields", "device", "compiled", "current_device", "current_stream",
+                 "run")
 
     def matches(self, grid: tuple, args: tuple, kwargs: dict) -> bool:
         """Whether a launch specializes as the recorded one: the checks are maps and compares that run
@@ -90,7 +91,8 @@ class _Record:
         # match when Triton specializes them alike (a cache one key longer, new sizes and strides).
         if scalars != self.scalars:
             exact = self.exact(scalars)
-            if exact != self.exact_values and tuple(map(_specialization, exact)) != self.exact_classes:
+            if exact != self.exact_values and (self.constants(scalars) != self.constant_values
+                                               or tuple(map(_specialization, exact)) != self.exact_classes):
                 return False
         if self.descriptor_types:
             descriptors = self.descriptors(args)
@@ -130,6 +132,11 @@ def _record(kernel: Any, compiled: Any, grid: tuple, args: tuple, kwargs: dict) 
     rec.exact = _picker([i for i, a in enumerate(rec.scalars) if type(a) is not float])
     rec.exact_values = rec.exact(rec.scalars)
     rec.exact_classes = tuple(map(_specialization, rec.exact_values))
+    # A constexpr passed by position is compiled in by value: such a value is compared as it is.
+    params = getattr(kernel, "params", ())
+    rec.constants = _picker([i - split for i, p in enumerate(params[:len(args)])
+                             if i >= split and p.is_constexpr])
+    rec.constant_values = rec.constants(rec.scalars)
     rec.tensors = _picker(positions)
     rec.dtypes = tuple(args[i].dtype for i in positions)
     rec.descriptors = _picker(descriptors)
