@@ -22,7 +22,7 @@ from kreg.core.device import DeviceInfo, detect, preset
 from kreg.core.records import TrialResult, canonical_json
 from kreg.ops.contract import DTYPE_NAMES, Op
 from kreg.tuning.launch_record import meta_calls
-from kreg.tuning.tuner import KeyTuner, SweepStats, trial_configs, versions
+from kreg.tuning.tuner import KeyTuner, SweepStats, matches, trial_configs, versions
 
 
 class UsageError(ValueError):
@@ -100,8 +100,8 @@ def compile_only_op(op: Op, variants, target: DeviceInfo, shapes: Iterable[dict]
                     wanted: dict[str, int] | None = None, sample: int | None = None, pool=None) -> tuple[list, bool]:
     """Compile configs of every role for `target` offline (the other roles at their defaults), in the
     processes of `pool` (`compile_check.compile_pool`; None: this one); record resources; prune what
-    spills or does not fit. Every config of each role's space, or with `sample` the role's default and
-    `sample` others drawn with a seed of the op, key, variant and role."""
+    spills or does not fit. Every config of each role's space, or with `sample` `sample` of them drawn
+    with a seed of the op, key, variant and role; and each role's default at the key either way."""
     from kreg.tuning.compile_check import check_variant, compile_all, unfit
 
     run_id = store.resumable_run(op.name, target) if resume else None
@@ -120,6 +120,10 @@ def compile_only_op(op: Op, variants, target: DeviceInfo, shapes: Iterable[dict]
                 if sample is not None:
                     seed = f"{op.name} {key_json} {variant.name} {role}"
                     configs = sample_configs(configs, default[role], sample, seed)
+                if default[role] not in configs and matches(default[role], wanted or {}):
+                    # What dispatch runs at this key when nothing is tuned, in its space or not (a default
+                    # cut down to a small key may lie outside it): the report must say what it costs.
+                    configs = [default[role], *configs]
                 plan += [(variant, dims, key_json, calls, role, c, default.replace(role, c)) for c in configs
                          if (variant.name, variant.source_hash, key_json, default.replace(role, c).to_json(), role)
                          not in done]

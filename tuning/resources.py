@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import csv
 import io
+import json
 from pathlib import Path
 
 from kreg.core.device import DeviceInfo
@@ -76,3 +77,39 @@ def write_report(store, device: DeviceInfo, registry_variants: dict, out_dir: st
     for path in paths:
         check_replaceable(path, "--export")
     return [write_atomic(paths[0], to_csv(rows)), write_atomic(paths[1], to_markdown(rows, device))]
+
+
+def _number(value) -> float | None:
+    """A report cell as a number (rows from `report_rows` hold numbers, rows read from CSV text)."""
+    return None if value in (None, "") else float(value)
+
+
+def default_problems(rows: list[dict], registry_variants: dict, device: DeviceInfo) -> list[str]:
+    """Where a variant's default config is not what the report supports, one line each: for every op, key,
+    variant and role of the report (CSV or `report_rows` rows), the default that dispatch would run
+    there (`Variant.default_config`) must have compiled without spills and have the best estimated
+    occupancy of the configs that did."""
+    variants = {v.name: v for vs in registry_variants.values() for v in vs if v.vendor == device.vendor}
+    groups: dict[tuple, list[dict]] = {}
+    for row in rows:
+        if row["variant"] in variants:
+            groups.setdefault((row["op"], row["tuning_key"], row["variant"], row["role"]), []).append(row)
+    problems = []
+    for (op, key, name, role), found in sorted(groups.items()):
+        where = f"{op} {key} {name} {role}"
+        default = str(variants[name].default_config(json.loads(key), device)[role])
+        mine = next((r for r in found if r["config"] == default), None)
+        if mine is None:
+            problems.append(f"{where}: the default {default} is not in the report")
+            continue
+        fit = [r for r in found if r["status"] == "ok" and not _number(r["spills"])]
+        if mine not in fit:
+            problems.append(f"{where}: the default {default} is {mine['status']} with {mine['spills'] or 0} B of "
+                            f"spills ({mine['reason'] or 'no reason recorded'})")
+            continue
+        best = max(fit, key=lambda r: _number(r["occupancy"]) or 0.0)
+        if (_number(best["occupancy"]) or 0.0) > (_number(mine["occupancy"]) or 0.0):
+            problems.append(f"{where}: the default {default} has occupancy {mine['occupancy']}, "
+                            f"{best['config']} {best['occupancy']} without spills")
+    return problems
+

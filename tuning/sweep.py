@@ -318,9 +318,15 @@ def _compile_only(args, work, device_info: DeviceInfo, dtype, store, deadline, r
                 console.print(f"stopped after {args.max_minutes} min; `--resume` continues the sweep")
                 break
     out.print(_resources_table(device_info, resources))
-    if args.export:
-        from kreg.tuning.resources import write_report
+    from kreg.tuning.resources import default_problems, report_rows, write_report
 
+    if device_info.vendor == "amd":  # untimed there: its defaults are chosen from this report
+        # Every config this device's runs compiled for the current sources, not only this run's.
+        for problem in default_problems(report_rows(store, device_info, registry_variants), registry_variants,
+                                        device_info):
+            console.print(f"default not the report's best: {problem}", highlight=False, markup=False,
+                          soft_wrap=True)
+    if args.export:
         for path in write_report(store, device_info, registry_variants, args.export):
             console.print(f"wrote {path}")
     return 0
