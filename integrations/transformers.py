@@ -260,12 +260,29 @@ def make_attention(vendor: str | None = None) -> Callable:
             out = _call(flash, sink, q[0], k[0], v[0], causal, sinks, **common, **packed)
             return out.unsqueeze(0), None
         if s_q == 1 and causal and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)):
-            lengths = torch.full((b,), k.shape[1], dtype=torch.int32, device=q.device)
-            out = decode(q[:, 0], k, v, lengths, sinks=sinks, **common)
+            out = decode(q[:, 0], k, v, _whole_cache(b, q.device), sinks=sinks, **common)
             return out.unsqueeze(1), None
         return _call(flash, sink, q, k, v, causal, sinks, **common), None
 
     return kreg_attention
+
+
+# (device, batch) -> int32 lengths of the int32 maximum: decode clamps each length to the cache's
+# capacity, so this one tensor says "every key the cache holds" for any step.
+_WHOLE_CACHE: dict[tuple[torch.device, int], torch.Tensor] = {}
+
+
+def _whole_cache(batch: int, device: torch.device) -> torch.Tensor:
+    """decode's `cache_seqlens` for a step over every key of the cache: one tensor kept per device and
+    batch, so a step allocates and fills none (a fill kernel per layer per token otherwise); made
+    afresh while torch.compile traces, which must not capture a tensor made outside it."""
+    if torch.compiler.is_compiling():
+        return torch.full((batch,), torch.iinfo(torch.int32).max, dtype=torch.int32, device=device)
+    found = _WHOLE_CACHE.get((device, batch))
+    if found is None:
+        found = _WHOLE_CACHE.setdefault(
+            (device, batch), torch.full((batch,), torch.iinfo(torch.int32).max, dtype=torch.int32, device=device))
+    return found
 
 
 def _call(flash, sink, q, k, v, causal, sinks, **kwargs) -> torch.Tensor:
