@@ -28,6 +28,7 @@ from __future__ import annotations
 import inspect
 import logging
 import sys
+import weakref
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -246,7 +247,7 @@ def make_attention(vendor: str | None = None) -> Callable:
                 attention_mask = _additive_mask(attention_mask, query, key.shape[2], causal, sliding_window)
             return _eager(module)(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
                                   sliding_window=sliding_window, s_aux=s_aux, **kwargs)
-        sinks = None if s_aux is None else s_aux.to(torch.float32).contiguous()
+        sinks = None if s_aux is None else _fp32_sinks(s_aux)
         common = dict(sm_scale=scaling, window=sliding_window)
         q = query.transpose(1, 2)  # [b, s_q, h_q, d]: views, the last dimension stays contiguous
         if attention_mask is not None:
@@ -265,6 +266,29 @@ def make_attention(vendor: str | None = None) -> Callable:
         return _call(flash, sink, q, k, v, causal, sinks, **common), None
 
     return kreg_attention
+
+
+# id(sinks parameter) -> (a weak reference to it, its state: version counter, address, dtype; its fp32 copy).
+_SINKS: dict[int, tuple[weakref.ref, tuple, torch.Tensor]] = {}
+
+
+def _fp32_sinks(s_aux: torch.Tensor) -> torch.Tensor:
+    """A layer's sinks as the fp32 contiguous tensor kreg takes. Without gradients the copy of a sinks
+    parameter is kept until the parameter changes (an in-place update moves its version counter; new
+    data assigned to `.data`, as `module.to` does, changes its address or dtype), so a decode step casts
+    none (a cast kernel per layer per token otherwise); with gradients, under torch.compile, or for a
+    tensor without a version counter, it is cast on every call."""
+    if s_aux.dtype == torch.float32 and s_aux.is_contiguous():
+        return s_aux
+    if (torch.is_grad_enabled() and s_aux.requires_grad) or torch.compiler.is_compiling() or s_aux.is_inference():
+        return s_aux.to(torch.float32).contiguous()
+    key, state = id(s_aux), (s_aux._version, s_aux.data_ptr(), s_aux.dtype, s_aux.device)
+    found = _SINKS.get(key)
+    if found is not None and found[0]() is s_aux and found[1] == state:
+        return found[2]
+    made = s_aux.detach().to(torch.float32).contiguous()
+    _SINKS[key] = (weakref.ref(s_aux, lambda _, key=key: _SINKS.pop(key, None)), state, made)
+    return made
 
 
 # (device, batch) -> int32 lengths of the int32 maximum: decode clamps each length to the cache's

@@ -326,3 +326,22 @@ def test_each_vendors_kernels_in_the_interpreter(vendor, calls):
     for got_step, want_step in zip(out.logits, ref.logits, strict=True):
         assert _rel(got_step, want_step) < 5e-3
     assert {name for name, _ in calls} == {"sink_attention", "decode"}
+
+
+def test_sinks_kept_in_fp32_follow_every_change_of_the_parameter():
+    """Without gradients a layer's fp32 sinks are cast once and kept; an in-place update of the parameter
+    and new data assigned to it (as `module.to` does) both reach the next call. In bf16 on any device (fp32
+    sinks would be used as they are)."""
+    model = _model("gpt_oss").eval().to(torch.bfloat16)
+    ids, mask = _batch(3)
+    sinks = model.model.layers[0].self_attn.sinks
+    with torch.no_grad():
+        assert kt._fp32_sinks(sinks) is kt._fp32_sinks(sinks)
+    for change in ("in place", "new data"):
+        with torch.no_grad():
+            if change == "in place":
+                sinks.mul_(-2.0)
+            else:
+                sinks.data = torch.randn_like(sinks) * 3
+        got, want = _logits(model, "kreg", ids, mask), _logits(model, "eager", ids, mask)
+        assert _rel(got[mask.bool()], want[mask.bool()]) < 3e-2, change
