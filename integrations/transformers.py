@@ -18,9 +18,9 @@ read), and every layer's call reuses it. Anything else (a 4-D mask the caller bu
 image-token overlays, chunked attention), and `dropout > 0`, `softcap` or captured attention weights,
 goes to the model's own eager attention, with one logged warning per reason: never a kreg call that
 would drop the sinks, the window or the scale. `register(name, vendor=...)` adds the same backend under
-another name with one vendor's kernels (on CPU tensors: Triton's interpreter). Under `torch.compile`,
-a forward given a padding mask, or a static cache, breaks the graph at those host reads: use
-`fullgraph=False` (transformers' default).
+another name with one vendor's kernels (on CPU tensors: Triton's interpreter). Under `torch.compile`, a
+compiled forward that makes its own mask from a 2-D one (Llama's; GPT-OSS's generate makes it before)
+breaks its graph at the hook's host read: use `fullgraph=False` (transformers' default).
 """
 
 from __future__ import annotations

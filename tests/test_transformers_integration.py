@@ -345,3 +345,29 @@ def test_sinks_kept_in_fp32_follow_every_change_of_the_parameter():
                 sinks.data = torch.randn_like(sinks) * 3
         got, want = _logits(model, "kreg", ids, mask), _logits(model, "eager", ids, mask)
         assert _rel(got[mask.bool()], want[mask.bool()]) < 3e-2, change
+
+
+@pytest.mark.parametrize("kind,fullgraph", [("gpt_oss", True), ("llama", False)])
+def test_generate_compiles_a_static_caches_steps(kind, fullgraph, calls, caplog):
+    """A compiled static cache's decode steps (dynamo's eager backend), padded batch, step by step against
+    eager. GPT-OSS's generate makes each step's masks before the compiled forward, so the hook's host
+    reads stay outside and the forward is one graph (fullgraph=True: a break would raise); Llama's forward
+    makes its mask inside, where the hook's host read breaks the graph (transformers' default
+    fullgraph=False)."""
+    from transformers import CompileConfig
+
+    model = _model(kind).eval()
+    ids, mask = _batch(3)
+    config = CompileConfig(backend="eager", fullgraph=fullgraph)
+    config._compile_all_devices = True  # transformers compiles on a GPU only unless told
+    runs = {}
+    with caplog.at_level(logging.WARNING, logger=kt.__name__):
+        for impl in ("eager", "kreg"):
+            torch._dynamo.reset()
+            model.set_attn_implementation(impl)
+            runs[impl] = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False,
+                                        cache_implementation="static", compile_config=config, output_logits=True,
+                                        return_dict_in_generate=True, pad_token_id=0)
+    assert not _fallbacks(caplog), "kreg fell back to eager attention"
+    assert calls, "no kreg op ran"
+    _follows_eager(runs["eager"], runs["kreg"], ids.shape[1])
