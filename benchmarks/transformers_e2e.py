@@ -5,10 +5,12 @@ experts; random weights, bf16) prefills PREFILL tokens, then generates NEW token
 refuses sinks); and a Llama-shaped model of the same width beside "sdpa" and "eager". Each row is the
 median of REPEATS runs, the GPU drained around each; rel err is the prefill's logits against eager's
 (the last position of every row), and for generation the largest per-step logits error over the steps
-where eager's greedy token is clear. Needs transformers (the `transformers` extra); a missing one
-gives no rows and a note.
+where eager's greedy token is clear. With `--static`, generation also runs with transformers' static
+cache, whose decode steps transformers compiles on a GPU (torch.compile, "reduce-overhead"): rows
+"generate-static". Needs transformers (the `transformers` extra); a missing one gives no rows and a note.
 
     python -m benchmarks.transformers_e2e [--prefill 8192] [--new 128] [--layers 4] [--models gpt-oss,llama]
+                                          [--static]
 """
 
 from __future__ import annotations
@@ -70,9 +72,10 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.float() - want.float()).norm() / want.float().norm()).item()
 
 
-def compare(model, impls: list[str], prefill: int, new: int, repeats: int) -> dict[str, dict]:
+def compare(model, impls: list[str], prefill: int, new: int, repeats: int, static: bool = False) -> dict[str, dict]:
     """Per implementation: prefill and generation times (ms, every repeat), the prefill's last logits
-    and the logits of every generated step."""
+    and the logits of every generated step; with `static`, also generation with a static cache
+    ("generate-static" and its steps)."""
     ids = torch.randint(0, VOCAB, (1, prefill), generator=torch.Generator().manual_seed(1)).to(model.device)
     out = {}
     for impl in impls:
@@ -87,17 +90,24 @@ def compare(model, impls: list[str], prefill: int, new: int, repeats: int) -> di
                     ms, result = _timed(lambda: model(input_ids=ids, logits_to_keep=1).logits)
                     prefill_ms.append(ms)
                     logits = result
-                generate_ms, steps = [], None
-                for _ in range(repeats):
-                    ms, result = _timed(lambda: model.generate(
-                        input_ids=ids, max_new_tokens=new, min_new_tokens=new, do_sample=False,
-                        output_logits=True, return_dict_in_generate=True, pad_token_id=0))
-                    generate_ms.append(ms)
-                    steps = result.logits
+                found = {"prefill": prefill_ms, "logits": logits[:, -1]}
+                for phase, cache in (("generate", {}), ("generate-static", {"cache_implementation": "static"})):
+                    if cache and not static:
+                        continue
+                    if cache:  # warm up: compiles the static cache's decode steps
+                        model.generate(input_ids=ids, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                                       pad_token_id=0, **cache)
+                    found[phase] = []
+                    for _ in range(repeats):
+                        ms, result = _timed(lambda cache=cache: model.generate(
+                            input_ids=ids, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                            output_logits=True, return_dict_in_generate=True, pad_token_id=0, **cache))
+                        found[phase].append(ms)
+                        found[f"{phase} steps"] = result.logits
         except Exception as err:  # noqa: BLE001 - a peer that cannot run this model is reported, not fatal
             _notes.append(f"{type(model).__name__} {impl}: {type(err).__name__}: {str(err)[:200]}")
             continue
-        out[impl] = {"prefill": prefill_ms, "generate": generate_ms, "logits": logits[:, -1], "steps": steps}
+        out[impl] = found
     return out
 
 
@@ -118,9 +128,15 @@ def _rows(label: str, shape: str, results: dict, prefill: int, new: int) -> list
     eager = results.get("eager")
     for impl, found in results.items():
         provider = PROVIDER if impl == "kreg" else impl
-        err_prefill = _rel(found["logits"], eager["logits"]) if eager else None
-        err_steps = _step_error(found["steps"], eager["steps"]) if eager else None
-        for phase, tokens, err in (("prefill", prefill, err_prefill), ("generate", new, err_steps)):
+        for phase in ("prefill", "generate", "generate-static"):
+            if phase not in found:
+                continue
+            if phase == "prefill":
+                tokens, err = prefill, _rel(found["logits"], eager["logits"]) if eager else None
+            else:  # each against eager's generation with the same cache
+                tokens = new
+                want = (eager or {}).get(f"{phase} steps")
+                err = None if want is None else _step_error(found[f"{phase} steps"], want)
             ms = sorted(found[phase])
             q = (ms[0], statistics.median(ms), ms[-1])
             rows.append(Measurement(f"{label} {phase}", shape, provider, q, tokens * TOKENS_PER_S, "tokens/s", err))
@@ -128,7 +144,7 @@ def _rows(label: str, shape: str, results: dict, prefill: int, new: int) -> list
 
 
 def run(prefill: int = PREFILL, new: int = NEW, layers: int = LAYERS, repeats: int = REPEATS,
-        models: tuple[str, ...] = ("gpt-oss", "llama")) -> list[Measurement]:
+        models: tuple[str, ...] = ("gpt-oss", "llama"), static: bool = False) -> list[Measurement]:
     _notes.clear()
     try:
         import transformers
@@ -144,7 +160,7 @@ def run(prefill: int = PREFILL, new: int = NEW, layers: int = LAYERS, repeats: i
     for name in models:
         build, impls = peers[name]
         model = build(layers, "cuda")
-        out += _rows(f"{name} e2e", shape, compare(model, impls, prefill, new, repeats), prefill, new)
+        out += _rows(f"{name} e2e", shape, compare(model, impls, prefill, new, repeats, static), prefill, new)
         del model
     return out
 
@@ -160,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=LAYERS)
     parser.add_argument("--repeats", type=int, default=REPEATS)
     parser.add_argument("--models", default="gpt-oss,llama", help="comma-separated: gpt-oss, llama")
+    parser.add_argument("--static", action="store_true", help="also generate with a static cache (compiled)")
     opts = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("benchmarks.transformers_e2e times GPU runs: no GPU here", file=sys.stderr)
@@ -167,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{torch.cuda.get_device_name()}, bf16")
     print("| model | phase | impl | median ms | tokens/s | rel err vs eager |")
     print("| --- | --- | --- | --- | --- | --- |")
-    for m in run(opts.prefill, opts.new, opts.layers, opts.repeats, tuple(opts.models.split(","))):
+    for m in run(opts.prefill, opts.new, opts.layers, opts.repeats, tuple(opts.models.split(",")), opts.static):
         err = "-" if m.rel_err is None else f"{m.rel_err:.2e}"
         model, _, phase = m.op.rpartition(" ")
         print(f"| {model} | {phase} | {m.provider} | {m.median_ms:.1f} | {m.rate():.0f} | {err} |")
