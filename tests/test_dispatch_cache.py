@@ -388,6 +388,46 @@ def test_descriptor_launches_are_recorded_by_their_mangled_type(fake_device):
     assert alive() is None and alive_tensor() is None
 
 
+def test_descriptor_launches_keep_their_tensor_maps_and_pass_what_triton_would(fake_device, monkeypatch):
+    """A recorded launch of a kernel with descriptor parameters calls the C launch below Triton's
+    descriptor wrapper (`wrap_handle_tensordesc`) with the arguments the wrapper itself would pass, and
+    encodes a tensor map once per base address, shape and strides: again for another tensor or
+    another view, never for a descriptor seen before."""
+    from triton.backends.nvidia import driver as nvidia_driver
+
+    encoded = []
+
+    def encode(desc, meta):  # stands for the tensor-map encoding (a CUDA driver call)
+        encoded.append(desc.base.data_ptr())
+        return [("map", desc.base.data_ptr(), meta["swizzle"]), *desc.shape, *desc.strides]
+
+    monkeypatch.setattr(nvidia_driver, "make_tensordesc_arg", encode)  # what Triton's wrapper calls
+    monkeypatch.setattr(launch, "_tensor_map_args", encode)
+    signature = {"X": "tensordesc<fp16[1, 16, 1, 64]>", "Y": "*fp16", "n": "i32", "scale": "fp32",
+                 "stride": "i32", "BLOCK": "constexpr", "FLAG": "constexpr"}
+    cache, kernel = launch.LaunchCache(), _Kernel()
+    kernel.compiled.run = launcher = _cuda_launcher()
+    raw_calls = []
+    launcher.launch = nvidia_driver.wrap_handle_tensordesc(lambda *args: raw_calls.append(args), signature,
+                                                           [{"swizzle": 3}])
+    desc, y = _descriptor(), torch.randn(32, dtype=torch.float16)
+    for _ in range(4):
+        _launch(cache, kernel, desc, y)
+    assert len(kernel.through_triton) == 2 and len(raw_calls) == 2
+    same_tensor_again = _descriptor()
+    same_tensor_again.base = desc.base
+    _launch(cache, kernel, same_tensor_again, y)
+    # One encoding for the three direct launches over one tensor, by two descriptor objects.
+    assert encoded == [desc.base.data_ptr()] and len(raw_calls) == 3 and raw_calls[0] == raw_calls[1] == raw_calls[2]
+    launcher.launch(*raw_calls[0][:13], desc, y, 64, 0.5, 16, 32, True)  # Triton's own wrapper, same launch
+    assert raw_calls[-1] == raw_calls[0] and raw_calls[0][13:17] == (("map", desc.base.data_ptr(), 3), 2, 64, 4)
+    encoded.clear()
+    other = _descriptor()
+    _launch(cache, kernel, other, y)
+    _launch(cache, kernel, other, y)
+    assert encoded == [other.base.data_ptr()] and raw_calls[-1][13] == ("map", other.base.data_ptr(), 3)
+
+
 def test_interpreted_kernels_always_go_through_triton():
     """In the interpreter a launch returns no compiled kernel: nothing is ever recorded."""
     if HAS_GPU:

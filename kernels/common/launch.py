@@ -18,7 +18,9 @@ specializes on:
 - each tensor's dtype, and that every tensor is 16-byte aligned (a launch with a misaligned tensor is
   never recorded); None where the recorded launch had None;
 - each TMA tensor descriptor's type as Triton mangles it (element type, block shape, shared layout:
-  all Triton 3.6 specializes a host descriptor on; the launcher encodes its tensor map every launch);
+  all Triton 3.6 specializes a host descriptor on). Triton's launcher encodes a tensor map on every
+  launch; a recorded launch keeps the encoded maps of the descriptors it has seen by what they encode
+  (base address, shape, strides, padding), so a call on tensors seen before encodes none;
 - the current device (a compiled kernel is loaded per device).
 
 Anything else takes Triton's own path: a launch that matches no record, a kernel that is not a compiled
@@ -59,8 +61,9 @@ _data_ptr = torch.Tensor.data_ptr  # raises TypeError for anything but a tensor
 _cuda_get_device = getattr(torch._C, "_cuda_getDevice", None)
 try:
     from triton.backends.nvidia.driver import CudaLauncher as _CudaLauncher
+    from triton.backends.nvidia.driver import make_tensordesc_arg as _tensor_map_args
 except ImportError:  # a Triton without the NVIDIA backend: every launch goes through the launcher's call
-    _CudaLauncher = None
+    _CudaLauncher = _tensor_map_args = None
 
 
 def triton_launch(kernel: Any, grid: tuple, *args: Any, **kwargs: Any) -> Any:
@@ -166,6 +169,7 @@ def _prepared_launch(compiled: Any, dims: int, tail: tuple):
     if (_CudaLauncher is not None and type(launcher) is _CudaLauncher and not launcher.global_scratch_size
             and not launcher.profile_scratch_size):
         direct, cooperative, pdl = launcher.launch, launcher.launch_cooperative_grid, launcher.launch_pdl
+        direct = _with_kept_tensor_maps(direct)
         if dims == 1:
             return lambda stream, grid, args: direct(grid[0], 1, 1, stream, function, cooperative, pdl, None, None,
                                                      metadata, None, None, None, *args, *tail)
@@ -177,6 +181,55 @@ def _prepared_launch(compiled: Any, dims: int, tail: tuple):
     pad = (1, 1)[: 3 - dims]
     return lambda stream, grid, args: launcher(*grid, *pad, stream, function, metadata, None, None, None, *args,
                                                *tail)
+
+
+# Encoded tensor maps kept per descriptor parameter of a record; past it they are forgotten at once
+# (addresses that never repeat).
+MAX_TENSOR_MAPS = 64
+
+
+def _with_kept_tensor_maps(launch: Any) -> Any:
+    """The C launch of a kernel with TMA descriptor parameters, which Triton 3.6 wraps in a function
+    (`wrap_handle_tensordesc`'s `inner`) that encodes each descriptor's tensor map on every launch,
+    replaced by one that encodes a map once per (base address, shape, strides, padding) and then passes
+    the kept one: the same arguments, without the encoding. The encoding depends on nothing else but the
+    compiled kernel's descriptor metadata (swizzle, element type, block size), which is the record's.
+    Any other launch, or a wrapper not shaped as 3.6's, is returned as it is."""
+    code, closure = getattr(launch, "__code__", None), getattr(launch, "__closure__", None)
+    if _tensor_map_args is None or code is None or code.co_name != "inner" or not closure:
+        return launch
+    cells = dict(zip(code.co_freevars, (cell.cell_contents for cell in closure), strict=True))
+    raw, indices, metas = (cells.get(name) for name in ("launcher", "tensordesc_indices", "tensordesc_meta"))
+    if raw is None or not indices or metas is None or len(metas) != len(indices) or None in metas:
+        return launch  # no metadata: Triton passes the descriptor's tensor itself, which is not to be kept
+    base = 13  # the launch arguments before the kernel's parameters (Triton 3.6's _BASE_ARGS_FORMAT)
+    # Last position first, so that splicing a map's arguments in leaves the earlier positions in place.
+    encoders = [(base + i, _tensor_map_encoder(meta)) for i, meta in sorted(zip(indices, metas, strict=True))][::-1]
+
+    def launch_with_kept_maps(*args: Any) -> Any:
+        args = list(args)
+        for position, encode in encoders:
+            args[position:position + 1] = encode(args[position])
+        return raw(*args)
+
+    return launch_with_kept_maps
+
+
+def _tensor_map_encoder(meta: dict):
+    """`encode(descriptor)`: the arguments Triton's launcher passes for one descriptor parameter (its
+    encoded tensor map, shape and strides), kept by what they encode; holds no tensor."""
+    kept: dict[tuple, list] = {}
+
+    def encode(desc: Any) -> list:
+        key = (_data_ptr(desc.base), *desc.shape, *desc.strides, desc.padding)
+        found = kept.get(key)
+        if found is None:
+            if len(kept) >= MAX_TENSOR_MAPS:
+                kept.clear()
+            found = kept[key] = _tensor_map_args(desc, meta)
+        return found
+
+    return encode
 
 
 def _descriptor_fields(desc: Any) -> tuple:
