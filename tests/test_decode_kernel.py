@@ -254,6 +254,35 @@ def test_split_count_depends_on_shapes_only():
     assert choose_splits(8, 40, 132, 64, 2) == 1
 
 
+@pytest.mark.parametrize("paged", [False, True])
+def test_a_cache_one_key_longer_takes_the_geometry_worked_out_for_its_signature(paged):
+    """A signature that differs from a known one in its capacity alone (a growing cache) reuses the
+    known geometry with the new capacity: at every capacity over split-count changes, a window capped
+    by the capacity, one-split and several-split calls and page sizes, it equals the geometry worked
+    out from scratch."""
+    from kreg.kernels.common.decode import DecodeLaunch, _geometry, _new_signature_geometry
+
+    plan = DecodeLaunch(block_n=32, waves=2, kv_heads=1, rows=1, chunk=8, split_knobs={"num_warps": 4},
+                        combine_knobs={"num_warps": 2}, num_sms=6, pdl=True)
+    reused = 0
+    for window in (None, 70):
+        for num_splits in (None, 3):
+            for n in range(1, 400, 7):
+                for page in ((16, 32) if paged else (None,)):
+                    if paged:
+                        blocks = math.ceil(n / page)
+                        k_shape, table = (2 * blocks + 1, page, 2, 64), ((2, blocks), blocks)
+                    else:
+                        k_shape, table = (2, n, 2, 64), None
+                    k_stride = (k_shape[1] * 256 if paged else 400 * 256, 256, 128, 1)  # views of one cache
+                    signature = ((2, 4, 64), (256, 64, 1), k_shape, k_stride, k_stride, table, window, num_splits,
+                                 True, True)
+                    known = len(plan.by_splitting)
+                    assert _new_signature_geometry(plan, signature) == _geometry(plan, *signature), signature
+                    reused += len(plan.by_splitting) == known
+    assert reused > 100  # most capacities took a known geometry
+
+
 @pytest.mark.skipif(not HAS_GPU, reason="CUDA graphs need a GPU")
 def test_cuda_graph_capture_and_replay_follow_new_lengths_and_queries():
     """The serving pattern: resolve once, capture `registry.get("decode")` with a fixed num_splits, then

@@ -298,14 +298,18 @@ def key_range(capacity: int, s_q: int, window: int | None, align: int = 1) -> in
     return capacity if window is None else min(capacity, window + s_q - 1 + align - 1)
 
 
-@functools.cache  # on every call's host path; a serving process sees few distinct shapes
 def choose_splits(programs: int, reach: int, num_sms: int, block_n: int, waves: int) -> int:
     """The split count for `programs` (sequence, kv heads) pairs: about `waves` split programs per SM,
     rounded down or up to whichever fills its last wave of SMs better (ties: fewer splits). Equal-length
     programs finish together, so a partly filled last wave costs a whole one: 192 programs on 132 SMs
     take as long as 264. Never more splits than key tiles in the `reach` keys a sequence may need, at
     most MAX_SPLITS. Shapes and the device only: no cache_seqlens value is read."""
-    cap = max(1, min(cdiv(reach, block_n), MAX_SPLITS))
+    return _splits_under(programs, max(1, min(cdiv(reach, block_n), MAX_SPLITS)), num_sms, waves)
+
+
+@functools.cache  # on a new signature's host path: a growing cache changes the cap every block_n keys at most
+def _splits_under(programs: int, cap: int, num_sms: int, waves: int) -> int:
+    """`choose_splits` for a cap on the splits (the key tiles, at most MAX_SPLITS)."""
     wanted = waves * num_sms / programs
 
     def filled(splits: int) -> float:
@@ -332,8 +336,12 @@ class DecodeLaunch:
     combine_knobs: dict
     num_sms: int
     pdl: bool
-    # Call signature (shapes, strides, flags) -> _Geometry, so that a repeated call skips working it out.
+    # Call signature (shapes, strides, flags) -> _Geometry, so that a repeated call skips working it out;
+    # and the same signature less the cache's capacity, with its split count and length -> the geometry
+    # first made for it, so that a cache one key longer (every step of a growing cache) only replaces the
+    # capacity in a known geometry.
     geometries: dict = field(default_factory=dict, compare=False, repr=False)
+    by_splitting: dict = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def of(cls, plan: CallPlan) -> DecodeLaunch:
@@ -372,6 +380,53 @@ def _contiguous_strides(shape: tuple) -> tuple:
     return tuple(reversed(strides))
 
 
+def _splitting(plan: DecodeLaunch, q_shape, k_shape, table, window, num_splits) -> tuple[int, int | None, int, int]:
+    """(capacity, the window capped at it, split count, keys per split) of one call signature: all of a
+    geometry that the cache's capacity changes, but the capacity itself."""
+    b, s_q = q_shape[0], 1 if len(q_shape) == 3 else q_shape[1]
+    h_kv = k_shape[2]
+    paged = table is not None
+    page = k_shape[1] if paged else 1
+    capacity = table[0][1] * page if paged else k_shape[1]
+    # A window of at least the capacity masks nothing more than the capacity does: capped there, the
+    # kernel's window arithmetic (length - s_q - window, pos - window) stays far inside int32.
+    window = None if window is None else min(window, capacity)
+    block_n = plan.block_n
+    programs = b * (h_kv // heads_per_program(h_kv, plan.kv_heads))
+    # Pages holding whole tiles: the kernel aligns a window's first tile down to a multiple of block_n.
+    reach = key_range(capacity, s_q, window, block_n if paged and page >= block_n else 1)
+    if num_splits is None:
+        splits = choose_splits(programs, reach, plan.num_sms, block_n, plan.waves)
+    else:  # splits past the key tiles would be empty (no result changes), and the grid's y is limited
+        splits = min(num_splits, max(1, cdiv(reach, block_n)), MAX_SPLITS)
+    return capacity, window, splits, cdiv(cdiv(reach, splits), block_n) * block_n
+
+
+def _new_signature_geometry(plan: DecodeLaunch, signature: tuple) -> _Geometry:
+    """The geometry of a call signature not seen before, kept in the plan: a known one with this capacity
+    when the signature differs from one seen only in the cache's capacity and splits alike (its capacity
+    is the split kernel's second scalar), else worked out (`_geometry`)."""
+    q_shape, q_stride, k_shape, k_stride, v_stride, table, window, num_splits, return_lse, has_sinks = signature
+    capacity, *splitting = _splitting(plan, q_shape, k_shape, table, window, num_splits)
+    # A contiguous cache's capacity is its dim 1; a paged cache's dim 1 is its page size, which stays.
+    pages = k_shape if table is not None else (k_shape[0], *k_shape[2:])
+    less_capacity = (q_shape, q_stride, pages, k_stride, v_stride, table, num_splits, return_lse, has_sinks,
+                     *splitting)
+    geometries, by_splitting = plan.geometries, plan.by_splitting
+    if len(geometries) >= MAX_GEOMETRIES:
+        geometries.clear()
+    known = by_splitting.get(less_capacity)
+    if known is None:
+        if len(by_splitting) >= MAX_GEOMETRIES:
+            by_splitting.clear()
+        geo = by_splitting[less_capacity] = _geometry(plan, *signature)
+    else:
+        scalars = known.split_scalars
+        geo = known._replace(split_scalars=(scalars[0], capacity, *scalars[2:]))
+    geometries[signature] = geo
+    return geo
+
+
 def _geometry(plan: DecodeLaunch, q_shape, q_stride, k_shape, k_stride, v_stride, table, window, num_splits,
               return_lse: bool, has_sinks: bool) -> _Geometry:
     """The launch geometry of one call signature (`table`: the block table's (shape, row stride) or None)."""
@@ -385,20 +440,10 @@ def _geometry(plan: DecodeLaunch, q_shape, q_stride, k_shape, k_stride, v_stride
     group = h_q // h_kv
     paged = table is not None
     page = k_shape[1] if paged else 1
-    capacity = table[0][1] * page if paged else k_shape[1]
-    # A window of at least the capacity masks nothing more than the capacity does: capped there, the
-    # kernel's window arithmetic (length - s_q - window, pos - window) stays far inside int32.
-    window = None if window is None else min(window, capacity)
+    capacity, window, splits, split_len = _splitting(plan, q_shape, k_shape, table, window, num_splits)
     block_n = plan.block_n
     kv_heads = heads_per_program(h_kv, plan.kv_heads)
     programs = b * (h_kv // kv_heads)
-    # Pages holding whole tiles: the kernel aligns a window's first tile down to a multiple of block_n.
-    reach = key_range(capacity, s_q, window, block_n if paged and page >= block_n else 1)
-    if num_splits is None:
-        splits = choose_splits(programs, reach, plan.num_sms, block_n, plan.waves)
-    else:  # splits past the key tiles would be empty (no result changes), and the grid's y is limited
-        splits = min(num_splits, max(1, cdiv(reach, block_n)), MAX_SPLITS)
-    split_len = cdiv(cdiv(reach, splits), block_n) * block_n
     block_d = dot_block(d)
     pdl = plan.pdl
     out_shape = tuple(q_shape)
@@ -442,12 +487,9 @@ def decode_forward(args: dict, plan: DecodeLaunch, launch: Callable[..., Any] = 
     signature = (q.shape, q.stride(), k_cache.shape, k_cache.stride(), v_cache.stride(),
                  (table.shape, table.stride(0)) if paged else None, args["window"], args["num_splits"], return_lse,
                  sinks is not None)
-    geometries = plan.geometries
-    geo = geometries.get(signature)
+    geo = plan.geometries.get(signature)
     if geo is None:
-        if len(geometries) >= MAX_GEOMETRIES:
-            geometries.clear()
-        geo = geometries[signature] = _geometry(plan, *signature)
+        geo = _new_signature_geometry(plan, signature)
     device = q.device
     out = torch.empty(geo.out_shape, device=device, dtype=q.dtype)
     lse = None if geo.lse_shape is None else torch.empty(geo.lse_shape, device=device, dtype=torch.float32)
