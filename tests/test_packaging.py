@@ -180,3 +180,21 @@ def test_a_checkout_answers_to_bare_names_with_the_same_modules():
         ("registry", "registry.dispatch", "tuning", "tuning.sweep"), True)
     for name in ("tuning.sweep", "kreg.tuning.sweep"):
         assert out[name].startswith("usage:"), out[name][:500]
+
+
+def test_a_checkout_leaves_a_bare_name_to_the_package_installed_under_it(tmp_path):
+    """With another package installed as `kernels` (Hugging Face's, which transformers imports), `import
+    kernels` in a checkout gives that package, its submodules too, while `kreg.kernels` and the other
+    bare names stay kreg's."""
+    other = tmp_path / "kernels"
+    (other / "layer").mkdir(parents=True)
+    (other / "__init__.py").write_text("OWNER = 'other'\nfrom kernels.layer import LAYER\n")
+    (other / "layer" / "__init__.py").write_text("LAYER = 'other layer'\n")
+    probe = ("import json, kernels, kernels.layer, kreg.kernels, registry, kreg.registry; print(json.dumps(["
+             "kernels.OWNER, kernels.LAYER, kernels.layer.LAYER, kreg.kernels.__file__, registry is kreg.registry]))")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    owner, layer, submodule, ours, same = json.loads(out.stdout.strip().splitlines()[-1])
+    assert (owner, layer, submodule, same) == ("other", "other layer", "other layer", True)
+    assert Path(ours).resolve() == (ROOT / "kernels" / "__init__.py").resolve()
