@@ -12,6 +12,7 @@ as a user sees it (0 when the GPU is the bound). Rows:
 - each op at the smallest shape of its full preset (the fewest FLOPs), forward only.
 
     python -m benchmarks.host                      # the table
+    python -m benchmarks.host --serving            # its serving rows only (no op's smallest shape)
     python -m benchmarks.host --profile decode     # cProfile of 2000 eager calls of one row's op
 """
 
@@ -102,7 +103,7 @@ def wall_us(fns: dict[str, Callable[[], object]], iters: int, repeats: int = 7) 
     return {name: statistics.median(v) for name, v in host_us(fns, iters, repeats, wall=True).items()}
 
 
-def rows(dtype: torch.dtype = torch.bfloat16) -> list[str]:
+def rows(dtype: torch.dtype = torch.bfloat16, every_op: bool = True) -> list[str]:
     lines = ["| call | kreg eager us | SDPA eager us | kreg graph us | SDPA graph us | eager / SDPA eager |",
              "| --- | --- | --- | --- | --- | --- |"]
     for label, (name, shape) in SERVING.items():
@@ -121,6 +122,8 @@ def rows(dtype: torch.dtype = torch.bfloat16) -> list[str]:
     growing = wall_us(fns, iters=500, repeats=5)
     lines.append(f"| {GROWING} | {growing['kreg']:.1f} | {growing['sdpa']:.1f} | - | - | "
                  f"{growing['kreg'] / growing['sdpa']:.2f}x |")
+    if not every_op:
+        return lines
     lines += ["", "| op at its smallest full-preset shape | eager us | graph us | eager - graph |",
               "| --- | --- | --- | --- |"]
     for name in OPS:
@@ -155,6 +158,7 @@ def profile(name: str, dtype: torch.dtype = torch.bfloat16, calls: int = 2000) -
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.host")
     parser.add_argument("--profile", metavar="OP", help="profile one op's eager calls instead of the table")
+    parser.add_argument("--serving", action="store_true", help="the serving rows only (they compile in seconds)")
     opts = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("benchmarks.host times GPU calls: no GPU here", file=sys.stderr)
@@ -163,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         profile(opts.profile)
         return 0
     print(f"{torch.cuda.get_device_name()}, bf16, torch {torch.__version__}")
-    print("\n".join(rows()))
+    print("\n".join(rows(every_op=not opts.serving)))
     return 0
 
 
