@@ -60,10 +60,11 @@ _data_ptr = torch.Tensor.data_ptr  # raises TypeError for anything but a tensor
 # launch, so the device is initialized): what Triton's driver reads, a Python call sooner.
 _cuda_get_device = getattr(torch._C, "_cuda_getDevice", None)
 try:
+    from triton.backends.nvidia.driver import _BASE_ARGS_FORMAT_LEN as _LAUNCH_ARGS_BEFORE_PARAMETERS
     from triton.backends.nvidia.driver import CudaLauncher as _CudaLauncher
     from triton.backends.nvidia.driver import make_tensordesc_arg as _tensor_map_args
 except ImportError:  # a Triton without the NVIDIA backend: every launch goes through the launcher's call
-    _CudaLauncher = _tensor_map_args = None
+    _CudaLauncher = _tensor_map_args = _LAUNCH_ARGS_BEFORE_PARAMETERS = None
 
 
 def triton_launch(kernel: Any, grid: tuple, *args: Any, **kwargs: Any) -> Any:
@@ -202,9 +203,9 @@ def _with_kept_tensor_maps(launch: Any) -> Any:
     raw, indices, metas = (cells.get(name) for name in ("launcher", "tensordesc_indices", "tensordesc_meta"))
     if raw is None or not indices or metas is None or len(metas) != len(indices) or None in metas:
         return launch  # no metadata: Triton passes the descriptor's tensor itself, which is not to be kept
-    base = 13  # the launch arguments before the kernel's parameters (Triton 3.6's _BASE_ARGS_FORMAT)
     # Last position first, so that splicing a map's arguments in leaves the earlier positions in place.
-    encoders = [(base + i, _tensor_map_encoder(meta)) for i, meta in sorted(zip(indices, metas, strict=True))][::-1]
+    encoders = [(_LAUNCH_ARGS_BEFORE_PARAMETERS + i, _tensor_map_encoder(meta))
+                for i, meta in sorted(zip(indices, metas, strict=True))][::-1]
 
     def launch_with_kept_maps(*args: Any) -> Any:
         args = list(args)
