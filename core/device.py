@@ -55,7 +55,16 @@ class DeviceIdentity(Protocol):
     num_sms: int
 
 
-CPU = DeviceInfo("cpu", "cpu", "cpu", "cpu", None, os.cpu_count() or 1, 0, 0, 1)
+def usable_cores() -> int:
+    """The cores this process may run on: its CPU affinity, which `taskset` or a container's cpuset
+    narrows, not the machine's count (a sweep sharing a GPU machine's cores with another job)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # no affinity call on this platform (macOS, Windows)
+        return os.cpu_count() or 1
+
+
+CPU = DeviceInfo("cpu", "cpu", "cpu", "cpu", None, usable_cores(), 0, 0, 1)
 
 # Named targets. Shared memory is the per-block opt-in maximum (NVIDIA) or the LDS per workgroup (AMD).
 PRESETS: dict[str, DeviceInfo] = {

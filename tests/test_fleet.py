@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from kreg.core.device import usable_cores
 from kreg.tuning_db.store import TuningStore
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -139,7 +140,7 @@ def test_gpus_it_cannot_use_are_argument_errors(tmp_path, capsys, monkeypatch):
     from kreg.tuning.sweep import main
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # what --device cpu sets, undone after the test
-    for count in ("0", "-1", str((os.cpu_count() or 1) + 1)):
+    for count in ("0", "-1", str(usable_cores() + 1)):
         assert main(["--device", "cpu", *SHAPES, "--db", f"sqlite:///{tmp_path / 'x.db'}", "--gpus", count]) == 2
         assert "--gpus" in capsys.readouterr().err
 

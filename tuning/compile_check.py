@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from kreg.core.device import VENDORS, DeviceInfo, preset
+from kreg.core.device import VENDORS, DeviceInfo, preset, usable_cores
 from kreg.core.records import CallConfig, canonical_json
 from kreg.ops import OPS
 from kreg.ops.catalog import load_all
@@ -202,7 +202,7 @@ def compile_all(items: Iterable[tuple[Variant, list[dict], CallConfig, Iterable[
     if pool is not None:
         _compile(todo, target, pool)
     elif len(todo) >= max(2, parallel_from):
-        with compile_pool(min(len(todo), workers or max(1, (os.cpu_count() or 2) - 1))) as own:
+        with compile_pool(min(len(todo), workers or max(1, usable_cores() - 1))) as own:
             _compile(todo, target, own)
 
 
@@ -271,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--roles", default=None, help="comma-separated kernel roles to compile (default: all)")
     parser.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16", help="input dtype (default bf16)")
     parser.add_argument("--json", action="store_true", help="print one JSON object per line")
-    parser.add_argument("--jobs", type=int, default=max(1, (os.cpu_count() or 1) - 1),
+    parser.add_argument("--jobs", type=int, default=max(1, usable_cores() - 1),
                         help="compile processes (default: all cores but one; 1 compiles in this process)")
     opts = parser.parse_args(argv)
     if opts.jobs < 1:

@@ -11,14 +11,13 @@ that is killed when one outlasts the trial timeout. `tuning.fleet` runs this per
 
 from __future__ import annotations
 
-import os
 import random
 import time
 from collections.abc import Iterable
 
 import torch
 
-from kreg.core.device import DeviceInfo, detect, preset
+from kreg.core.device import DeviceInfo, detect, preset, usable_cores
 from kreg.core.records import TrialResult, canonical_json
 from kreg.ops.contract import DTYPE_NAMES, Op
 from kreg.tuning.launch_record import meta_calls
@@ -130,7 +129,7 @@ def compile_only_op(op: Op, variants, target: DeviceInfo, shapes: Iterable[dict]
     rows = []
     task = progress.add_task(f"{op.name} -> {target.arch}", total=len(plan), rejected=0) if progress else None
     # In chunks, so a deadline stops between them; each chunk compiles in parallel, then is recorded.
-    chunk = 4 * (os.cpu_count() or 1) if pool is not None else 1
+    chunk = 4 * usable_cores() if pool is not None else 1
     for start in range(0, len(plan), chunk):
         if deadline is not None and time.monotonic() > deadline:
             store.finish_run(run_id, "stopped")

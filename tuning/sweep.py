@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from kreg.core.device import INTERPRETER_VENDOR, DeviceInfo
+from kreg.core.device import INTERPRETER_VENDOR, DeviceInfo, usable_cores
 from kreg.core.space import INTERPRETER_DTYPE, KNOB_NAMES
 from kreg.ops.contract import DTYPE_NAMES, Op
 from kreg.tuning.engine import UsageError, compile_only_op, present_device, shape_key, target_device
@@ -302,7 +302,7 @@ def _compile_only(args, work, device_info: DeviceInfo, dtype, store, deadline, r
     columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                TextColumn("rejected {task.fields[rejected]}"), TimeElapsedColumn()]
     resources = []
-    with compile_pool(os.cpu_count() or 1) as pool, \
+    with compile_pool(usable_cores()) as pool, \
             Progress(*columns, console=console, disable=args.no_progress or not console.is_terminal) as progress:
         for op, variants, preset_name, indices in work:
             start = time.monotonic()
@@ -392,8 +392,8 @@ def _executor(args, device_info: DeviceInfo, gpu: bool):
         present = torch.cuda.device_count()
         if not 1 <= args.gpus <= present:
             raise UsageError(f"--gpus: this machine shows {present} GPU(s), got {args.gpus}")
-    elif not 1 <= args.gpus <= (os.cpu_count() or 1):
-        raise UsageError(f"--gpus: the interpreter runs one process per core ({os.cpu_count()}), got {args.gpus}")
+    elif not 1 <= args.gpus <= usable_cores():
+        raise UsageError(f"--gpus: the interpreter runs one process per core ({usable_cores()}), got {args.gpus}")
     return Pool.for_device(device_info.vendor if gpu else None, args.gpus,
                            on_retry=lambda unit, why: print(f"retrying {unit.label}: {why}", file=sys.stderr))
 
