@@ -338,11 +338,11 @@ def test_compile_only_draws_each_roles_default_and_a_seeded_sample(tmp_path):
     assert done.returncode == 0, done.stderr
     assert "gsa_indexer -> gfx950: " in done.stderr and " configs compiled, " in done.stderr
     # The resource report: a row per compiled config, occupancy estimated for those that fit.
-    rows = list(csv.DictReader((tmp_path / "report" / "amd-mi355x__resources.csv").open()))
+    rows = list(csv.DictReader((tmp_path / "report" / "amd-mi355x__gsa_indexer__resources.csv").open()))
     assert len(rows) == len(TuningStore(db).trials()) and {r["op"] for r in rows} == {"gsa_indexer"}
     fits = [r for r in rows if r["status"] == "ok"]
     assert fits and all(0 < float(r["occupancy"]) <= 1 and r["limited_by"] for r in fits)
-    assert "| occupancy |" in (tmp_path / "report" / "amd-mi355x__resources.md").read_text()
+    assert "| occupancy |" in (tmp_path / "report" / "amd-mi355x__gsa_indexer__resources.md").read_text()
     by_role: dict[str, list] = {}
     for t in TuningStore(db).trials(op="gsa_indexer"):
         by_role.setdefault(t.role, []).append(t.config[t.role])

@@ -1,6 +1,7 @@
 """Resource reports of `--compile-only`: every config compiled for a target, with registers, spills,
 shared memory/LDS and estimated occupancy (`tuning.occupancy`), by op, tuning key, variant and role,
-as CSV and Markdown (`<device key>__resources.csv` and `.md`, written beside the tuned tables).
+as CSV and Markdown, a pair of files per device and op (`<device key>__<op>__resources.csv` and `.md`,
+beside the tuned tables), so that machines that compiled different ops each ship their own files.
 
 Rows come from the device's compile-only runs in the store; when a config was compiled by several
 runs the latest row counts, and rows of kernel sources that changed since are left out.
@@ -65,18 +66,27 @@ def to_markdown(rows: list[dict], device: DeviceInfo) -> str:
     return "\n".join(lines) + "\n"
 
 
-def report_paths(out_dir: str | Path, device: DeviceInfo) -> tuple[Path, Path]:
-    stem = Path(out_dir) / f"{file_name(device.key)}__resources"
+def report_paths(out_dir: str | Path, device: DeviceInfo, op: str) -> tuple[Path, Path]:
+    stem = Path(out_dir) / f"{file_name(device.key)}__{file_name(op)}__resources"
     return stem.with_suffix(".csv"), stem.with_suffix(".md")
 
 
-def write_report(store, device: DeviceInfo, registry_variants: dict, out_dir: str | Path) -> list[Path]:
-    """Write the device's report as CSV and Markdown into `out_dir`; returns the paths."""
-    rows = report_rows(store, device, registry_variants)
-    paths = report_paths(out_dir, device)
-    for path in paths:
-        check_replaceable(path, "--export")
-    return [write_atomic(paths[0], to_csv(rows)), write_atomic(paths[1], to_markdown(rows, device))]
+def write_report(store, device: DeviceInfo, registry_variants: dict, out_dir: str | Path,
+                 ops: list[str]) -> list[Path]:
+    """Write the report of each op of `ops` that the store holds rows for as CSV and Markdown into
+    `out_dir`; returns the paths. Other ops' files are left alone: this store may hold less of them
+    than a file another machine wrote."""
+    rows = report_rows(store, device, {op: registry_variants[op] for op in ops if op in registry_variants})
+    written = []
+    for op in ops:
+        mine = [row for row in rows if row["op"] == op]
+        if not mine:
+            continue
+        paths = report_paths(out_dir, device, op)
+        for path in paths:
+            check_replaceable(path, "--export")
+        written += [write_atomic(paths[0], to_csv(mine)), write_atomic(paths[1], to_markdown(mine, device))]
+    return written
 
 
 def _number(value) -> float | None:

@@ -83,8 +83,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                    help="with --compile-only: every config of every role (the MI355X's tiny presets: about 17,000 "
                         "configs, 3.8 core-hours, so 15 minutes on 16 cores)")
     p.add_argument("--export", default=None, metavar="DIR",
-                   help="write the tuned JSON tables to DIR afterwards (with --compile-only: the device's resource "
-                        "report, <device>__resources.csv and .md)")
+                   help="write the tuned JSON tables to DIR afterwards (with --compile-only: the resource report "
+                        "of each op compiled, <device>__<op>__resources.csv and .md)")
     p.add_argument("--stale", action="store_true",
                    help="list the device's tuned configs whose kernel source changed, and exit")
     p.add_argument("--retune-stale", action="store_true",
@@ -249,8 +249,8 @@ def _main(args: argparse.Namespace) -> int:
     if args.export:  # a target export would refuse is refused now, not after the sweep
         from kreg.tuning.resources import report_paths
 
-        targets = report_paths(args.export, device_info) if args.compile_only else [
-            table_path(args.export, device_info.key, name) for name in ops]
+        targets = [path for name in ops for path in report_paths(args.export, device_info, name)] \
+            if args.compile_only else [table_path(args.export, device_info.key, name) for name in ops]
         for path in targets:
             check_replaceable(path, "--export")
 
@@ -327,7 +327,7 @@ def _compile_only(args, work, device_info: DeviceInfo, dtype, store, deadline, r
             console.print(f"default not the report's best: {problem}", highlight=False, markup=False,
                           soft_wrap=True)
     if args.export:
-        for path in write_report(store, device_info, registry_variants, args.export):
+        for path in write_report(store, device_info, registry_variants, args.export, [op.name for op, *_ in work]):
             console.print(f"wrote {path}")
     return 0
 
