@@ -68,6 +68,31 @@ def filled(tmp_path):
     db.close()
 
 
+
+def test_json_export_adds_to_the_table_already_there(filled, tmp_path):
+    """A store that re-tuned some keys, exported over a folder of tables, replaces those keys and keeps the
+    file's others (a fresh store must not empty the shipped tables); a file there that is not a table of
+    the same op and device is refused and left as it was."""
+    db, entries = filled
+    folder = tmp_path / "tables"
+    (shipped,) = export_json(db, "h200", op="sparse_mla", out_dir=folder)
+    old = entries[(H200.key, "sparse_mla")]
+    retuned = old[3].model_copy(update={"time_ms": 0.5, "source_hash": "0123456789abcdef"})
+    partial = TuningStore(f"sqlite:///{tmp_path / 'partial.db'}")
+    partial.import_tuned([retuned], H200)
+    assert export_json(partial, "h200", out_dir=folder) == [shipped]
+    merged = {t.tuning_key: t for t in read_table(shipped).tuned()}
+    assert set(merged) == {t.tuning_key for t in old}
+    assert merged[retuned.tuning_key].time_ms == 0.5 and merged[retuned.tuning_key].source_hash == "0123456789abcdef"
+    assert without_time([t for k, t in merged.items() if k != retuned.tuning_key]) == without_time(
+        [t for t in old if t.tuning_key != retuned.tuning_key])
+
+    for text in ("{not json", json.dumps({**json.loads(shipped.read_text()), "op": "decode"})):
+        shipped.write_text(text)
+        with pytest.raises(ValueError, match=re.escape(str(shipped))):
+            export_json(partial, "h200", out_dir=folder)
+        assert shipped.read_text() == text
+
 @pytest.fixture
 def table_file(filled, tmp_path) -> Path:
     """The exported h200 sparse_mla table."""

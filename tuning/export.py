@@ -10,6 +10,11 @@ Names taken from the database become file names only through `file_name` (letter
 and '-'; no '..'), so every JSON file lands in the --out folder; a symbolic link, a device or anything
 else that is not a regular file at a target is refused, never replaced. Exporting only reads the
 database: a --db path that does not exist is an error, not a new file.
+
+A JSON export adds to the table already at its target rather than replacing it: the store's entries
+replace those of the same tuning key, and the file's other keys stay (a store that re-tuned a few keys,
+exported over the shipped folder, must not drop the rest). A file there that is not a valid table of the
+same op and device is refused.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from kreg.tuning_db.errors import TuningDatabaseError
 from kreg.tuning_db.matching import match_level
 from kreg.tuning_db.rows import StoredDevice
 from kreg.tuning_db.store import TuningStore
-from kreg.tuning_db.table_files import TableFile
+from kreg.tuning_db.table_files import TableError, TableFile, read_table
 
 _KEY_PATTERN = re.compile(r"[a-z0-9][a-z0-9._-]*")
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
@@ -141,10 +146,11 @@ def write_atomic(path: str | Path, text: str) -> Path:
 def export_json(store: TuningStore, device_key: str, op: str | None = None,
                 out_dir: str | Path = ".") -> list[Path]:
     """Write `<device_key>__<op>.json` (names made safe by `file_name`) into `out_dir` for each op tuned
-    on the device; returns the paths. Nothing is written when two tables would share a file."""
+    on the device, each merged into the table already there (`merged_into_file`); returns the paths.
+    Nothing is written when two tables would share a file or a target is refused."""
     out = Path(out_dir)
     found = tables(store, device_key, op)
-    targets: dict[str, TableFile] = {}
+    targets: dict[Path, TableFile] = {}
     for table in found:
         path = table_path(out, table.device.key, table.op)
         if path in targets:
@@ -152,7 +158,26 @@ def export_json(store: TuningStore, device_key: str, op: str | None = None,
         targets[path] = table
     for path in targets:  # all refusals before the first write
         check_replaceable(path)
+    targets = {path: merged_into_file(table, path) for path, table in targets.items()}
     return [write_atomic(path, table.to_json()) for path, table in targets.items()]
+
+
+def merged_into_file(table: TableFile, path: Path) -> TableFile:
+    """`table` plus the entries of the table file at `path` whose tuning keys `table` lacks (`table` as it
+    is when there is no file). ExportError when the file is not a valid table of the same op and device:
+    it is not this export's to replace."""
+    if not path.exists():
+        return table
+    try:
+        there = read_table(path)
+    except TableError as err:
+        raise ExportError(f"{err}; move it away or choose another --out") from None
+    if (there.op, there.device.key) != (table.op, table.device.key):
+        raise ExportError(f"{path}: holds {there.op} on {there.device.key}, not {table.op} on {table.device.key}; "
+                          "move it away or choose another --out")
+    mine = {tuned.tuning_key for tuned in table.tuned()}
+    kept = [tuned for tuned in there.tuned() if tuned.tuning_key not in mine]
+    return TableFile.build(table.op, table.device, [*table.tuned(), *kept]) if kept else table
 
 
 def export_csv(store: TuningStore, device_key: str, op: str | None = None) -> str:
