@@ -348,6 +348,13 @@ def test_compile_only_draws_each_roles_default_and_a_seeded_sample(tmp_path):
         by_role.setdefault(t.role, []).append(t.config[t.role])
     variant = next(v for v in load_all()["gsa_indexer"] if v.vendor == "amd")
     assert set(by_role) == set(variant.roles) and all(len(c) == 3 for c in by_role.values())
+    # A finished compile-only run is not compiled again under --resume: its report is exported at once.
+    again = _cli("--device", "mi355x", "--compile-only", "--op", "gsa_indexer", "--shapes", "tiny:0", "--no-progress",
+                 "--sample", "2", "--resume", "--export", str(tmp_path / "again"), db=db, interpret=False)
+    assert again.returncode == 0, again.stderr
+    assert "gsa_indexer -> gfx950: 0 configs compiled" in again.stderr
+    assert (tmp_path / "again" / "amd-mi355x__gsa_indexer__resources.csv").read_text() == \
+        (tmp_path / "report" / "amd-mi355x__gsa_indexer__resources.csv").read_text()
     space = list(range(20))
     drawn = sample_configs(space, 7, 4, "op key variant role")
     assert drawn[0] == 7 and len(set(drawn)) == 5 and drawn == sample_configs(space, 7, 4, "op key variant role")

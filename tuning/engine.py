@@ -106,8 +106,14 @@ def compile_only_op(op: Op, variants, target: DeviceInfo, shapes: Iterable[dict]
     run_id = store.resumable_run(op.name, target) if resume else None
     if run_id is None:
         run_id = store.start_run(op.name, target, {"compile_only": True, "dtype": DTYPE_NAMES[dtype], "sample": sample})
-    done = {(t.variant, t.source_hash, t.tuning_key, t.config.to_json(), t.role) for t in store.trials(run_id=run_id)}
     triton_version, torch_version = versions()
+    # A compile's result depends only on the kernel source, the config and Triton: with `resume`, what any
+    # compile-only run of this op on this device recorded for them is not compiled again (so a finished
+    # full-space run exports its report at once).
+    runs = [i for i, _, run_args in store.runs(op.name, target.key) if run_args.get("compile_only")] \
+        if resume else [run_id]
+    done = {(t.variant, t.source_hash, t.tuning_key, t.config.to_json(), t.role) for i in runs
+            for t in store.trials(run_id=i) if i == run_id or t.triton_version == triton_version}
     plan = []  # (variant, dims, key_json, calls, role, config, call), what is left to compile
     for shape in shapes:
         dims = shape_key(op, shape, dtype)

@@ -69,7 +69,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=["fp16", "bf16"], default=None,
                    help="input dtype (default: bf16 on a GPU, fp16 in the interpreter)")
     p.add_argument("--db", default=None, help="SQLAlchemy URL (default: KREG_TUNING_DB or the user cache file)")
-    p.add_argument("--resume", action="store_true", help="continue the last killed or stopped sweep")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the last killed or stopped sweep (with --compile-only: also skip every config "
+                        "compiled before for the same source and Triton)")
     p.add_argument("--max-minutes", type=float, default=None, help="stop cleanly after this many minutes")
     p.add_argument("--trial-timeout", type=float, default=None, metavar="SECONDS",
                    help="kill a trial (compile, gate and timing) that runs longer and record it as a timeout "
