@@ -1,7 +1,8 @@
 """Resource reports of `--compile-only`: every config compiled for a target, with registers, spills,
 shared memory/LDS and estimated occupancy (`tuning.occupancy`), by op, tuning key, variant and role,
-as CSV and Markdown, a pair of files per device and op (`<device key>__<op>__resources.csv` and `.md`,
-beside the tuned tables), so that machines that compiled different ops each ship their own files.
+a pair of files per device and op beside the tuned tables, so that machines that compiled different ops
+each ship their own: `<device key>__<op>__resources.csv` with every config, and `.md` summarizing each
+key, variant and role (counts, the best occupancy without spills, the default's).
 
 Rows come from the device's compile-only runs in the store; when a config was compiled by several
 runs the latest row counts, and rows of kernel sources that changed since are left out.
@@ -56,13 +57,33 @@ def to_csv(rows: list[dict]) -> str:
     return buffer.getvalue()
 
 
-def to_markdown(rows: list[dict], device: DeviceInfo) -> str:
+def to_markdown(rows: list[dict], device: DeviceInfo, registry_variants: dict) -> str:
+    """A summary for reading, one line per key, variant and role (the CSV holds every config): how many
+    configs compiled, spilled or were rejected, the best estimated occupancy without spills and the
+    config that has it, and the default dispatch runs there when nothing is tuned, with its own."""
     unit = "warps per SM" if device.vendor == "nvidia" else "waves per CU"
-    lines = [f"Compile-only resources on {device.name} ({device.key}, {device.arch}); occupancy is {unit} as a "
-             "fraction of the most it holds, estimated from registers, shared memory/LDS and warps per program.", "",
-             "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    variants = {v.name: v for vs in registry_variants.values() for v in vs if v.vendor == device.vendor}
+    groups: dict[tuple, list[dict]] = {}
     for row in rows:
-        lines.append("| " + " | ".join(markdown_cell("" if row[c] is None else str(row[c])) for c in COLUMNS) + " |")
+        groups.setdefault((row["op"], row["tuning_key"], row["variant"], row["role"]), []).append(row)
+    header = ("op", "tuning_key", "variant", "role", "configs", "ok", "spilling", "rejected", "best occupancy",
+              "best config", "default occupancy", "default config")
+    lines = [f"Compile-only resources on {device.name} ({device.key}, {device.arch}), summarized per key, variant "
+             f"and role (the CSV beside this file has every config). Occupancy is {unit} as a fraction of the most "
+             "it holds, estimated from registers, shared memory/LDS and warps per program; 'ok' compiled, "
+             "'spilling' is the part of those that spills registers, 'rejected' was pruned or did not compile.", "",
+             "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for (op, key, name, role), found in sorted(groups.items()):
+        ok = [r for r in found if r["status"] == "ok"]
+        fit = [r for r in ok if not _number(r["spills"])]
+        best = max(fit, key=lambda r: _number(r["occupancy"]) or 0.0, default=None)
+        default = str(variants[name].default_config(json.loads(key), device)[role]) if name in variants else ""
+        mine = next((r for r in found if r["config"] == default), None)
+        mine_text = "not compiled" if mine is None else (
+            str(mine["occupancy"]) if mine in fit else f"{mine['status']}, {mine['spills'] or 0} B spilled")
+        cells = (op, key, name, role, len(found), len(ok), len(ok) - len(fit), len(found) - len(ok),
+                 "" if best is None else best["occupancy"], "" if best is None else best["config"], mine_text, default)
+        lines.append("| " + " | ".join(markdown_cell("" if c is None else str(c)) for c in cells) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -85,7 +106,8 @@ def write_report(store, device: DeviceInfo, registry_variants: dict, out_dir: st
         paths = report_paths(out_dir, device, op)
         for path in paths:
             check_replaceable(path, "--export")
-        written += [write_atomic(paths[0], to_csv(mine)), write_atomic(paths[1], to_markdown(mine, device))]
+        written += [write_atomic(paths[0], to_csv(mine)),
+                    write_atomic(paths[1], to_markdown(mine, device, registry_variants))]
     return written
 
 
