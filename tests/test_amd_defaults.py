@@ -2,6 +2,7 @@
 a variant runs at a key must compile without spills and have the best estimated occupancy among the
 configs of its role that did. Checked here on rows made for the decode variant's real defaults."""
 
+import json
 import os
 import subprocess
 import sys
@@ -79,3 +80,33 @@ def test_compile_only_compiles_a_default_outside_its_space(tmp_path):
     assert done.returncode == 0, done.stderr
     compiled = {(t.variant, str(t.config["bwd_dkv"]), t.status) for t in TuningStore(db).trials()}
     assert compiled == {(variant.name, str(default), "ok")}
+
+
+def test_the_shipped_resource_reports_describe_the_registered_amd_variants():
+    """Every shipped report (`<device>__<op>__resources.csv`, one per target and op) is of its file's target
+    and op, names registered AMD variants and their roles, gives registers and an occupancy for what
+    compiled, and holds each role's default at each of its keys (what dispatch runs untuned)."""
+    import csv
+
+    from kreg.tuning_db.table_files import SHIPPED_TABLES
+
+    paths = sorted(SHIPPED_TABLES.glob("*__resources.csv"))
+    assert paths, "no resource report is shipped"
+    targets = {preset(name).key: preset(name) for name in ("mi300x", "mi355x")}
+    registry = load_all()
+    for path in paths:
+        device_key, op, _ = path.name.split("__")
+        device = targets[device_key]
+        variants = {v.name: v for v in registry[op] if v.vendor == "amd"}
+        rows = list(csv.DictReader(path.open()))
+        assert rows and {r["op"] for r in rows} == {op}, path.name
+        assert {r["variant"] for r in rows} <= set(variants), path.name
+        for row in rows:
+            assert row["role"] in variants[row["variant"]].roles and len(row["source_hash"]) == 16
+            if row["status"] == "ok":
+                assert int(row["registers"]) > 0 and 0 < float(row["occupancy"]) <= 1, (path.name, row)
+        compiled = {(r["tuning_key"], r["variant"], r["role"], r["config"]) for r in rows}
+        for key, name in {(r["tuning_key"], r["variant"]) for r in rows}:
+            default = variants[name].default_config(json.loads(key), device)
+            for role in variants[name].roles:
+                assert (key, name, role, str(default[role])) in compiled, (path.name, key, name, role)

@@ -19,8 +19,8 @@ from kreg.core.device import DeviceInfo
 from kreg.tuning.export import check_replaceable, file_name, markdown_cell, write_atomic
 from kreg.tuning.occupancy import occupancy
 
-COLUMNS = ("op", "tuning_key", "variant", "role", "config", "status", "registers", "spills", "shared_bytes",
-           "warps_per_unit", "occupancy", "limited_by", "reason")
+COLUMNS = ("op", "tuning_key", "variant", "source_hash", "role", "config", "status", "registers", "spills",
+           "shared_bytes", "warps_per_unit", "occupancy", "limited_by", "reason")
 
 
 def report_rows(store, device: DeviceInfo, registry_variants: dict) -> list[dict]:
@@ -41,8 +41,9 @@ def report_rows(store, device: DeviceInfo, registry_variants: dict) -> list[dict
         estimate = None
         if t.status == "ok" and t.registers is not None:
             estimate = occupancy(device, t.registers, t.shared_bytes or 0, config.num_warps)
-        rows.append({"op": op, "tuning_key": key, "variant": variant, "role": role, "config": str(config),
-                     "status": t.status, "registers": t.registers, "spills": t.spills, "shared_bytes": t.shared_bytes,
+        rows.append({"op": op, "tuning_key": key, "variant": variant, "source_hash": t.source_hash, "role": role,
+                     "config": str(config), "status": t.status, "registers": t.registers, "spills": t.spills,
+                     "shared_bytes": t.shared_bytes,
                      "warps_per_unit": None if estimate is None else estimate.warps,
                      "occupancy": None if estimate is None else round(estimate.fraction, 4),
                      "limited_by": None if estimate is None else estimate.limit, "reason": t.error})
