@@ -94,6 +94,10 @@ def sample_configs(configs: list, default, count: int, seed: str) -> list:
     return ([default] if default in configs else []) + chosen
 
 
+# The reason of a compile-only trial whose role the key's calls do not launch.
+NOT_LAUNCHED = "not launched by this key's calls"
+
+
 def compile_only_op(op: Op, variants, target: DeviceInfo, shapes: Iterable[dict], dtype: torch.dtype, store,
                     *, resume: bool, deadline: float | None, progress=None, roles: Iterable[str] | None = None,
                     wanted: dict[str, int] | None = None, sample: int | None = None, pool=None) -> tuple[list, bool]:
@@ -154,7 +158,9 @@ def compile_only_op(op: Op, variants, target: DeviceInfo, shapes: Iterable[dict]
                 regs = max((r.registers or 0 for r in reports), default=None)
                 spills = max((r.spills or 0 for r in reports), default=None)
                 shared = max((r.shared_bytes or 0 for r in reports), default=None)
-                status, error = unfit(reports) or ("ok", None)
+                # A role this key's calls never launch (decode's combine when one split writes the outputs)
+                # compiles nothing: recorded as such, not as a config that fits.
+                status, error = unfit(reports) or (("ok", None) if reports else ("pruned", NOT_LAUNCHED))
             store.record(run_id, TrialResult(
                 op=op.name, variant=variant.name, vendor=variant.vendor, source_hash=variant.source_hash,
                 device_key=target.key, tuning_key=key_json, config=call, role=role, status=status,

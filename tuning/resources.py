@@ -16,6 +16,7 @@ import json
 from pathlib import Path
 
 from kreg.core.device import DeviceInfo
+from kreg.tuning.engine import NOT_LAUNCHED
 from kreg.tuning.export import check_replaceable, file_name, markdown_cell, write_atomic
 from kreg.tuning.occupancy import occupancy
 
@@ -129,6 +130,8 @@ def default_problems(rows: list[dict], registry_variants: dict, device: DeviceIn
             groups.setdefault((row["op"], row["tuning_key"], row["variant"], row["role"]), []).append(row)
     problems = []
     for (op, key, name, role), found in sorted(groups.items()):
+        if all(r["reason"] == NOT_LAUNCHED for r in found):
+            continue  # the role does not run at this key: no default to judge
         where = f"{op} {key} {name} {role}"
         default = str(variants[name].default_config(json.loads(key), device)[role])
         mine = next((r for r in found if r["config"] == default), None)
