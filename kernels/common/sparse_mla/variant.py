@@ -155,12 +155,17 @@ class SparseMLAHeadBlockBase(SparseMLALaunch):
         return key["dtype"] in ("fp16", "bf16") and key["d_qk"] <= 1024
 
     def role_default(self, role: str, key: dict, device) -> LaunchConfig:
-        """The space's default with its head block capped by the group's heads."""
+        """The space's default as a launch runs it: the head block capped by the group's heads, and (fwd,
+        bwd_fused) no more D tiles than leave each 16 columns (a narrow value part), so that the default
+        a compile-only report judges at a key is the kernel that runs there."""
         config = super().role_default(role, key, device)
-        cap = group_head_cap(key["h_q"] // key["h_kv"])
-        if config.blocks.get("BLOCK_H", 0) <= cap:
-            return config
-        return config.model_copy(update={"blocks": {**config.blocks, "BLOCK_H": cap}})
+        blocks = dict(config.blocks)
+        if "BLOCK_H" in blocks:
+            blocks["BLOCK_H"] = min(blocks["BLOCK_H"], group_head_cap(key["h_q"] // key["h_kv"]))
+        if role in ("fwd", "bwd_fused") and "D_SPLIT" in blocks:
+            block_dv, _ = dim_blocks(key["d_qk"], key["d_v"])
+            blocks["D_SPLIT"] = min(blocks["D_SPLIT"], max(1, block_dv // 16))
+        return config if blocks == config.blocks else config.model_copy(update={"blocks": blocks})
 
     def prune_reason(self, role: str, config: LaunchConfig, key: dict, device) -> str | None:
         """Static pruning of what cannot fit; loose on purpose (the compile check is authoritative)."""
