@@ -14,6 +14,7 @@ import csv
 import io
 import json
 from pathlib import Path
+from typing import NamedTuple
 
 from kreg.core.device import DeviceInfo
 from kreg.tuning.engine import NOT_LAUNCHED
@@ -59,15 +60,45 @@ def to_csv(rows: list[dict]) -> str:
     return buffer.getvalue()
 
 
+class _Group(NamedTuple):
+    """One (op, key, variant, role) of a report: its rows, those that compiled, those of them without
+    spills, the best of those by estimated occupancy, and the default dispatch runs there with its row."""
+
+    op: str
+    key: str
+    variant: str
+    role: str
+    rows: list[dict]
+    ok: list[dict]
+    fit: list[dict]
+    best: dict | None
+    default: str
+    mine: dict | None
+
+
+def _groups(rows: list[dict], registry_variants: dict, device: DeviceInfo) -> list[_Group]:
+    """The report's (op, key, variant, role) groups of the device vendor's registered variants, sorted."""
+    variants = {v.name: v for vs in registry_variants.values() for v in vs if v.vendor == device.vendor}
+    found: dict[tuple, list[dict]] = {}
+    for row in rows:
+        if row["variant"] in variants:
+            found.setdefault((row["op"], row["tuning_key"], row["variant"], row["role"]), []).append(row)
+    out = []
+    for (op, key, name, role), members in sorted(found.items()):
+        ok = [r for r in members if r["status"] == "ok"]
+        fit = [r for r in ok if not _number(r["spills"])]
+        best = max(fit, key=lambda r: _number(r["occupancy"]) or 0.0, default=None)
+        default = str(variants[name].default_config(json.loads(key), device)[role])
+        mine = next((r for r in members if r["config"] == default), None)
+        out.append(_Group(op, key, name, role, members, ok, fit, best, default, mine))
+    return out
+
+
 def to_markdown(rows: list[dict], device: DeviceInfo, registry_variants: dict) -> str:
     """A summary for reading, one line per key, variant and role (the CSV holds every config): how many
     configs compiled, spilled or were rejected, the best estimated occupancy without spills and the
     config that has it, and the default dispatch runs there when nothing is tuned, with its own."""
     unit = "warps per SM" if device.vendor == "nvidia" else "waves per CU"
-    variants = {v.name: v for vs in registry_variants.values() for v in vs if v.vendor == device.vendor}
-    groups: dict[tuple, list[dict]] = {}
-    for row in rows:
-        groups.setdefault((row["op"], row["tuning_key"], row["variant"], row["role"]), []).append(row)
     header = ("op", "tuning_key", "variant", "role", "configs", "ok", "spilling", "rejected", "best occupancy",
               "best config", "default occupancy", "default config")
     lines = [f"Compile-only resources on {device.name} ({device.key}, {device.arch}), summarized per key, variant "
@@ -75,16 +106,12 @@ def to_markdown(rows: list[dict], device: DeviceInfo, registry_variants: dict) -
              "it holds, estimated from registers, shared memory/LDS and warps per program; 'ok' compiled, "
              "'spilling' is the part of those that spills registers, 'rejected' was pruned or did not compile.", "",
              "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for (op, key, name, role), found in sorted(groups.items()):
-        ok = [r for r in found if r["status"] == "ok"]
-        fit = [r for r in ok if not _number(r["spills"])]
-        best = max(fit, key=lambda r: _number(r["occupancy"]) or 0.0, default=None)
-        default = str(variants[name].default_config(json.loads(key), device)[role]) if name in variants else ""
-        mine = next((r for r in found if r["config"] == default), None)
-        mine_text = "not compiled" if mine is None else (
-            str(mine["occupancy"]) if mine in fit else f"{mine['status']}, {mine['spills'] or 0} B spilled")
-        cells = (op, key, name, role, len(found), len(ok), len(ok) - len(fit), len(found) - len(ok),
-                 "" if best is None else best["occupancy"], "" if best is None else best["config"], mine_text, default)
+    for g in _groups(rows, registry_variants, device):
+        mine = "not compiled" if g.mine is None else (
+            str(g.mine["occupancy"]) if g.mine in g.fit else f"{g.mine['status']}, {g.mine['spills'] or 0} B spilled")
+        best = ("", "") if g.best is None else (g.best["occupancy"], g.best["config"])
+        cells = (g.op, g.key, g.variant, g.role, len(g.rows), len(g.ok), len(g.ok) - len(g.fit),
+                 len(g.rows) - len(g.ok), *best, mine, g.default)
         lines.append("| " + " | ".join(markdown_cell("" if c is None else str(c)) for c in cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -123,29 +150,18 @@ def default_problems(rows: list[dict], registry_variants: dict, device: DeviceIn
     variant and role of the report (CSV or `report_rows` rows), the default that dispatch would run
     there (`Variant.default_config`) must have compiled without spills and have the best estimated
     occupancy of the configs that did."""
-    variants = {v.name: v for vs in registry_variants.values() for v in vs if v.vendor == device.vendor}
-    groups: dict[tuple, list[dict]] = {}
-    for row in rows:
-        if row["variant"] in variants:
-            groups.setdefault((row["op"], row["tuning_key"], row["variant"], row["role"]), []).append(row)
     problems = []
-    for (op, key, name, role), found in sorted(groups.items()):
-        if all(r["reason"] == NOT_LAUNCHED for r in found):
+    for g in _groups(rows, registry_variants, device):
+        if all(r["reason"] == NOT_LAUNCHED for r in g.rows):
             continue  # the role does not run at this key: no default to judge
-        where = f"{op} {key} {name} {role}"
-        default = str(variants[name].default_config(json.loads(key), device)[role])
-        mine = next((r for r in found if r["config"] == default), None)
-        if mine is None:
-            problems.append(f"{where}: the default {default} is not in the report")
-            continue
-        fit = [r for r in found if r["status"] == "ok" and not _number(r["spills"])]
-        if mine not in fit:
-            problems.append(f"{where}: the default {default} is {mine['status']} with {mine['spills'] or 0} B of "
-                            f"spills ({mine['reason'] or 'no reason recorded'})")
-            continue
-        best = max(fit, key=lambda r: _number(r["occupancy"]) or 0.0)
-        if (_number(best["occupancy"]) or 0.0) > (_number(mine["occupancy"]) or 0.0):
-            problems.append(f"{where}: the default {default} has occupancy {mine['occupancy']}, "
-                            f"{best['config']} {best['occupancy']} without spills")
+        where = f"{g.op} {g.key} {g.variant} {g.role}"
+        if g.mine is None:
+            problems.append(f"{where}: the default {g.default} is not in the report")
+        elif g.mine not in g.fit:
+            problems.append(f"{where}: the default {g.default} is {g.mine['status']} with {g.mine['spills'] or 0} B "
+                            f"of spills ({g.mine['reason'] or 'no reason recorded'})")
+        elif (_number(g.best["occupancy"]) or 0.0) > (_number(g.mine["occupancy"]) or 0.0):
+            problems.append(f"{where}: the default {g.default} has occupancy {g.mine['occupancy']}, "
+                            f"{g.best['config']} {g.best['occupancy']} without spills")
     return problems
 
