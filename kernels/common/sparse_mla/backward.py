@@ -31,6 +31,7 @@ from kreg.kernels.common.sparse_mla.gather import (
     _row_offsets,
     _rows_fit_int32,
     _strides,
+    d_tiles_that_fit,
     dim_blocks,
     group_head_cap,
 )
@@ -418,11 +419,10 @@ def _capped(config: LaunchConfig, heads_per_group: int) -> dict:
 
 
 def fused_blocks(config: LaunchConfig, heads_per_group: int, block_dv: int) -> dict:
-    """The fused kernel's blocks as launched: the head block capped like every role's, and at most as
-    many D chunks as leave each 16 columns (tl.dot's smallest K), so a config tuned for wide heads runs
-    on narrow ones."""
+    """The fused kernel's blocks as launched: the head block capped like every role's, and the D chunks
+    that fit (`d_tiles_that_fit`)."""
     blocks = _capped(config, heads_per_group)
-    return {**blocks, "D_SPLIT": min(blocks["D_SPLIT"], max(1, block_dv // 16))}
+    return {**blocks, "D_SPLIT": d_tiles_that_fit(blocks["D_SPLIT"], block_dv)}
 
 
 # The deterministic passes hand P and dS from the dq pass to the dkv pass (topk * 2 * h_q 16-bit values

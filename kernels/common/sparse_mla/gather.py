@@ -21,6 +21,12 @@ def dim_blocks(d_qk: int, d_v: int) -> tuple[int, int]:
     return dot_block(d_v), (dot_block(tail) if tail else 0)
 
 
+def d_tiles_that_fit(d_split: int, block_dv: int) -> int:
+    """At most `d_split` D tiles of a BLOCK_DV value part: as many as leave each 16 columns (tl.dot's K),
+    so a config tuned for wide heads runs on narrow ones."""
+    return min(d_split, max(1, block_dv // 16))
+
+
 def group_head_cap(heads_per_group: int) -> int:
     """The widest useful head tile: the group's heads rounded up to a power of two (at least 16, tl.dot's M)."""
     return dot_block(heads_per_group)

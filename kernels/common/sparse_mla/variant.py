@@ -27,7 +27,7 @@ from kreg.kernels.common.sparse_mla.backward import (
     _sparse_mla_bwd_sum_kernel,
 )
 from kreg.kernels.common.sparse_mla.forward import _forward, _sparse_mla_fwd_kernel
-from kreg.kernels.common.sparse_mla.gather import dim_blocks, group_head_cap
+from kreg.kernels.common.sparse_mla.gather import d_tiles_that_fit, dim_blocks, group_head_cap
 from kreg.ops.sparse_mla import SparseMLAOutput
 from kreg.ops.variant import CallPlan
 
@@ -164,7 +164,7 @@ class SparseMLAHeadBlockBase(SparseMLALaunch):
             blocks["BLOCK_H"] = min(blocks["BLOCK_H"], group_head_cap(key["h_q"] // key["h_kv"]))
         if role in ("fwd", "bwd_fused") and "D_SPLIT" in blocks:
             block_dv, _ = dim_blocks(key["d_qk"], key["d_v"])
-            blocks["D_SPLIT"] = min(blocks["D_SPLIT"], max(1, block_dv // 16))
+            blocks["D_SPLIT"] = d_tiles_that_fit(blocks["D_SPLIT"], block_dv)
         return config if blocks == config.blocks else config.model_copy(update={"blocks": blocks})
 
     def prune_reason(self, role: str, config: LaunchConfig, key: dict, device) -> str | None:
