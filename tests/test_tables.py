@@ -68,7 +68,6 @@ def filled(tmp_path):
     db.close()
 
 
-
 def test_json_export_adds_to_the_table_already_there(filled, tmp_path):
     """A store that re-tuned some keys, exported over a folder of tables, replaces those keys and keeps the
     file's others (a fresh store must not empty the shipped tables); a file there that is not a table of
@@ -92,6 +91,7 @@ def test_json_export_adds_to_the_table_already_there(filled, tmp_path):
         with pytest.raises(ValueError, match=re.escape(str(shipped))):
             export_json(partial, "h200", out_dir=folder)
         assert shipped.read_text() == text
+
 
 @pytest.fixture
 def table_file(filled, tmp_path) -> Path:
