@@ -309,3 +309,40 @@ def test_cuda_graph_capture_and_replay_follow_new_lengths_and_queries():
         graph.replay()
         torch.cuda.synchronize()
         assert_close(out, OP.reference(**{**args, "return_lse": False}), TOL, what=f"replay with lengths {lens}")
+
+
+def test_split_partials_are_taken_again_per_stream_and_thread(device):
+    """The split partials' buffers of a bound plan are allocated on its first several-split call and
+    taken again by later calls of those shapes on the same stream and thread, which stay right on new
+    inputs and leave earlier outputs as they were; a call of other split shapes, or from another thread,
+    gets buffers of its own."""
+    import threading
+
+    variant = VARIANTS[0]
+    first = _inputs(device, b=2, s_q=1, h_q=4, h_kv=2, d=64, lens=[60, 9], capacity=64, seed=21)
+    second = _inputs(device, b=2, s_q=1, h_q=4, h_kv=2, d=64, lens=[3, 64], capacity=64, seed=22)
+    plan = variant.plan(first, variant.default_config(dict(OP.tuning_key(first)), INFO))
+    call = variant.bind(plan)
+    out_first, _ = call({**first, "num_splits": 3})
+    (kept,) = _plan_partials(call)
+    out_second, _ = call({**second, "num_splits": 3})
+    (again,) = _plan_partials(call)
+    assert again[0] is kept[0] and again[1] is kept[1]  # the same buffers, taken again
+    assert_close(out_first, OP.reference(**first)[0], TOL, what="the first call's output, after the second")
+    assert_close(out_second, OP.reference(**second)[0], TOL, what="the second call, on the first's partials")
+    call({**second, "num_splits": 2})
+    assert len(_plan_partials(call)) == 1 and _plan_partials(call)[0][0] is not kept[0]
+    done = []
+    worker = threading.Thread(target=lambda: done.append(call({**first, "num_splits": 2})))
+    worker.start()
+    worker.join()
+    assert len(_plan_partials(call)) == 2
+    assert_close(done[0][0], OP.reference(**first)[0], TOL, what="a call from another thread")
+
+
+def _plan_partials(call) -> list[tuple]:
+    """The (o_part, lse_part) pairs a bound decode call's plan keeps."""
+    from kreg.kernels.common.decode import DecodeLaunch
+
+    (plan,) = [c.cell_contents for c in call.__closure__ if isinstance(c.cell_contents, DecodeLaunch)]
+    return [(o_part, lse_part) for _, o_part, lse_part in plan.partials.values()]

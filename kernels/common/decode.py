@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -342,6 +343,8 @@ class DecodeLaunch:
     # capacity in a known geometry.
     geometries: dict = field(default_factory=dict, compare=False, repr=False)
     by_splitting: dict = field(default_factory=dict, compare=False, repr=False)
+    # The split partials' buffers of the last call per stream and thread (`_partials`).
+    partials: dict = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def of(cls, plan: CallPlan) -> DecodeLaunch:
@@ -474,11 +477,46 @@ def _geometry(plan: DecodeLaunch, q_shape, q_stride, k_shape, k_stride, v_stride
                      (cdiv(rows, per_program),), combine_scalars, combine_kwargs)
 
 
+# (stream, thread) pairs a plan keeps partials' buffers for; past it they are dropped (each pair holds
+# one call's partials, a few MB at most at serving shapes).
+MAX_PARTIALS = 16
+_current_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None)
+
+
+def _partials(plan: DecodeLaunch, shapes: tuple, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fp32 buffers the split kernel writes its partial outputs and lse into and the combine reads
+    them from. Two allocations a call were a fifth of a decode step's host time, so the last call's
+    buffers of these shapes are taken again when the call runs on the same stream from the same thread:
+    the stream orders this call's split after the last call's combine, and one thread's launches are
+    never interleaved with another's between the two. A call captured in a CUDA graph gets buffers of
+    its own (the graph keeps them; a replay may run beside eager calls)."""
+    if device.type != "cuda":
+        key = (device, threading.get_ident())
+    elif _current_raw_stream is None or _capturing is None or _capturing():
+        return (torch.empty(shapes[0], device=device, dtype=torch.float32),
+                torch.empty(shapes[1], device=device, dtype=torch.float32))
+    else:
+        # The device too: every device's default stream is the null stream, and a plan serves every GPU
+        # of its kind.
+        key = (device.index, _current_raw_stream(device.index), threading.get_ident())
+    kept = plan.partials.get(key)
+    if kept is not None and kept[0] == shapes:
+        return kept[1], kept[2]
+    if len(plan.partials) >= MAX_PARTIALS:
+        plan.partials.clear()
+    o_part = torch.empty(shapes[0], device=device, dtype=torch.float32)
+    lse_part = torch.empty(shapes[1], device=device, dtype=torch.float32)
+    plan.partials[key] = (shapes, o_part, lse_part)
+    return o_part, lse_part
+
+
 def decode_forward(args: dict, plan: DecodeLaunch, launch: Callable[..., Any] = triton_launch):
     """Run the split and combine kernels on the decode contract's validated args: `out`, or
-    `(out, lse)` with `return_lse`. Outputs and the workspace are allocated here (a CUDA graph
-    captures them with the launches). A 3-D q (one token) is passed with a token stride of 0 and its
-    outputs are allocated 3-D: no view is made, each would cost a microsecond of host time. `launch`
+    `(out, lse)` with `return_lse`. Outputs are allocated here, the split partials come from
+    `_partials` (a CUDA graph captures both with the launches). A 3-D q (one token) is passed with
+    a token stride of 0 and its outputs are allocated 3-D: no view is made, each would cost a
+    microsecond of host time. `launch`
     runs each kernel: Triton's own launch, or a dispatch plan's `LaunchCache`. The launch geometry
     comes from the plan's geometries when this call signature was seen before."""
     q, k_cache, v_cache, table = args["q"], args["k_cache"], args["v_cache"], args["block_table"]
@@ -496,8 +534,7 @@ def decode_forward(args: dict, plan: DecodeLaunch, launch: Callable[..., Any] = 
     if geo.part_shapes is None:
         o_part, lse_part = out, (lse if lse is not None else out)
     else:
-        o_part = torch.empty(geo.part_shapes[0], device=device, dtype=torch.float32)
-        lse_part = torch.empty(geo.part_shapes[1], device=device, dtype=torch.float32)
+        o_part, lse_part = _partials(plan, geo.part_shapes, device)
     launch(_decode_split_kernel, geo.split_grid, q, k_cache, v_cache, seqlens, table if paged else seqlens, o_part,
            lse_part, sinks if sinks is not None else lse_part, float(args["sm_scale"]) * LOG2E.value,
            *geo.split_scalars, **geo.split_kwargs)
