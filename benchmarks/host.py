@@ -14,12 +14,14 @@ as a user sees it (0 when the GPU is the bound). Rows:
     python -m benchmarks.host                      # the table
     python -m benchmarks.host --serving            # its serving rows only (no op's smallest shape)
     python -m benchmarks.host --profile decode     # cProfile of 2000 eager calls of one row's op
+    python -m benchmarks.host --stages decode      # where one eager call's host time goes
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import pstats
 import statistics
 import sys
@@ -31,6 +33,7 @@ import torch.nn.functional as F
 from kreg import registry
 from kreg.benchmarks.common import checked, host_us
 from kreg.benchmarks.dispatch import _graph_us, _positional
+from kreg.kernels.common.launch import LaunchCache
 from kreg.ops import OPS
 
 SERVING = {
@@ -155,9 +158,52 @@ def profile(name: str, dtype: torch.dtype = torch.bfloat16, calls: int = 2000) -
     pstats.Stats(prof).sort_stats("tottime").print_stats(25)
 
 
+def _recorded_launches() -> list:
+    """Every launch record of every LaunchCache alive (found through the garbage collector: a benchmark's
+    way in, not a kernel's)."""
+    return [rec for cache in gc.get_objects() if isinstance(cache, LaunchCache)
+            for site in cache._sites.values() for rec in site.records]
+
+
+def stages(name: str, dtype: torch.dtype = torch.bfloat16) -> None:
+    """Host microseconds per eager call of the op's serving row (or its smallest full shape), split:
+    the validation alone, the whole call with its kernel launches left out (every launch replaced by a
+    no-op at the LaunchCache record it hits: what Python costs), and the whole call; beside one
+    torch.empty of the output's size and SDPA's call where the row has one. Host time, not wall time:
+    the GPU is not waited for between calls."""
+    label, shape = next(((lbl, s) for lbl, (n, s) in SERVING.items() if n == name), (name, None))
+    shape = shape or smallest_full_shape(name)
+    op = OPS[name]
+    kw = op.make_inputs(shape, device="cuda", dtype=dtype, seed=0)
+    handle = registry.get(name)
+    call = _kreg(name, kw)
+    for _ in range(50):
+        call()
+    out = call()
+    out = out[0] if isinstance(out, tuple) else out
+    records = _recorded_launches()
+    runs = [rec.run for rec in records]
+    fns = {"validate": lambda: handle._validate(**kw), "call": call,
+           "torch.empty (output)": lambda: torch.empty(out.shape, dtype=out.dtype, device=out.device)}
+    if name in ("flash_attention", "decode"):
+        fns["SDPA"] = _sdpa(name, kw)
+    us = {k: statistics.median(v) for k, v in host_us(fns, iters=2000, repeats=7).items()}
+    for rec in records:
+        rec.run = lambda stream, grid, args: None
+    try:
+        us["call, launches left out"] = statistics.median(host_us({"x": call}, iters=2000, repeats=7)["x"])
+    finally:
+        for rec, run in zip(records, runs, strict=True):
+            rec.run = run
+    print(f"{label} ({len(records)} recorded launches)")
+    for stage, value in us.items():
+        print(f"  {stage:28s} {value:7.1f} us")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.host")
     parser.add_argument("--profile", metavar="OP", help="profile one op's eager calls instead of the table")
+    parser.add_argument("--stages", metavar="OP", help="split one op's eager host time into its stages")
     parser.add_argument("--serving", action="store_true", help="the serving rows only (they compile in seconds)")
     opts = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -165,6 +211,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if opts.profile:
         profile(opts.profile)
+        return 0
+    if opts.stages:
+        stages(opts.stages)
         return 0
     print(f"{torch.cuda.get_device_name()}, bf16, torch {torch.__version__}")
     print("\n".join(rows(every_op=not opts.serving)))
