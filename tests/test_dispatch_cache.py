@@ -341,6 +341,53 @@ def test_launches_that_change_every_time_stop_recording(fake_device, monkeypatch
     assert len(kernel.through_triton) == 50 and not kernel.compiled.direct
 
 
+def _signed(cache, kernel, x, y, signature="sig", **changes):
+    return cache.signed(signature, kernel, (4, 2), x, y, changes.get("n", 64), 0.5, 16, BLOCK=32, FLAG=True,
+                        num_warps=4)
+
+
+def test_signed_launches_take_their_record_without_comparing(fake_device, monkeypatch):
+    """A signature's launches, once one of them made a record, take it with only the tensors' alignment
+    checked (not the comparison of `matches`), with the call's own tensors and scalars; a misaligned
+    tensor, another current device and a launch hook still go through Triton."""
+    compared = []
+    real = launch._Record.matches
+    monkeypatch.setattr(launch._Record, "matches", lambda self, *a: compared.append(1) or real(self, *a))
+    cache, kernel = launch.LaunchCache(), _Kernel()
+    x, y = _tensors()
+    for _ in range(2):
+        _signed(cache, kernel, x, y)
+    assert len(kernel.through_triton) == 2 and not compared  # the second launch made the record
+    other_x, other_y = _tensors()
+    _signed(cache, kernel, other_x, other_y, n=80)
+    assert not compared and kernel.compiled.direct == [(4, 2, 1, 100, "function", (4, 1, 0), None, None, None, other_x,
+                                                        other_y, 80, 0.5, 16, 32, True)]
+    _signed(cache, kernel, _misaligned(x), y)
+    fake_device[0] = 1
+    _signed(cache, kernel, x, y)
+    fake_device[0] = 0
+    hook = lambda metadata: None  # noqa: E731
+    knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        _signed(cache, kernel, x, y)
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
+    assert len(kernel.through_triton) == 5 and len(kernel.compiled.direct) == 1
+
+
+def test_a_signature_takes_the_record_an_unsigned_launch_made_and_signatures_are_capped(fake_device):
+    """A signed launch that matches a record made by plain launches takes it (and keeps it for its
+    signature); past MAX_SIGNATURES signatures the cache forgets them all, not the records."""
+    cache, kernel = launch.LaunchCache(), _Kernel()
+    x, y = _tensors()
+    for _ in range(2):
+        _launch(cache, kernel, x, y)
+    for i in range(launch.MAX_SIGNATURES + 1):
+        _signed(cache, kernel, x, y, signature=("sig", i))
+    assert len(kernel.through_triton) == 2 and len(kernel.compiled.direct) == launch.MAX_SIGNATURES + 1
+    assert list(cache._signed) == [("sig", launch.MAX_SIGNATURES)]
+
+
 def test_records_hold_no_tensor(fake_device):
     cache, kernel = launch.LaunchCache(), _Kernel()
     x, y = _tensors()
@@ -478,6 +525,54 @@ def test_cached_launches_give_tritons_bits(name, triton_runs):
         expected = _direct(name, fresh)
         assert torch.equal(out, expected), f"{name}: cached launch differs from Triton's (seed {seed})"
         assert_close(out, _reference(name, fresh), TOLERANCE[DTYPE], what=f"{name} seed {seed}")
+
+
+# The Hopper Gluon forwards a LaunchCache launches by signature, at shapes they serve (sm_90 only):
+# (op, variant, shape), two sequence lengths each.
+SIGNED_FORWARDS = {
+    "warp-specialized": ("flash_attention", "flash_attention_warpspec",
+                         {"b": 1, "s_q": 77, "s_k": 77, "h_q": 4, "h_kv": 2, "d": 64, "causal": True, "window": None}),
+    "window TMA": ("sink_attention", "sink_attention_window_tma",
+                   {"b": 1, "s_q": 150, "s_k": 150, "h_q": 8, "h_kv": 2, "d": 64, "causal": True, "window": 64,
+                    "sinks": True}),
+}
+
+
+@gpu
+@pytest.mark.parametrize("which", list(SIGNED_FORWARDS))
+def test_signed_forwards_give_tritons_bits_for_each_signature(which, triton_runs):
+    """Two lengths, with and without lse (four signatures), called in turn: every cached launch gives
+    the bits of Triton's own launch of the same variant, and the reference's values."""
+    name, variant, shape = SIGNED_FORWARDS[which]
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon forwards run on sm_90")
+    op, handle = OPS[name], registry.get(name, variant=variant)
+    shapes = (shape, {**shape, "s_q": 33, "s_k": 33})
+
+    def inputs(s, seed, return_lse):
+        return {**op.make_inputs(s, device=DEVICE, dtype=DTYPE, seed=seed), "return_lse": return_lse}
+
+    for _ in range(2):
+        for s in shapes:
+            for return_lse in (False, True):
+                handle(**inputs(s, 0, return_lse))
+    for seed in (1, 2):
+        for s in shapes:
+            for return_lse in (False, True):
+                kw = inputs(s, seed, return_lse)
+                triton_runs.clear()
+                got = handle(**kw)
+                assert not triton_runs, f"{which}: launched through Triton: {triton_runs}"
+                choice = handle.choice(**kw)
+                assert choice.variant.name == variant
+                expected = choice.variant.launch(op.validate(**kw), choice.plan)
+                got, expected = (got, expected) if return_lse else ((got,), (expected,))
+                for a, b in zip(got, expected, strict=True):
+                    assert torch.equal(a, b), f"{which} {s} lse={return_lse}: differs from Triton's launch"
+                reference = op.reference(**op.validate(**kw))
+                reference = reference if return_lse else (reference,)
+                for a, b in zip(got, reference, strict=True):
+                    assert_close(a, b, TOLERANCE[DTYPE], what=f"{which} {s} seed {seed}")
 
 
 @gpu

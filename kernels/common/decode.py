@@ -535,12 +535,17 @@ def decode_forward(args: dict, plan: DecodeLaunch, launch: Callable[..., Any] = 
         o_part, lse_part = out, (lse if lse is not None else out)
     else:
         o_part, lse_part = _partials(plan, geo.part_shapes, device)
-    launch(_decode_split_kernel, geo.split_grid, q, k_cache, v_cache, seqlens, table if paged else seqlens, o_part,
-           lse_part, sinks if sinks is not None else lse_part, float(args["sm_scale"]) * LOG2E.value,
-           *geo.split_scalars, **geo.split_kwargs)
+    # A LaunchCache launches both kernels by the call signature: with the plan's tuning key (its dtype)
+    # it fixes every argument's type and every scalar and constexpr the geometry holds.
+    by_signature = getattr(launch, "signed", None)
+    split = launch if by_signature is None else functools.partial(by_signature, ("split", signature))
+    split(_decode_split_kernel, geo.split_grid, q, k_cache, v_cache, seqlens, table if paged else seqlens, o_part,
+          lse_part, sinks if sinks is not None else lse_part, float(args["sm_scale"]) * LOG2E.value,
+          *geo.split_scalars, **geo.split_kwargs)
     if geo.part_shapes is not None:
-        launch(_decode_combine_kernel, geo.combine_grid, o_part, lse_part, sinks if sinks is not None else lse_part,
-               out, lse if lse is not None else lse_part, *geo.combine_scalars, **geo.combine_kwargs)
+        combine = launch if by_signature is None else functools.partial(by_signature, ("combine", signature))
+        combine(_decode_combine_kernel, geo.combine_grid, o_part, lse_part, sinks if sinks is not None else lse_part,
+                out, lse if lse is not None else lse_part, *geo.combine_scalars, **geo.combine_kwargs)
     return (out, lse) if lse is not None else out
 
 

@@ -277,19 +277,54 @@ class _Site:
         self.misses = 0
 
 
+# Signatures a cache keeps the record of (`LaunchCache.signed`); past it they are all forgotten at once.
+MAX_SIGNATURES = 64
+
+
 class LaunchCache:
     """The kernels of one tuning key's launches: `cache(kernel, grid, *args, **kwargs)` launches as
     `kernel[grid](*args, **kwargs)` does, skipping Triton's specialization when the launch matches one
     recorded for the kernel (the module docstring says what is compared). A kernel's first launch in a
     cache records nothing (a key called once costs nothing more); later launches through Triton record
-    theirs, up to MAX_RECORDS per kernel, until MAX_MISSES of them come with no hit between."""
+    theirs, up to MAX_RECORDS per kernel, until MAX_MISSES of them come with no hit between.
 
-    __slots__ = ("_sites",)
+    `cache.signed(signature, kernel, grid, *args, **kwargs)` is the same launch for a caller that can
+    name, in one hashable `signature`, everything the comparison looks at but the tensors' addresses,
+    the floats' values and the grid's values: its launches skip the comparison."""
+
+    __slots__ = ("_sites", "_signed")
 
     def __init__(self) -> None:
         self._sites: dict[Any, _Site] = {}
+        self._signed: dict[Any, _Record] = {}
 
     def __call__(self, kernel: Any, grid: tuple, *args: Any, **kwargs: Any) -> Any:
+        return self._launch(kernel, grid, args, kwargs)[0]
+
+    def signed(self, signature: Any, kernel: Any, grid: tuple, *args: Any, **kwargs: Any) -> Any:
+        """`self(kernel, grid, *args, **kwargs)`, where launches of one `signature` are promised to be of
+        one kernel and to specialize alike: the same keyword arguments, argument types, tensor dtypes,
+        descriptor types, constexprs and ints of the same Triton class (a signature of the shapes
+        and flags the arguments are made from fixes all of these). Once such a launch took or made a
+        record, later ones of its signature take that record with only their tensors' alignment, the
+        current device and the launch hooks checked. A signature that breaks the promise launches a
+        kernel specialized for another launch: callers name every input the arguments depend on."""
+        rec = self._signed.get(signature)
+        if rec is not None and not reduce(or_, map(_data_ptr, rec.tensors(args)), 0) & 15:
+            device = rec.current_device()
+            if device == rec.device and not _hooks_set():
+                rec.run(rec.current_stream(device), grid, args)
+                return rec.compiled
+        compiled, rec = self._launch(kernel, grid, args, kwargs)
+        if rec is not None:
+            if len(self._signed) >= MAX_SIGNATURES:
+                self._signed.clear()
+            self._signed[signature] = rec
+        return compiled
+
+    def _launch(self, kernel: Any, grid: tuple, args: tuple, kwargs: dict) -> tuple[Any, _Record | None]:
+        """The launch: through the record it matches, or Triton's. Returns the compiled kernel and the
+        record launched or just made (None when there is none)."""
         site = self._sites.get(id(kernel))
         if site is not None:
             for rec in site.records:
@@ -303,8 +338,9 @@ class LaunchCache:
                     rec.run(rec.current_stream(device), grid, args)
                     if site.misses:
                         site.misses = 0  # misses since the last hit are what stops recording
-                    return rec.compiled
+                    return rec.compiled, rec
         compiled = kernel[grid](*args, **kwargs)
+        rec = None
         if site is None:
             self._sites[id(kernel)] = _Site(kernel)
         elif site.misses < MAX_MISSES:
@@ -312,4 +348,4 @@ class LaunchCache:
             rec = None if _hooks_set() else _record(kernel, compiled, grid, args, kwargs)
             if rec is not None:
                 site.records = (rec, *site.records[: MAX_RECORDS - 1])
-        return compiled
+        return compiled, rec

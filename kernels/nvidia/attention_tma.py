@@ -73,19 +73,26 @@ def _tma_strides(shape: tuple, strides: tuple, elem: int) -> tuple | None:
     return tuple(strides)
 
 
+@functools.lru_cache(maxsize=1024)  # on every call's host path: a process sees few distinct layouts
+def _descriptor_fields(shape: tuple, strides: tuple, dtype: torch.dtype, rows: int, heads: int) -> dict:
+    """A descriptor's fields but its base, for a tensor of this layout and blocks of `rows` rows of
+    `heads` heads. Descriptors of one layout share these lists: nothing writes them after this."""
+    d = shape[-1]
+    return {"shape": list(shape), "strides": list(_tma_strides(shape, strides, dtype.itemsize)),
+            "block_shape": [1, rows, heads, d], "layout": _block_layout(rows, d, _ELEMENT_NAMES[dtype], heads),
+            "padding": "zero"}
+
+
 def descriptor(t: torch.Tensor, rows: int, heads: int = 1) -> TensorDescriptor:
     """A TMA descriptor over a [b, s, h, d] tensor whose blocks are `rows` rows of `heads` consecutive
     heads (token-major), for a tensor `tma_addressable` accepted (the contracts make every dimension
     non-empty and the last contiguous).
 
     Made without the dataclass's own checks, which would repeat those on every call (a third of a
-    descriptor's host time; a launcher builds four to six per call)."""
-    shape = t.shape
-    d = shape[-1]
+    descriptor's host time; a launcher builds four to six per call), from fields kept per layout."""
     made = object.__new__(TensorDescriptor)
-    made.__dict__.update(base=t, shape=list(shape), strides=list(_tma_strides(shape, t.stride(), t.element_size())),
-                         block_shape=[1, rows, heads, d],
-                         layout=_block_layout(rows, d, _ELEMENT_NAMES[t.dtype], heads), padding="zero")
+    made.__dict__.update(_descriptor_fields(t.shape, t.stride(), t.dtype, rows, heads))
+    made.base = t
     return made
 
 
@@ -101,3 +108,16 @@ def padded_outputs(q: torch.Tensor, keep_lse: bool, return_lse: bool) -> tuple[t
 def tma_addressable(t: torch.Tensor) -> bool:
     """Whether TMA can address `t`: a 16-byte aligned base and a layout `_tma_strides` accepts."""
     return t.data_ptr() % 16 == 0 and _tma_strides(t.shape, t.stride(), t.element_size()) is not None
+
+
+def tma_addressable_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """`tma_addressable` of q, k and v (of one element type, as the contracts make them), their three
+    layouts checked in one cached lookup: a forward's host path asks on every call."""
+    return (not (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15
+            and _layouts_addressable(q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.element_size()))
+
+
+@functools.lru_cache(maxsize=1024)
+def _layouts_addressable(*shapes_and_strides_then_elem) -> bool:
+    *layouts, elem = shapes_and_strides_then_elem
+    return all(_tma_strides(layouts[i], layouts[i + 1], elem) is not None for i in range(0, len(layouts), 2))

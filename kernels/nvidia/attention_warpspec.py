@@ -39,6 +39,7 @@ compare it with the reference in bf16. Semantics: `ops.flash_attention.reference
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -67,7 +68,7 @@ from kreg.kernels.nvidia.attention_tma import (
     padded_outputs,
     query_tile,
     release,
-    tma_addressable,
+    tma_addressable_qkv,
 )
 from kreg.kernels.nvidia.attention_warpspec_bwd import (
     DKV_HEAD_DIM_DEFAULTS,
@@ -347,22 +348,31 @@ def _attention_fwd_ws_kernel(
 
 
 # ----------------------------------------------------------------------------- launcher
-def warpspec_forward(args: Mapping, config: LaunchConfig, keep_lse: bool, launch: Callable[..., Any] = triton_launch
-                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def warpspec_forward(args: Mapping, config: LaunchConfig, keep_lse: bool, launch: Callable[..., Any] = triton_launch,
+                     signed: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Allocate out (and lse, when returned or kept for a backward) and run the warp-specialized forward
-    on padded [b, s, h, d] inputs that `tma_addressable` accepts. No tensor value is read on the host."""
+    on padded [b, s, h, d] inputs that `tma_addressable` accepts. No tensor value is read on the host.
+    With `signed` (`config` is the one this launch cache always gets), a `LaunchCache` launches it by
+    the call's signature: the shapes, dtypes and flags every argument and constexpr is made from."""
     q, k, v = args["q"], args["k"], args["v"]
     sinks = args.get("sinks")
     batch, s_q, h_q, d = q.shape
     s_k, h_kv = k.shape[1], k.shape[2]
     out, lse = padded_outputs(q, keep_lse, args["return_lse"])
     rows, keys = config.blocks["BLOCK_M"], config.blocks["BLOCK_N"]
+    causal = bool(args["causal"])
+    grid = (triton.cdiv(s_q, config.blocks["CONSUMERS"] * rows), h_q, batch)
+    by_signature = getattr(launch, "signed", None) if signed else None
+    if by_signature is not None:
+        signature = ("attention_fwd_ws", q.shape, k.shape, q.dtype, sinks.dtype if sinks is not None else None,
+                     lse is None, causal)
+        launch = functools.partial(by_signature, signature)
     launch(
-        _attention_fwd_ws_kernel, (triton.cdiv(s_q, config.blocks["CONSUMERS"] * rows), h_q, batch),
+        _attention_fwd_ws_kernel, grid,
         descriptor(q, rows), descriptor(k, keys), descriptor(v, keys), descriptor(out, rows),
         sinks, lse if lse is not None else out,
         float(args["sm_scale"]) * LOG2E.value, s_q, s_k, *(lse.stride()[:2] if lse is not None else (0, 0)),
-        GROUP=h_q // h_kv, IS_CAUSAL=bool(args["causal"]), HAS_SINKS=sinks is not None, RETURN_LSE=lse is not None,
+        GROUP=h_q // h_kv, IS_CAUSAL=causal, HAS_SINKS=sinks is not None, RETURN_LSE=lse is not None,
         HEAD_DIM=d, **config.blocks, num_warps=4)
     return out, lse
 
@@ -422,7 +432,7 @@ FORWARD_HEAD_DIM_DEFAULTS = ((64, {"NUM_STAGES": 3}), (128, {}))
 def _served(args: Mapping, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether the warp-specialized kernels take a call: padded (not varlen) and q, k and v addressable
     by TMA (varlen calls and other strides share a tuning key with the calls they serve)."""
-    return args["cu_seqlens_q"] is None and all(tma_addressable(t) for t in (q, k, v))
+    return args["cu_seqlens_q"] is None and tma_addressable_qkv(q, k, v)
 
 
 # The roles with kernels of their own here: (HEAD_DIM_DEFAULTS rows, shared-memory estimate).
@@ -483,12 +493,12 @@ class AttentionWarpSpecHopper:
         """This forward, and the tiled pre kernel followed by the warp-specialized dK/dV and dQ kernels;
         varlen calls and inputs TMA cannot address go to the tiled kernels with the tiled variant's
         default configs for the plan's key and device."""
-        tiled = self.fallback(plan)
+        tiled, own = self.fallback(plan), plan.config["fwd"]
 
         def forward(args: Mapping, config: LaunchConfig, keep_lse: bool,
                     launch: Callable[..., Any] = triton_launch) -> tuple[torch.Tensor, torch.Tensor | None]:
             if _served(args, args["q"], args["k"], args["v"]):
-                return warpspec_forward(args, config, keep_lse, launch)
+                return warpspec_forward(args, config, keep_lse, launch, signed=config is own)
             return attention_forward(args, tiled["fwd"], keep_lse, launch)
 
         def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None,

@@ -21,6 +21,7 @@ kernel otherwise). Semantics: `ops.sink_attention.reference`.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -43,7 +44,7 @@ from kreg.kernels.common.attention.forward import attention_forward
 from kreg.kernels.common.attention.tile_rules import causal_window, window_reason
 from kreg.kernels.common.constants import LN2, LOG2E
 from kreg.kernels.common.launch import triton_launch
-from kreg.kernels.nvidia.attention_tma import descriptor, padded_outputs, tma_addressable
+from kreg.kernels.nvidia.attention_tma import descriptor, padded_outputs, tma_addressable_qkv
 from kreg.ops.variant import CallPlan
 
 FLOAT32_LOWEST = gl.constexpr(-3.4028234663852886e38)
@@ -207,7 +208,7 @@ def window_tma_served(args: Mapping, config: LaunchConfig) -> bool:
     The dtype, head dim and GQA group are the tuning key's (`AttentionWindowTmaHopper.supports`)."""
     return (args["cu_seqlens_q"] is None and float(args["sm_scale"]) > 0
             and window_reason(causal_window(args, args["k"].shape[1]), config.blocks["TOKENS"]) is None
-            and all(tma_addressable(args[name]) for name in ("q", "k", "v")))
+            and tma_addressable_qkv(args["q"], args["k"], args["v"]))
 
 
 def tiled_equivalent(config: LaunchConfig) -> LaunchConfig:
@@ -218,10 +219,12 @@ def tiled_equivalent(config: LaunchConfig) -> LaunchConfig:
                                 "KEY_LOOPS": 2}, num_warps=config.num_warps, num_stages=2)
 
 
-def window_tma_forward(args: Mapping, config: LaunchConfig, keep_lse: bool, launch: Callable[..., Any] = triton_launch
-                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def window_tma_forward(args: Mapping, config: LaunchConfig, keep_lse: bool, launch: Callable[..., Any] = triton_launch,
+                       signed: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Allocate out (and lse, when returned or kept for a backward) and run this kernel on a call
-    `window_tma_served` accepts. No tensor value is read on the host."""
+    `window_tma_served` accepts. No tensor value is read on the host. With `signed` (`config` is the
+    one this launch cache always gets), a `LaunchCache` launches it by the call's signature: the shapes,
+    dtypes, window and flags every argument and constexpr is made from."""
     q, k, v = args["q"], args["k"], args["v"]
     sinks = args.get("sinks")
     batch, s_q, h_q, d = q.shape
@@ -229,6 +232,11 @@ def window_tma_forward(args: Mapping, config: LaunchConfig, keep_lse: bool, laun
     out, lse = padded_outputs(q, keep_lse, args["return_lse"])
     window = causal_window(args, s_k)
     tokens, heads, half = config.blocks["TOKENS"], config.blocks["HEADS"], window // 2
+    by_signature = getattr(launch, "signed", None) if signed else None
+    if by_signature is not None:
+        signature = ("attention_fwd_window_tma", q.shape, k.shape, q.dtype,
+                     sinks.dtype if sinks is not None else None, lse is None, window)
+        launch = functools.partial(by_signature, signature)
     launch(
         _attention_fwd_window_tma_kernel, (triton.cdiv(s_q, tokens), h_q // heads, batch),
         descriptor(q, tokens, heads), descriptor(k, half), descriptor(v, half), descriptor(k, TAIL.value),
@@ -317,11 +325,12 @@ class AttentionWindowTmaHopper:
     def launchers(self, plan: CallPlan) -> tuple[Callable[..., tuple], Callable[..., tuple]]:
         """This forward, or for the calls it hands over the tiled forward in the same no-loop form; the
         tiled backward."""
+        own = plan.config["fwd"]
 
         def forward(args: Mapping, config: LaunchConfig, keep_lse: bool,
                     launch: Callable[..., Any] = triton_launch) -> tuple[torch.Tensor, torch.Tensor | None]:
             if window_tma_served(args, config):
-                return window_tma_forward(args, config, keep_lse, launch)
+                return window_tma_forward(args, config, keep_lse, launch, signed=config is own)
             return attention_forward(args, tiled_equivalent(config), keep_lse, launch)
 
         return forward, attention_backward
