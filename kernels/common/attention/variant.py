@@ -68,7 +68,8 @@ def attention_call(args: Mapping, config: CallConfig, launch: Callable[..., Any]
     """
     q, k, v = args["q"], args["k"], args["v"]
     sinks = args.get("sinks")
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, sinks)):
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                    or (sinks is not None and sinks.requires_grad)):
         return _AttentionFunction.apply(forward, backward, q, k, v, sinks, args, config, launch)
     out, lse = forward(args, config["fwd"], keep_lse=False, launch=launch)
     return (out, lse) if args["return_lse"] else out
