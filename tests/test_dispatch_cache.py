@@ -282,20 +282,25 @@ def test_a_constexpr_passed_by_position_is_compared_by_value(fake_device):
     assert len(kernel.compiled.direct) == 1
 
 
+def _on_another_device_then_under_a_hook(fake_device, launch_once) -> None:
+    """One launch with device 1 current, then one on device 0 with a launch hook set."""
+    fake_device[0] = 1
+    launch_once()
+    fake_device[0] = 0
+    hook = lambda metadata: None  # noqa: E731
+    knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        launch_once()
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
+
+
 def test_another_current_device_or_a_launch_hook_goes_through_triton(fake_device):
     cache, kernel = launch.LaunchCache(), _Kernel()
     x, y = _tensors()
     for _ in range(2):
         _launch(cache, kernel, x, y)
-    fake_device[0] = 1
-    _launch(cache, kernel, x, y)
-    fake_device[0] = 0
-    hook = lambda metadata: None  # noqa: E731
-    knobs.runtime.launch_enter_hook.add(hook)
-    try:
-        _launch(cache, kernel, x, y)
-    finally:
-        knobs.runtime.launch_enter_hook.remove(hook)
+    _on_another_device_then_under_a_hook(fake_device, lambda: _launch(cache, kernel, x, y))
     assert len(kernel.through_triton) == 4 and not kernel.compiled.direct
 
 
@@ -363,15 +368,7 @@ def test_signed_launches_take_their_record_without_comparing(fake_device, monkey
     assert not compared and kernel.compiled.direct == [(4, 2, 1, 100, "function", (4, 1, 0), None, None, None, other_x,
                                                         other_y, 80, 0.5, 16, 32, True)]
     _signed(cache, kernel, _misaligned(x), y)
-    fake_device[0] = 1
-    _signed(cache, kernel, x, y)
-    fake_device[0] = 0
-    hook = lambda metadata: None  # noqa: E731
-    knobs.runtime.launch_enter_hook.add(hook)
-    try:
-        _signed(cache, kernel, x, y)
-    finally:
-        knobs.runtime.launch_enter_hook.remove(hook)
+    _on_another_device_then_under_a_hook(fake_device, lambda: _signed(cache, kernel, x, y))
     assert len(kernel.through_triton) == 5 and len(kernel.compiled.direct) == 1
 
 
