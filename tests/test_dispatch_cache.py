@@ -385,6 +385,15 @@ def test_a_signature_takes_the_record_an_unsigned_launch_made_and_signatures_are
     assert list(cache._signed) == [("sig", launch.MAX_SIGNATURES)]
 
 
+def test_signed_launch_binds_a_signature_to_a_launch_cache_only(fake_device):
+    cache, kernel = launch.LaunchCache(), _Kernel()
+    x, y = _tensors()
+    assert launch.signed_launch(launch.triton_launch, "sig") is launch.triton_launch
+    for _ in range(3):
+        launch.signed_launch(cache, "sig")(kernel, (4, 2), x, y, 64, 0.5, 16, BLOCK=32, FLAG=True, num_warps=4)
+    assert list(cache._signed) == ["sig"] and len(kernel.through_triton) == 2 and len(kernel.compiled.direct) == 1
+
+
 def test_records_hold_no_tensor(fake_device):
     cache, kernel = launch.LaunchCache(), _Kernel()
     x, y = _tensors()

@@ -45,7 +45,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from kreg.core.records import LaunchConfig
 from kreg.core.space import ConfigSpace, Keep
 from kreg.kernels.common.constants import LN2, LOG2E
-from kreg.kernels.common.launch import LaunchCache, triton_launch
+from kreg.kernels.common.launch import LaunchCache, signed_launch, triton_launch
 from kreg.kernels.common.tiles import cdiv, dot_block, next_pow2
 from kreg.ops.variant import CallPlan
 
@@ -516,9 +516,9 @@ def decode_forward(args: dict, plan: DecodeLaunch, launch: Callable[..., Any] = 
     `(out, lse)` with `return_lse`. Outputs are allocated here, the split partials come from
     `_partials` (a CUDA graph captures both with the launches). A 3-D q (one token) is passed with
     a token stride of 0 and its outputs are allocated 3-D: no view is made, each would cost a
-    microsecond of host time. `launch`
-    runs each kernel: Triton's own launch, or a dispatch plan's `LaunchCache`. The launch geometry
-    comes from the plan's geometries when this call signature was seen before."""
+    microsecond of host time. `launch` runs each kernel: Triton's own launch, or a dispatch plan's
+    `LaunchCache`. The launch geometry comes from the plan's geometries when this call signature was
+    seen before."""
     q, k_cache, v_cache, table = args["q"], args["k_cache"], args["v_cache"], args["block_table"]
     sinks, return_lse, seqlens = args["sinks"], args["return_lse"], args["cache_seqlens"]
     paged = table is not None
@@ -537,13 +537,12 @@ def decode_forward(args: dict, plan: DecodeLaunch, launch: Callable[..., Any] = 
         o_part, lse_part = _partials(plan, geo.part_shapes, device)
     # A LaunchCache launches both kernels by the call signature: with the plan's tuning key (its dtype)
     # it fixes every argument's type and every scalar and constexpr the geometry holds.
-    by_signature = getattr(launch, "signed", None)
-    split = launch if by_signature is None else functools.partial(by_signature, ("split", signature))
+    split = signed_launch(launch, ("split", signature))
     split(_decode_split_kernel, geo.split_grid, q, k_cache, v_cache, seqlens, table if paged else seqlens, o_part,
           lse_part, sinks if sinks is not None else lse_part, float(args["sm_scale"]) * LOG2E.value,
           *geo.split_scalars, **geo.split_kwargs)
     if geo.part_shapes is not None:
-        combine = launch if by_signature is None else functools.partial(by_signature, ("combine", signature))
+        combine = signed_launch(launch, ("combine", signature))
         combine(_decode_combine_kernel, geo.combine_grid, o_part, lse_part, sinks if sinks is not None else lse_part,
                 out, lse if lse is not None else lse_part, *geo.combine_scalars, **geo.combine_kwargs)
     return (out, lse) if lse is not None else out

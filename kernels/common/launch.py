@@ -34,6 +34,7 @@ drops every cache.
 
 from __future__ import annotations
 
+import functools
 from functools import reduce
 from operator import attrgetter, itemgetter, or_
 from typing import Any
@@ -106,8 +107,13 @@ class _Record:
                     and tuple(map(mangle_type, descriptors)) != self.descriptor_types):
                 return False
         tensors = self.tensors(args)
-        # Every recorded tensor was 16-byte aligned: the OR of the addresses has its low bits clear.
-        return tuple(map(_dtype, tensors)) == self.dtypes and not reduce(or_, map(_data_ptr, tensors), 0) & 15
+        return tuple(map(_dtype, tensors)) == self.dtypes and _aligned(tensors)
+
+
+def _aligned(tensors: tuple) -> bool:
+    """Whether every tensor is 16-byte aligned, as every recorded one was: the OR of the addresses has
+    its low bits clear."""
+    return not reduce(or_, map(_data_ptr, tensors), 0) & 15
 
 
 def _record(kernel: Any, compiled: Any, grid: tuple, args: tuple, kwargs: dict) -> _Record | None:
@@ -310,7 +316,7 @@ class LaunchCache:
         current device and the launch hooks checked. A signature that breaks the promise launches a
         kernel specialized for another launch: callers name every input the arguments depend on."""
         rec = self._signed.get(signature)
-        if rec is not None and not reduce(or_, map(_data_ptr, rec.tensors(args)), 0) & 15:
+        if rec is not None and _aligned(rec.tensors(args)):
             device = rec.current_device()
             if device == rec.device and not _hooks_set():
                 rec.run(rec.current_stream(device), grid, args)
@@ -349,3 +355,9 @@ class LaunchCache:
             if rec is not None:
                 site.records = (rec, *site.records[: MAX_RECORDS - 1])
         return compiled, rec
+
+
+def signed_launch(launch: Any, signature: Any) -> Any:
+    """`launch` with `signature` bound (`LaunchCache.signed`) when it is a LaunchCache; any other launch
+    function (Triton's own) as it is."""
+    return functools.partial(launch.signed, signature) if isinstance(launch, LaunchCache) else launch

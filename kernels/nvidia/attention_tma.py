@@ -114,10 +114,12 @@ def tma_addressable_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bo
     """`tma_addressable` of q, k and v (of one element type, as the contracts make them), their three
     layouts checked in one cached lookup: a forward's host path asks on every call."""
     return (not (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15
-            and _layouts_addressable(q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.element_size()))
+            and _qkv_layouts_addressable(q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(),
+                                         q.element_size()))
 
 
 @functools.lru_cache(maxsize=1024)
-def _layouts_addressable(*shapes_and_strides_then_elem) -> bool:
-    *layouts, elem = shapes_and_strides_then_elem
-    return all(_tma_strides(layouts[i], layouts[i + 1], elem) is not None for i in range(0, len(layouts), 2))
+def _qkv_layouts_addressable(q_shape: tuple, q_strides: tuple, k_shape: tuple, k_strides: tuple, v_shape: tuple,
+                             v_strides: tuple, elem: int) -> bool:
+    return all(_tma_strides(shape, strides, elem) is not None
+               for shape, strides in ((q_shape, q_strides), (k_shape, k_strides), (v_shape, v_strides)))

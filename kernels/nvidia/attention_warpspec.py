@@ -39,7 +39,6 @@ compare it with the reference in bf16. Semantics: `ops.flash_attention.reference
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -60,7 +59,7 @@ from kreg.core.space import ConfigSpace
 from kreg.kernels.common.attention.backward import attention_backward
 from kreg.kernels.common.attention.forward import attention_forward
 from kreg.kernels.common.constants import LN2, LOG2E
-from kreg.kernels.common.launch import triton_launch
+from kreg.kernels.common.launch import signed_launch, triton_launch
 from kreg.kernels.nvidia.attention_tma import (
     PRODUCER_REGS,
     descriptor,
@@ -361,14 +360,12 @@ def warpspec_forward(args: Mapping, config: LaunchConfig, keep_lse: bool, launch
     out, lse = padded_outputs(q, keep_lse, args["return_lse"])
     rows, keys = config.blocks["BLOCK_M"], config.blocks["BLOCK_N"]
     causal = bool(args["causal"])
-    grid = (triton.cdiv(s_q, config.blocks["CONSUMERS"] * rows), h_q, batch)
-    by_signature = getattr(launch, "signed", None) if signed else None
-    if by_signature is not None:
-        signature = ("attention_fwd_ws", q.shape, k.shape, q.dtype, sinks.dtype if sinks is not None else None,
-                     lse is None, causal)
-        launch = functools.partial(by_signature, signature)
+    if signed:
+        sinks_dtype = sinks.dtype if sinks is not None else None
+        launch = signed_launch(launch, ("attention_fwd_ws", q.shape, k.shape, q.dtype, sinks_dtype, lse is None,
+                                        causal))
     launch(
-        _attention_fwd_ws_kernel, grid,
+        _attention_fwd_ws_kernel, (triton.cdiv(s_q, config.blocks["CONSUMERS"] * rows), h_q, batch),
         descriptor(q, rows), descriptor(k, keys), descriptor(v, keys), descriptor(out, rows),
         sinks, lse if lse is not None else out,
         float(args["sm_scale"]) * LOG2E.value, s_q, s_k, *(lse.stride()[:2] if lse is not None else (0, 0)),

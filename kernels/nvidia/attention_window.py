@@ -21,7 +21,6 @@ kernel otherwise). Semantics: `ops.sink_attention.reference`.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -43,7 +42,7 @@ from kreg.kernels.common.attention.backward import attention_backward
 from kreg.kernels.common.attention.forward import attention_forward
 from kreg.kernels.common.attention.tile_rules import causal_window, window_reason
 from kreg.kernels.common.constants import LN2, LOG2E
-from kreg.kernels.common.launch import triton_launch
+from kreg.kernels.common.launch import signed_launch, triton_launch
 from kreg.kernels.nvidia.attention_tma import descriptor, padded_outputs, tma_addressable_qkv
 from kreg.ops.variant import CallPlan
 
@@ -232,11 +231,10 @@ def window_tma_forward(args: Mapping, config: LaunchConfig, keep_lse: bool, laun
     out, lse = padded_outputs(q, keep_lse, args["return_lse"])
     window = causal_window(args, s_k)
     tokens, heads, half = config.blocks["TOKENS"], config.blocks["HEADS"], window // 2
-    by_signature = getattr(launch, "signed", None) if signed else None
-    if by_signature is not None:
-        signature = ("attention_fwd_window_tma", q.shape, k.shape, q.dtype,
-                     sinks.dtype if sinks is not None else None, lse is None, window)
-        launch = functools.partial(by_signature, signature)
+    if signed:
+        sinks_dtype = sinks.dtype if sinks is not None else None
+        launch = signed_launch(launch, ("attention_fwd_window_tma", q.shape, k.shape, q.dtype, sinks_dtype,
+                                        lse is None, window))
     launch(
         _attention_fwd_window_tma_kernel, (triton.cdiv(s_q, tokens), h_q // heads, batch),
         descriptor(q, tokens, heads), descriptor(k, half), descriptor(v, half), descriptor(k, TAIL.value),
