@@ -9,6 +9,9 @@ same q, k, v, at the target's heads (b 1, h_q 64, h_kv 4, d 128, block 64, 16 bl
   attend (`Op.flops`); SDPA's counts its dense causal pairs, so compare times (the table's ratio).
 - "nsa fwd, ids given": the same shape with the kernels' selection passed in as block_indices: the
   forward without the selection; the difference is what selecting costs.
+- "nsa fwd, overlapping ids": block_indices from `overlapping_selection` (consecutive tokens of a kv
+  head share 50-75% of their blocks, as a trained model's do; the row names the measured share), with
+  a note of the bytes the selected branch gathers per token and the rates they imply.
 - notes: each kernel's time in one profiled call (compress, cmp with and without the selection pass,
   the window's attention forward, slc with the gated sum), and the bytes the selected branch gathers.
 - "nsa fwd+bwd" against SDPA's forward+backward, only once the op is differentiable and the chosen
@@ -43,6 +46,58 @@ def _name(s: dict) -> str:
     ids = " ids given" if s.get("block_indices") else ""
     return (f"b{s['b']} t{s['t']} h{s['h_q']}/{s['h_kv']} d{s['d']} block {s['block_size']}x{s['block_count']} "
             f"window {s['window']}{ids}")
+
+
+def overlapping_selection(b: int, t: int, h_kv: int, block_size: int, block_count: int, keep: float, *,
+                          seed: int = 0) -> torch.Tensor:
+    """Block ids [b, t, h_kv, block_count] (int32, on the CPU) as a trained NSA model's selection looks:
+    consecutive tokens of a kv head select mostly the same blocks. Slot 0 holds the token's own block
+    (the op's selection forces it too); every other slot keeps its block from the previous token with
+    probability `keep` and otherwise draws a new one uniformly from the token's candidates 0 .. i //
+    block_size. A block drawn at token i is a candidate of every later token, so each id stays causal.
+    Two slots holding one block would count it twice (the op keeps duplicates, a trained top-k has
+    none): the second is replaced by the most recent candidate block the row lacks, so every token
+    with block_count candidates selects block_count distinct blocks, as the op's own selection does;
+    a shorter prefix has -1 in its spare slots. Rows are sorted, -1 last. `shared_fraction` measures
+    the share consecutive tokens have in common: at keep 0.5 and the target's blocks (64 tokens, 16
+    selected) 0.68 at t 8192 and 0.56 at t 65536 (chance redraws of a held block add more at fewer blocks)."""
+    if not 0.0 <= keep <= 1.0:
+        raise ValueError(f"keep: expected a probability in [0, 1], got {keep}")
+    gen = torch.Generator().manual_seed(seed)
+    own = torch.arange(t) // block_size  # [t]
+    shape = (b, h_kv, block_count - 1, t)
+    # A slot's block changes at token i with probability 1 - keep (always at token 0); each token holds
+    # the block drawn at its slot's last change, found as the running max of the change positions.
+    changes = torch.rand(shape, generator=gen) >= keep
+    changes[..., 0] = True
+    last = torch.where(changes, torch.arange(t), 0).cummax(-1).values
+    drifting = (torch.rand(shape, generator=gen, dtype=torch.float64) * (own + 1)).long().gather(-1, last)
+    ids = torch.cat([own.expand(b, h_kv, 1, t), drifting], dim=2).permute(0, 3, 1, 2)  # [b, t, h_kv, count]
+    filler = t // block_size + 1  # sorts after every real id
+    ids, _ = ids.sort(-1)
+    repeated = torch.zeros_like(ids, dtype=torch.bool)
+    repeated[..., 1:] = ids[..., 1:] == ids[..., :-1]
+    ids = torch.where(repeated, filler, ids)
+    # Fill each dropped slot with the latest blocks before the token's own that the row lacks: the
+    # 2 * block_count most recent candidates always hold enough (at most block_count - 1 are taken).
+    recent = own[None, :, None, None] - torch.arange(2 * block_count)  # [1, t, 1, 2 * count]
+    missing = repeated.sum(-1, keepdim=True)
+    free = (recent >= 0) & ~(recent[..., :, None] == ids[..., None, :]).any(-1)
+    chosen = free & (free.cumsum(-1) <= missing)
+    ids, _ = torch.cat([ids, torch.where(chosen, recent, filler).expand(*ids.shape[:-1], -1)], -1).sort(-1)
+    ids = ids[..., :block_count]
+    return torch.where(ids == filler, -1, ids).to(torch.int32).contiguous()
+
+
+def shared_fraction(ids: torch.Tensor) -> float:
+    """Of the valid ids of token i + 1 (every token but the first, every batch entry and kv head), the
+    share token i also selects: the overlap `overlapping_selection` aims at. Rows hold no duplicates."""
+    prev, cur = ids[:, :-1].long(), ids[:, 1:].long()
+    valid = cur >= 0
+    # Chunks of tokens bound the [tokens, count, count] comparison's memory at t 65536.
+    hits = sum(int(((c[..., :, None] == p[..., None, :]) & (c >= 0)[..., None]).any(-1).sum())
+               for c, p in zip(cur.split(4096, dim=1), prev.split(4096, dim=1), strict=True))
+    return hits / max(int(valid.sum()), 1)
 
 
 def _dense_flops(b: int, t: int, h_q: int, d: int) -> float:
@@ -110,6 +165,31 @@ def _backward_rows(name: str, shape: dict, args: dict, dtype: torch.dtype) -> li
                     None)]
 
 
+# Consecutive tokens keep each selected block with this probability (`overlapping_selection`).
+KEEP = 0.5
+
+
+def _overlapping_row(shape: dict, args: dict, small: dict, call) -> Measurement:
+    """The row "nsa fwd, overlapping ids": the forward with `overlapping_selection` passed as block_indices (checked
+    on the reduced shape with its own such selection), and a note of what the selected branch reads."""
+    b, t, h_kv, bs, count = (shape[n] for n in ("b", "t", "h_kv", "block_size", "block_count"))
+    ids = overlapping_selection(b, t, h_kv, bs, count, KEEP, seed=2)
+    shared = shared_fraction(ids)
+    small_ids = overlapping_selection(b, small["q"].shape[1], h_kv, bs, count, KEEP, seed=3)
+    err = checked(OP, OP.validate(**{**small, "block_indices": small_ids.to(small["q"].device)}), call)
+    given = OP.validate(**{**args, "block_indices": ids.to(args["q"].device)})
+    name = f"{_name(shape)} overlapping ids ({shared:.0%} shared)"
+    row = measure("nsa fwd, overlapping ids", name, PROVIDER, lambda: call(given), OP.flops(given), "TFLOP/s", err)
+    d, elem = args["k"].shape[-1], args["k"].element_size()
+    gathered = int((ids >= 0).sum()) * bs * 2 * d * elem  # K and V rows of every valid selected block
+    unique = 2 * args["k"].numel() * elem
+    _NOTES.append(f"nsa {name}: the selected branch gathers {gathered / (b * t) / 1e6:.2f} MB of K and V per "
+                  f"token ({gathered / 1e9:.1f} GB; {gathered / row.median_ms / 1e9:.1f} TB/s over the whole "
+                  f"call's {row.median_ms:.3f} ms, served mostly from L2) out of {unique / 1e9:.2f} GB of K "
+                  f"and V ({unique / row.median_ms / 1e9:.2f} TB/s if each byte came from HBM once)")
+    return row
+
+
 def run(dtype: torch.dtype = torch.bfloat16) -> list[Measurement]:
     """The rows of the module docstring; kernel times and skipped rows go to `notes()`."""
     from kreg.kernels.common.nsa.forward import nsa_forward_parts
@@ -134,6 +214,7 @@ def run(dtype: torch.dtype = torch.bfloat16) -> list[Measurement]:
                                "TFLOP/s", given_err))
             _kernel_notes(name, args, given)
             del ids, given
+            out.append(_overlapping_row(shape, args, small, call))
         q, k, v = _sdpa_inputs(args)
         b, t, h_q, d = args["q"].shape
         sdpa = lambda q=q, k=k, v=v: F.scaled_dot_product_attention(q, k, v, is_causal=True)  # noqa: E731

@@ -115,6 +115,36 @@ def test_gsa_causal_topk_indices_are_distinct_causal_keys():
             assert len(keys) == min(k, i + 1) == len(set(keys)) and all(0 <= j <= i for j in keys)
 
 
+@pytest.mark.parametrize("t", [8192, 65536, 77])
+def test_nsa_overlapping_selection_is_a_causal_top_k_that_neighbours_share(t):
+    """The nsa benchmark's trained-like selection at the target's blocks: every token selects its own
+    block and min(16, own + 1) distinct causal blocks (-1 after), and consecutive tokens of a kv head
+    share 50-75% of them at the benchmark's KEEP (the short t 77 shares nearly all: two blocks)."""
+    from kreg.benchmarks.nsa import KEEP, overlapping_selection, shared_fraction
+
+    ids = overlapping_selection(1, t, 4, 64, 16, KEEP, seed=1)
+    assert ids.shape == (1, t, 4, 16) and ids.dtype == torch.int32
+    own = (torch.arange(t) // 64)[None, :, None, None]
+    valid = ids >= 0
+    assert torch.equal(valid.sum(-1), torch.clamp(own[..., 0] + 1, max=16).expand(1, t, 4))
+    assert bool((ids[~valid] == -1).all()) and bool((ids.long() <= own).all())
+    assert bool((ids.long() == own).any(-1).all())
+    ordered = ids.long().sort(-1).values  # -1 first: fillers sit at the end of each row as given
+    assert not bool(((ordered[..., 1:] == ordered[..., :-1]) & (ordered[..., 1:] >= 0)).any())
+    assert bool((valid[..., :-1] >= valid[..., 1:]).all())
+    shared = shared_fraction(ids)
+    assert 0.5 <= shared <= 0.75 if t > 4096 else shared > 0.9
+    with pytest.raises(ValueError, match="keep"):
+        overlapping_selection(1, t, 4, 64, 16, 1.5)
+
+
+def test_nsa_shared_fraction_counts_what_the_previous_token_also_selects():
+    from kreg.benchmarks.nsa import shared_fraction
+
+    ids = torch.tensor([[[[0, 1, -1]], [[1, 2, -1]], [[3, -1, -1]]]], dtype=torch.int32)  # [1, 3, 1, 3]
+    assert shared_fraction(ids) == pytest.approx(1 / 3)  # token 1 shares 1 of 2, token 2 none of 1
+
+
 def test_attention_forward_tool_without_a_gpu_and_its_arguments(capsys, no_gpu):
     """`python -m benchmarks.attention`: its variant kinds name registered variants of each op, a wrong
     kind or --preset is an argument error, and without a GPU it says so."""
