@@ -93,11 +93,11 @@ def shared_fraction(ids: torch.Tensor) -> float:
     """Of the valid ids of token i + 1 (every token but the first, every batch entry and kv head), the
     share token i also selects: the overlap `overlapping_selection` aims at. Rows hold no duplicates."""
     prev, cur = ids[:, :-1].long(), ids[:, 1:].long()
-    valid = cur >= 0
-    # Chunks of tokens bound the [tokens, count, count] comparison's memory at t 65536.
-    hits = sum(int(((c[..., :, None] == p[..., None, :]) & (c >= 0)[..., None]).any(-1).sum())
+    # Chunks of tokens bound the [tokens, count, count] comparison's memory at t 65536; -1 never
+    # matches, since a row's valid ids are compared only where the current id is valid.
+    hits = sum(int(((c[..., :, None] == p[..., None, :]).any(-1) & (c >= 0)).sum())
                for c, p in zip(cur.split(4096, dim=1), prev.split(4096, dim=1), strict=True))
-    return hits / max(int(valid.sum()), 1)
+    return hits / max(int((cur >= 0).sum()), 1)
 
 
 def _dense_flops(b: int, t: int, h_q: int, d: int) -> float:
@@ -125,11 +125,17 @@ def _kernel_notes(name: str, args: dict, given: dict) -> None:
     kernels = list(choice.variant.kernels.values())
     _NOTES.append(f"nsa {name} kernels (ms, {choice.source} config): {kernel_ms(lambda: handle(**args), kernels)}")
     _NOTES.append(f"nsa {name} ids given, kernels (ms): {kernel_ms(lambda: handle(**given), kernels)}")
-    b, t, _, d = args["q"].shape
-    h_kv, bs, count = args["k"].shape[2], args["block_size"], args["block_count"]
-    valid = ((given["block_indices"] >= 0).sum().item()) * bs
-    _NOTES.append(f"nsa {name}: the selected branch gathers {2 * valid * d * 2 / 1e9:.1f} GB of K and V "
-                  f"({valid / (b * t * h_kv * count * bs):.0%} of {count} full blocks per token and kv head)")
+    ids, count = given["block_indices"], args["block_count"]
+    valid = int((ids >= 0).sum())
+    _NOTES.append(f"nsa {name}: the selected branch gathers {_gathered_bytes(ids, args) / 1e9:.1f} GB of K and V "
+                  f"({valid / ids.numel():.0%} of {count} full blocks per token and kv head)")
+
+
+def _gathered_bytes(ids: torch.Tensor, args: dict) -> int:
+    """Bytes of K and V the selected branch reads for these block ids: every valid id's block_size rows
+    of both (each (token, kv head) reads its own blocks)."""
+    k = args["k"]
+    return int((ids >= 0).sum()) * args["block_size"] * 2 * k.shape[-1] * k.element_size()
 
 
 def _backward_rows(name: str, shape: dict, args: dict, dtype: torch.dtype) -> list[Measurement]:
@@ -170,8 +176,9 @@ KEEP = 0.5
 
 
 def _overlapping_row(shape: dict, args: dict, small: dict, call) -> Measurement:
-    """The row "nsa fwd, overlapping ids": the forward with `overlapping_selection` passed as block_indices (checked
-    on the reduced shape with its own such selection), and a note of what the selected branch reads."""
+    """The row "nsa fwd, overlapping ids": the forward with `overlapping_selection` as block_indices
+    (checked on the reduced shape with its own such selection), and a note of what the selected branch
+    reads."""
     b, t, h_kv, bs, count = (shape[n] for n in ("b", "t", "h_kv", "block_size", "block_count"))
     ids = overlapping_selection(b, t, h_kv, bs, count, KEEP, seed=2)
     shared = shared_fraction(ids)
@@ -180,9 +187,7 @@ def _overlapping_row(shape: dict, args: dict, small: dict, call) -> Measurement:
     given = OP.validate(**{**args, "block_indices": ids.to(args["q"].device)})
     name = f"{_name(shape)} overlapping ids ({shared:.0%} shared)"
     row = measure("nsa fwd, overlapping ids", name, PROVIDER, lambda: call(given), OP.flops(given), "TFLOP/s", err)
-    d, elem = args["k"].shape[-1], args["k"].element_size()
-    gathered = int((ids >= 0).sum()) * bs * 2 * d * elem  # K and V rows of every valid selected block
-    unique = 2 * args["k"].numel() * elem
+    gathered, unique = _gathered_bytes(ids, args), 2 * args["k"].numel() * args["k"].element_size()
     _NOTES.append(f"nsa {name}: the selected branch gathers {gathered / (b * t) / 1e6:.2f} MB of K and V per "
                   f"token ({gathered / 1e9:.1f} GB; {gathered / row.median_ms / 1e9:.1f} TB/s over the whole "
                   f"call's {row.median_ms:.3f} ms, served mostly from L2) out of {unique / 1e9:.2f} GB of K "

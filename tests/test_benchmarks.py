@@ -129,7 +129,7 @@ def test_nsa_overlapping_selection_is_a_causal_top_k_that_neighbours_share(t):
     assert torch.equal(valid.sum(-1), torch.clamp(own[..., 0] + 1, max=16).expand(1, t, 4))
     assert bool((ids[~valid] == -1).all()) and bool((ids.long() <= own).all())
     assert bool((ids.long() == own).any(-1).all())
-    ordered = ids.long().sort(-1).values  # -1 first: fillers sit at the end of each row as given
+    ordered = ids.long().sort(-1).values  # duplicates, if any, would sit side by side
     assert not bool(((ordered[..., 1:] == ordered[..., :-1]) & (ordered[..., 1:] >= 0)).any())
     assert bool((valid[..., :-1] >= valid[..., 1:]).all())
     shared = shared_fraction(ids)
