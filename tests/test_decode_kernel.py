@@ -319,8 +319,10 @@ def test_split_partials_are_taken_again_per_stream_and_thread(device):
     import threading
 
     variant = VARIANTS[0]
-    first = _inputs(device, b=2, s_q=1, h_q=4, h_kv=2, d=64, lens=[60, 9], capacity=64, seed=21)
-    second = _inputs(device, b=2, s_q=1, h_q=4, h_kv=2, d=64, lens=[3, 64], capacity=64, seed=22)
+    # A capacity of several key tiles of any config's BLOCK_N (a GPU default takes 64 or more keys per
+    # tile), so that three splits are three splits and not one.
+    first = _inputs(device, b=2, s_q=1, h_q=4, h_kv=2, d=64, lens=[500, 9], capacity=512, seed=21)
+    second = _inputs(device, b=2, s_q=1, h_q=4, h_kv=2, d=64, lens=[3, 512], capacity=512, seed=22)
     plan = variant.plan(first, variant.default_config(dict(OP.tuning_key(first)), INFO))
     call = variant.bind(plan)
     out_first, _ = call({**first, "num_splits": 3})
