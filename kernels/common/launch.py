@@ -97,7 +97,7 @@ class _Record:
         if scalars != self.scalars:
             exact = self.exact(scalars)
             if exact != self.exact_values and (self.constants(scalars) != self.constant_values
-                                               or tuple(map(_specialization, exact)) != self.exact_classes):
+                                               or not _same_classes(exact, self.exact_values, self.exact_classes)):
                 return False
         if self.descriptor_types:
             descriptors = self.descriptors(args)
@@ -158,6 +158,13 @@ def _record(kernel: Any, compiled: Any, grid: tuple, args: tuple, kwargs: dict) 
     rec.compiled = compiled
     rec.run = _prepared_launch(compiled, len(grid), tuple(kwargs[name] for name in names))
     return rec
+
+
+def _same_classes(values: tuple, recorded: tuple, classes: tuple) -> bool:
+    """Whether `values` specialize as the recorded values did: only the values that changed are asked
+    (a cache one key longer changes a few of a launch's two dozen scalars)."""
+    return all(new == old or _specialization(new) == cls
+               for new, old, cls in zip(values, recorded, classes, strict=True))
 
 
 def _specialization(value: Any) -> tuple:
