@@ -22,7 +22,7 @@ import triton.language as tl
 from kreg.core.nvtx import nvtx_range
 from kreg.core.records import CallConfig, LaunchConfig
 from kreg.kernels.common.constants import LOG2E
-from kreg.kernels.common.tiles import dot_block
+from kreg.kernels.common.tiles import cdiv, dot_block, next_pow2
 from kreg.ops.variant import CallPlan
 
 # Kernels can only read globals that are constexprs.
@@ -30,7 +30,7 @@ from kreg.ops.variant import CallPlan
 
 def index_tiles(h_i: int, d_i: int) -> tuple[int, int]:
     """(H_PAD, BLOCK_D): index heads padded to a power of two, and the head-dim tile (tl.dot's K >= 16)."""
-    return triton.next_power_of_2(int(h_i)), dot_block(d_i)
+    return next_pow2(int(h_i)), dot_block(d_i)
 
 
 # ----------------------------------------------------------------------------- shared score helpers
@@ -152,7 +152,7 @@ def gsa_indexer_forward(args: dict, config: CallConfig) -> torch.Tensor:
     h_pad, block_d = index_tiles(h_i, d_i)
     blocks = config["fwd"].blocks
     out = torch.empty((b, t, t), device=q.device, dtype=torch.float32)
-    grid = (triton.cdiv(t, blocks["BLOCK_Q"]), triton.cdiv(t, blocks["BLOCK_K"]), b)
+    grid = (cdiv(t, blocks["BLOCK_Q"]), cdiv(t, blocks["BLOCK_K"]), b)
     with nvtx_range("gsa/indexer_kernel"):
         _gsa_indexer_kernel[grid](
             q, k_idx, w, bias, out,
@@ -168,7 +168,7 @@ def gsa_indexer_forward(args: dict, config: CallConfig) -> torch.Tensor:
 def score_tile_fits(config: LaunchConfig, key: dict) -> bool:
     """Keep: a score tile of at most 32K fp32 values per program (BLOCK_Q * H_PAD rows by BLOCK_K keys,
     every head's logits live at once): more is spills on either vendor."""
-    h_pad = triton.next_power_of_2(key["h_i"])
+    h_pad = next_pow2(key["h_i"])
     return config.blocks["BLOCK_Q"] * h_pad * config.blocks["BLOCK_K"] <= 32768
 
 
@@ -194,7 +194,7 @@ class GSAIndexerTiledBase:
     def prune_reason(self, role: str, config: LaunchConfig, key: dict, device) -> str | None:
         if device.key == "cpu":
             return None
-        rows = config.blocks["BLOCK_Q"] * triton.next_power_of_2(key["h_i"])
+        rows = config.blocks["BLOCK_Q"] * next_pow2(key["h_i"])
         return accumulator_reason(rows, config.blocks["BLOCK_K"], config, device, self.ACC_REGS_LIMIT)
 
     def launch(self, args: dict, plan: CallPlan) -> torch.Tensor:

@@ -59,6 +59,7 @@ from kreg.kernels.common.gsa_indexer import (
     accumulator_reason,
     index_tiles,
 )
+from kreg.kernels.common.tiles import cdiv, next_pow2
 from kreg.ops.variant import CallPlan
 
 BINS = tl.constexpr(16)  # bins per counting step: two int32 words of eight 4-bit counters
@@ -348,7 +349,7 @@ def gsa_topk_forward(args: dict, config: CallConfig, num_sms: int) -> torch.Tens
     role = config["fwd"]
     blocks = role.blocks
     block_q = blocks["BLOCK_Q"]
-    q_blocks = triton.cdiv(t, block_q)
+    q_blocks = cdiv(t, block_q)
     programs = min(b * q_blocks, blocks["WAVES"] * num_sms)
     cap = list_capacity(k, t, blocks["BLOCK_K"])
     # The kernel offsets a query block's output rows and lists in int32 (the contract's k <= 2**24
@@ -388,7 +389,7 @@ class GSATopkRadixBase:
     def prune_reason(self, role: str, config: LaunchConfig, key: dict, device) -> str | None:
         if device.key == "cpu":
             return None
-        rows = config.blocks["BLOCK_Q"] * triton.next_power_of_2(key["h_i"])
+        rows = config.blocks["BLOCK_Q"] * next_pow2(key["h_i"])
         return accumulator_reason(rows, config.blocks["BLOCK_K"], config, device, self.ACC_REGS_LIMIT)
 
     def launch(self, args: dict, plan: CallPlan) -> torch.Tensor:

@@ -43,7 +43,6 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -60,6 +59,7 @@ from kreg.kernels.common.attention.backward import attention_backward
 from kreg.kernels.common.attention.forward import attention_forward
 from kreg.kernels.common.constants import LN2, LOG2E
 from kreg.kernels.common.launch import signed_launch, triton_launch
+from kreg.kernels.common.tiles import cdiv
 from kreg.kernels.nvidia.attention_tma import (
     PRODUCER_REGS,
     descriptor,
@@ -365,7 +365,7 @@ def warpspec_forward(args: Mapping, config: LaunchConfig, keep_lse: bool, launch
         launch = signed_launch(launch, ("attention_fwd_ws", q.shape, k.shape, q.dtype, sinks_dtype, lse is None,
                                         causal))
     launch(
-        _attention_fwd_ws_kernel, (triton.cdiv(s_q, config.blocks["CONSUMERS"] * rows), h_q, batch),
+        _attention_fwd_ws_kernel, (cdiv(s_q, config.blocks["CONSUMERS"] * rows), h_q, batch),
         descriptor(q, rows), descriptor(k, keys), descriptor(v, keys), descriptor(out, rows),
         sinks, lse if lse is not None else out,
         float(args["sm_scale"]) * LOG2E.value, s_q, s_k, *(lse.stride()[:2] if lse is not None else (0, 0)),

@@ -40,7 +40,6 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -56,6 +55,7 @@ from kreg.core.space import ConfigSpace
 from kreg.kernels.common.attention.backward import backward_pre
 from kreg.kernels.common.constants import LOG2E
 from kreg.kernels.common.launch import triton_launch
+from kreg.kernels.common.tiles import cdiv
 from kreg.kernels.nvidia.attention_tma import (
     PRODUCER_REGS,
     descriptor,
@@ -418,7 +418,7 @@ def warpspec_dkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     rows, keys = config.blocks["BLOCK_M"], config.blocks["BLOCK_N"]
     launch(
-        _attention_bwd_dkv_ws_kernel, (triton.cdiv(s_k, 2 * keys), h_kv, batch),
+        _attention_bwd_dkv_ws_kernel, (cdiv(s_k, 2 * keys), h_kv, batch),
         descriptor(q, rows), descriptor(k, keys), descriptor(v, keys), descriptor(dout, rows),
         descriptor(dk, keys), descriptor(dv, keys), lse2, delta,
         sm_scale * LOG2E.value, sm_scale, s_q, s_k - s_q, lse2.stride(0), lse2.stride(1),
@@ -437,7 +437,7 @@ def warpspec_dq(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.T
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     rows, keys = config.blocks["BLOCK_M"], config.blocks["BLOCK_N"]
     launch(
-        _attention_bwd_dq_ws_kernel, (triton.cdiv(s_q, 2 * rows), h_q, batch),
+        _attention_bwd_dq_ws_kernel, (cdiv(s_q, 2 * rows), h_q, batch),
         descriptor(q, rows), descriptor(k, keys), descriptor(v, keys), descriptor(dout, rows),
         descriptor(dq, rows), lse2, delta, sm_scale * LOG2E.value, sm_scale, s_q, s_k, lse2.stride(0), lse2.stride(1),
         GROUP=h_q // h_kv, IS_CAUSAL=causal, HEAD_DIM=q.shape[-1], **config.blocks, num_warps=4)

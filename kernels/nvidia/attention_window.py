@@ -25,7 +25,6 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -43,6 +42,7 @@ from kreg.kernels.common.attention.forward import attention_forward
 from kreg.kernels.common.attention.tile_rules import causal_window, window_reason
 from kreg.kernels.common.constants import LN2, LOG2E
 from kreg.kernels.common.launch import signed_launch, triton_launch
+from kreg.kernels.common.tiles import cdiv
 from kreg.kernels.nvidia.attention_tma import descriptor, padded_outputs, tma_addressable_qkv
 from kreg.ops.variant import CallPlan
 
@@ -236,7 +236,7 @@ def window_tma_forward(args: Mapping, config: LaunchConfig, keep_lse: bool, laun
         launch = signed_launch(launch, ("attention_fwd_window_tma", q.shape, k.shape, q.dtype, sinks_dtype,
                                         lse is None, window))
     launch(
-        _attention_fwd_window_tma_kernel, (triton.cdiv(s_q, tokens), h_q // heads, batch),
+        _attention_fwd_window_tma_kernel, (cdiv(s_q, tokens), h_q // heads, batch),
         descriptor(q, tokens, heads), descriptor(k, half), descriptor(v, half), descriptor(k, TAIL.value),
         descriptor(v, TAIL.value), descriptor(out, tokens, heads), sinks, lse if lse is not None else out,
         float(args["sm_scale"]) * LOG2E.value, s_q, s_k, window, *(lse.stride()[:2] if lse is not None else (0, 0)),

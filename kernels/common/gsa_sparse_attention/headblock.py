@@ -41,7 +41,7 @@ import triton.language as tl
 from kreg.core.nvtx import nvtx_range
 from kreg.core.records import CallConfig, LaunchConfig
 from kreg.kernels.common.constants import LOG2E
-from kreg.kernels.common.tiles import dot_block, rows_fit_int32
+from kreg.kernels.common.tiles import cdiv, dot_block, rows_fit_int32
 
 
 # ----------------------------------------------------------------------------- Triton kernels
@@ -293,7 +293,7 @@ def headblock_forward(q, k, v, indices, sm_scale, topk_length, config: LaunchCon
     lse = torch.empty((b, t, h_q), device=q.device, dtype=torch.float32)
     block_h = config.blocks["BLOCK_H"]
     with nvtx_range("gsa/sparse_attn_fwd_kernel"):
-        _gsa_sparse_attn_fwd_kernel[(t, triton.cdiv(h_q, block_h), b)](
+        _gsa_sparse_attn_fwd_kernel[(t, cdiv(h_q, block_h), b)](
             q, k, v, indices, topk_length, out, lse,
             t, h_q, indices.shape[2], h_q // k.shape[2], float(sm_scale) * LOG2E.value,
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *indices.stride()[:2], *lengths_strides(topk_length),
@@ -335,7 +335,7 @@ def headblock_backward(q, k, v, indices, sm_scale, topk_length, out, lse, dout, 
     dims = {"HEAD_DIM": d, "BLOCK_D": dot_block(d), "ROWS_I32": rows_i32}
     block_h = dq_config.blocks["BLOCK_H"]
     with nvtx_range("gsa/sparse_attn_bwd_dq_kernel"):
-        _gsa_sparse_attn_bwd_dq_kernel[(t, triton.cdiv(h_q, block_h), b)](
+        _gsa_sparse_attn_bwd_dq_kernel[(t, cdiv(h_q, block_h), b)](
             q, k, v, indices, topk_length, out, dout, lse, dq, delta,
             t, h_q, indices.shape[2], group, float(sm_scale),
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *indices.stride()[:2], *lengths_strides(topk_length),
@@ -348,7 +348,7 @@ def headblock_backward(q, k, v, indices, sm_scale, topk_length, out, lse, dout, 
         dk_heads = torch.empty((b, t, h_q, d), device=q.device, dtype=torch.float32)
         dv_heads = torch.empty_like(dk_heads)
         block_h = dkv_config.blocks["BLOCK_H"]
-        _gsa_sparse_attn_bwd_dkv_kernel[(t, triton.cdiv(h_q, block_h), b)](
+        _gsa_sparse_attn_bwd_dkv_kernel[(t, cdiv(h_q, block_h), b)](
             q, k, v, dout, lse, delta, offsets, queries, dk_heads, dv_heads,
             t, h_q, group, float(sm_scale),
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3], *lse.stride()[:2],

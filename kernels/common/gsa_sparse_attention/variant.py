@@ -23,7 +23,6 @@ from collections.abc import Callable
 from dataclasses import replace
 
 import torch
-import triton
 
 from kreg.core.records import CallConfig, LaunchConfig
 from kreg.core.space import ConfigSpace
@@ -35,7 +34,7 @@ from kreg.kernels.common.gsa_sparse_attention.headblock import (
     headblock_backward,
     headblock_passes,
 )
-from kreg.kernels.common.tiles import cdiv, dot_block
+from kreg.kernels.common.tiles import cdiv, dot_block, next_pow2
 from kreg.ops.variant import CallPlan
 
 
@@ -89,7 +88,7 @@ def gsa_sparse_attention_backward(args: dict, config: CallConfig, grad: torch.Te
 def heads_fit(config: LaunchConfig, key: dict) -> bool:
     """Keep: a head block no wider than the query heads rounded up to a power of two (a wider one only
     gathers masked rows)."""
-    return config.blocks["BLOCK_H"] <= triton.next_power_of_2(key["h_q"])
+    return config.blocks["BLOCK_H"] <= next_pow2(key["h_q"])
 
 
 class GSASparseAttentionHeadBlockBase:
