@@ -132,3 +132,32 @@ def test_kernels_take_the_device_and_key_from_their_plan():
             if "detect" in names or called in ("tuning_key", "get_device_capability", "get_device_properties"):
                 found.append(str(path.relative_to(ROOT)))
     assert not found, found
+
+
+def _host_calls(tree: ast.AST, names: set[str]) -> list[int]:
+    """Lines of calls `triton.<name>` outside jitted functions (Triton's or Gluon's `jit`)."""
+    lines = []
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.FunctionDef) and any("jit" in ast.unparse(d) for d in node.decorator_list):
+            return  # device code: Triton's own constexpr functions belong here
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in names
+                and isinstance(node.func.value, ast.Name) and node.func.value.id == "triton"):
+            lines.append(node.lineno)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(tree)
+    return lines
+
+
+def test_host_code_takes_plain_integer_math():
+    """`triton.cdiv` and `triton.next_power_of_2` are constexpr functions in Triton 3.6, about 3.4 us a
+    call on the host (kernels/common/tiles.py): launch paths and keep rules use tiles.cdiv/next_pow2."""
+    names = {"cdiv", "next_power_of_2"}
+    probe = ast.parse("@triton.jit\ndef k():\n    triton.cdiv(1, 2)\ndef host():\n    triton.cdiv(1, 2)\n")
+    assert _host_calls(probe, names) == [5]  # the check tells device code from host code
+    found = [f"{path.relative_to(ROOT)}:{line}" for path in sorted(ROOT.glob("**/*.py"))
+             if path.relative_to(ROOT).parts[0] in ("kernels", "ops", "registry", "layers", "integrations", "compat")
+             for line in _host_calls(ast.parse(path.read_text()), names)]
+    assert not found, found
