@@ -233,6 +233,7 @@ CHANGES = {
     "constexpr type (1 for True)": lambda x, y: {"FLAG": 1},
     "int value": lambda x, y: {"n": 65},
     "int equal to 1": lambda x, y: {"n": 1},
+    "one int alike, the next not": lambda x, y: {"n": 80, "stride": 17},
     "int as float": lambda x, y: {"stride": 16.0},
     "tensor dtype": lambda x, y: {"x": x.float()},
     "misaligned tensor": lambda x, y: {"x": _misaligned(x)},
