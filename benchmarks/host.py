@@ -28,7 +28,6 @@ import itertools
 import pstats
 import statistics
 import sys
-import time
 from collections.abc import Callable
 
 import torch
@@ -95,18 +94,6 @@ def _growing(dtype: torch.dtype) -> dict[str, Callable[[], object]]:
     return {"kreg": ours, "sdpa": sdpa}
 
 
-def _growing_first_pass_us(ours: Callable[[], object]) -> float:
-    """Wall microseconds per call of kreg's first pass over the growing row's lengths: it meets each
-    specialization a growing cache makes (the split count and which sizes 16 divides change with the
-    length), and Triton compiles each of them, or loads it from its cache, once per process."""
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(GROWING_ITERS * GROWING_REPEATS):
-        ours()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / (GROWING_ITERS * GROWING_REPEATS) * 1e6
-
-
 def smallest_full_shape(name: str) -> dict:
     """The shape of the op's full preset with the fewest FLOPs (its flops() on meta tensors)."""
     op = OPS[name]
@@ -142,10 +129,12 @@ def rows(dtype: torch.dtype = torch.bfloat16, every_op: bool = True) -> list[str
         lines.append(f"| {label} | {eager['kreg']:.1f} | {eager['sdpa']:.1f} | {graph['kreg']:.1f} | "
                      f"{graph['sdpa']:.1f} | {eager['kreg'] / eager['sdpa']:.2f}x |")
     fns = _growing(dtype)
-    # kreg's samples are taken on its second pass over the lengths, so they time the host and not
-    # Triton's compiles. SDPA takes tens of milliseconds a call on these views (not a peer's number, only
-    # its fallback's), so it is warmed and sampled on few lengths.
-    first_pass = _growing_first_pass_us(fns["kreg"])
+    # kreg's first pass over the lengths is one sample of its own: each specialization a growing cache
+    # makes (the split count, which sizes 16 divides) is compiled, or loaded from Triton's cache, there.
+    # Its samples are taken on the second pass, so they time the host and not Triton's compiles. SDPA
+    # takes tens of milliseconds a call on these views (its fallback's, not a peer's number), so it is
+    # warmed and sampled on few lengths.
+    (first_pass,) = host_us({"kreg": fns["kreg"]}, iters=GROWING_ITERS * GROWING_REPEATS, repeats=1, wall=True)["kreg"]
     growing = wall_us({"kreg": fns["kreg"]}, iters=GROWING_ITERS, repeats=GROWING_REPEATS)
     for _ in range(8):
         fns["sdpa"]()
