@@ -386,13 +386,20 @@ def test_a_signature_takes_the_record_an_unsigned_launch_made_and_signatures_are
     assert list(cache._signed) == [("sig", launch.MAX_SIGNATURES)]
 
 
-def test_signed_launch_binds_a_signature_to_a_launch_cache_only(fake_device):
+def test_launch_signed_signs_a_launch_cache_only_and_packs_nothing(fake_device):
+    """`launch_signed` takes the cache's signed path only with a LaunchCache and a signature; a launch
+    function, or no signature, gets the plain call. On a hit the keyword dict is not read."""
     cache, kernel = launch.LaunchCache(), _Kernel()
     x, y = _tensors()
-    assert launch.signed_launch(launch.triton_launch, "sig") is launch.triton_launch
-    for _ in range(3):
-        launch.signed_launch(cache, "sig")(kernel, (4, 2), x, y, 64, 0.5, 16, BLOCK=32, FLAG=True, num_warps=4)
-    assert list(cache._signed) == ["sig"] and len(kernel.through_triton) == 2 and len(kernel.compiled.direct) == 1
+    kwargs = {"BLOCK": 32, "FLAG": True, "num_warps": 4}
+    launch.launch_signed(launch.triton_launch, "sig", kernel, (4, 2), (x, y, 64, 0.5, 16), kwargs)
+    assert kernel.through_triton == [((4, 2), (x, y, 64, 0.5, 16), kwargs)]
+    launch.launch_signed(cache, None, kernel, (4, 2), (x, y, 64, 0.5, 16), kwargs)
+    assert not cache._signed and len(kernel.through_triton) == 2
+    for _ in range(2):
+        launch.launch_signed(cache, "sig", kernel, (4, 2), (x, y, 64, 0.5, 16), kwargs)
+    launch.launch_signed(cache, "sig", kernel, (4, 2), (x, y, 64, 0.5, 16), {})  # a hit reads no kwargs
+    assert list(cache._signed) == ["sig"] and len(kernel.through_triton) == 3 and len(kernel.compiled.direct) == 2
 
 
 def test_records_hold_no_tensor(fake_device):
@@ -480,6 +487,97 @@ def test_descriptor_launches_keep_their_tensor_maps_and_pass_what_triton_would(f
     _launch(cache, kernel, other, y)
     _launch(cache, kernel, other, y)
     assert encoded == [other.base.data_ptr()] and raw_calls[-1][13] == ("map", other.base.data_ptr(), 3)
+
+
+def _make_descriptor(t: torch.Tensor, rows: int = 16):
+    """What a launcher's descriptor maker does: a Gluon descriptor over a [b, s, h, 64] tensor."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    made = object.__new__(TensorDescriptor)  # as kreg's makers do: without the dataclass's checks
+    made.__dict__.update(base=t, shape=list(t.shape), strides=list(t.stride()), block_shape=[1, rows, 1, 64],
+                         layout=gl.NVMMASharedLayout.get_default_for([1, rows, 1, 64], gl.float16), padding="zero")
+    return made
+
+
+def _descriptor_kernel(monkeypatch):
+    """A stand-in kernel whose first parameter is a descriptor, compiled to a CudaLauncher behind
+    Triton's own descriptor wrapper; returns (kernel, C-launch calls, tensors encoded)."""
+    from triton.backends.nvidia import driver as nvidia_driver
+
+    encoded = []
+
+    def encode(desc, meta):  # stands for the tensor-map encoding (a CUDA driver call)
+        encoded.append((desc.base.data_ptr(), tuple(desc.strides)))
+        return [("map", desc.base.data_ptr(), meta["swizzle"]), *desc.shape, *desc.strides]
+
+    monkeypatch.setattr(nvidia_driver, "make_tensordesc_arg", encode)
+    monkeypatch.setattr(launch, "_tensor_map_args", encode)
+    signature = {"X": "tensordesc<fp16[1, 16, 1, 64]>", "Y": "*fp16", "n": "i32", "scale": "fp32",
+                 "stride": "i32", "BLOCK": "constexpr", "FLAG": "constexpr"}
+    kernel = _Kernel()
+    kernel.compiled.run = launcher = _cuda_launcher()
+    raw_calls = []
+    launcher.launch = nvidia_driver.wrap_handle_tensordesc(lambda *args: raw_calls.append(args), signature,
+                                                           [{"swizzle": 3}])
+    return kernel, raw_calls, encoded
+
+
+def test_descriptors_passed_as_tensors_are_made_only_off_the_signed_path(fake_device, monkeypatch):
+    """With makers, the first launches of a signature get the descriptors made from the tensors (what
+    Triton's path needs); later ones pass the tensors and the C launch gets what Triton's wrapper would
+    pass for the made descriptor, with each tensor map encoded once per address and strides; a
+    misaligned tensor leaves the signed path."""
+    kernel, raw_calls, encoded = _descriptor_kernel(monkeypatch)
+    cache, made = launch.LaunchCache(), []
+
+    def make(t):
+        made.append(t)
+        return _make_descriptor(t)
+
+    x, y = torch.zeros(2, 64, 4, 64, dtype=torch.float16), torch.randn(32, dtype=torch.float16)
+    kwargs = {"BLOCK": 32, "FLAG": True}
+    for _ in range(4):
+        launch.launch_signed(cache, "sig", kernel, (4, 2), (x, y, 64, 0.5, 16), kwargs, ((0, make),))
+    assert len(kernel.through_triton) == 2 and all(call[1][0].base is x for call in kernel.through_triton)
+    assert len(made) == 3 and len(raw_calls) == 2  # the third launch made one to encode its map
+    expected = list(raw_calls[0][:13])
+    launcher = kernel.compiled.run
+    launcher.launch(*expected, _make_descriptor(x), y, 64, 0.5, 16, 32, True)  # Triton's wrapper
+    assert raw_calls[-1] == raw_calls[0] == raw_calls[1]
+    other = torch.zeros(2, 64, 4, 64, dtype=torch.float16)
+    view = torch.zeros(2, 4, 64, 64, dtype=torch.float16).transpose(1, 2)  # another strides, same shape
+    encoded.clear()
+    for t in (other, other, view):
+        launch.launch_signed(cache, "sig", kernel, (4, 2), (t, y, 64, 0.5, 16), kwargs, ((0, make),))
+    assert encoded == [(other.data_ptr(), tuple(other.stride())), (view.data_ptr(), tuple(view.stride()))]
+    assert raw_calls[-1][13] == ("map", view.data_ptr(), 3) and len(kernel.through_triton) == 2
+    # A misaligned tensor leaves the signed path for the records' comparison (which, as Triton, does not
+    # specialize a descriptor on its base address).
+    compared = []
+    real = launch._Record.matches
+    monkeypatch.setattr(launch._Record, "matches", lambda self, *a: compared.append(1) or real(self, *a))
+    launch.launch_signed(cache, "sig", kernel, (4, 2), (other, y, 64, 0.5, 16), kwargs, ((0, make),))
+    assert not compared
+    launch.launch_signed(cache, "sig", kernel, (4, 2), (_misaligned(x), y, 64, 0.5, 16), kwargs, ((0, make),))
+    assert compared and made[-1].data_ptr() % 16
+
+
+def test_descriptors_passed_as_tensors_are_made_for_a_launcher_that_keeps_no_maps(fake_device, monkeypatch):
+    """A launcher the kept maps cannot serve (here one needing scratch memory, called as Triton calls
+    it) gets the descriptors made on every launch, signed or not."""
+    from triton.runtime import _allocation
+
+    monkeypatch.setattr(_allocation, "_allocator", types.SimpleNamespace(get=lambda: lambda size, align, stream: "s"))
+    cache, kernel = launch.LaunchCache(), _Kernel()
+    kernel.compiled.run = launcher = _cuda_launcher(global_scratch=256)
+    x, y = torch.zeros(2, 64, 4, 64, dtype=torch.float16), torch.randn(32, dtype=torch.float16)
+    for _ in range(3):
+        launch.launch_signed(cache, "sig", kernel, (4, 2), (x, y, 64, 0.5, 16), {"BLOCK": 32, "FLAG": True},
+                             ((0, _make_descriptor),))
+    assert len(kernel.through_triton) == 2 and len(launcher.calls) == 1
+    passed = launcher.calls[0][13]
+    assert type(passed).__name__ == "TensorDescriptor" and passed.base is x and launcher.calls[0][14] is y
 
 
 def test_interpreted_kernels_always_go_through_triton():

@@ -45,7 +45,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from kreg.core.records import LaunchConfig
 from kreg.core.space import ConfigSpace, Keep
 from kreg.kernels.common.constants import LN2, LOG2E
-from kreg.kernels.common.launch import LaunchCache, signed_launch, triton_launch
+from kreg.kernels.common.launch import LaunchCache, launch_signed, signature_key, triton_launch
 from kreg.kernels.common.tiles import cdiv, dot_block, next_pow2
 from kreg.ops.variant import CallPlan
 
@@ -361,8 +361,9 @@ MAX_GEOMETRIES = 256
 
 class _Geometry(NamedTuple):
     """A call's launches less their tensors and sm_scale: output and workspace shapes, both kernels' grids,
-    their scalar arguments after sm_scale (sizes, strides) and keyword arguments (constexprs, knobs). A
-    function of the call signature alone: every tensor it allocates is contiguous."""
+    their scalar arguments after sm_scale (sizes, strides) and keyword arguments (constexprs, knobs), and
+    the key each launch is signed with (`launch.signature_key`: a geometry with other scalars draws its
+    own). A function of the call signature alone: every tensor it allocates is contiguous."""
 
     out_shape: tuple
     lse_shape: tuple | None
@@ -370,9 +371,11 @@ class _Geometry(NamedTuple):
     split_grid: tuple
     split_scalars: tuple
     split_kwargs: dict
+    split_key: int
     combine_grid: tuple
     combine_scalars: tuple
     combine_kwargs: dict
+    combine_key: int
 
 
 def _contiguous_strides(shape: tuple) -> tuple:
@@ -424,8 +427,9 @@ def _new_signature_geometry(plan: DecodeLaunch, signature: tuple) -> _Geometry:
             by_splitting.clear()
         geo = by_splitting[less_capacity] = _geometry(plan, *signature)
     else:
+        # Only the split kernel's capacity changes; a new int may specialize otherwise, so a new key.
         scalars = known.split_scalars
-        geo = known._replace(split_scalars=(scalars[0], capacity, *scalars[2:]))
+        geo = known._replace(split_scalars=(scalars[0], capacity, *scalars[2:]), split_key=signature_key())
     geometries[signature] = geo
     return geo
 
@@ -474,7 +478,7 @@ def _geometry(plan: DecodeLaunch, q_shape, q_stride, k_shape, k_stride, v_stride
                           HAS_SINK=has_sinks, RETURN_LSE=return_lse, PDL=pdl,
                           **({"launch_pdl": True} if pdl else {}), **plan.combine_knobs)
     return _Geometry(out_shape, lse_shape, part_shapes, (programs, splits), split_scalars, split_kwargs,
-                     (cdiv(rows, per_program),), combine_scalars, combine_kwargs)
+                     signature_key(), (cdiv(rows, per_program),), combine_scalars, combine_kwargs, signature_key())
 
 
 # (stream, thread) pairs a plan keeps partials' buffers for; past it they are dropped (each pair holds
@@ -535,16 +539,16 @@ def decode_forward(args: dict, plan: DecodeLaunch, launch: Callable[..., Any] = 
         o_part, lse_part = out, (lse if lse is not None else out)
     else:
         o_part, lse_part = _partials(plan, geo.part_shapes, device)
-    # A LaunchCache launches both kernels by the call signature: with the plan's tuning key (its dtype)
-    # it fixes every argument's type and every scalar and constexpr the geometry holds.
-    split = signed_launch(launch, ("split", signature))
-    split(_decode_split_kernel, geo.split_grid, q, k_cache, v_cache, seqlens, table if paged else seqlens, o_part,
-          lse_part, sinks if sinks is not None else lse_part, float(args["sm_scale"]) * LOG2E.value,
-          *geo.split_scalars, **geo.split_kwargs)
+    # A LaunchCache launches both kernels by the geometry's keys: with the plan's tuning key (its dtype)
+    # the call signature fixes every argument's type and every scalar and constexpr the geometry holds.
+    launch_signed(launch, geo.split_key, _decode_split_kernel, geo.split_grid,
+                  (q, k_cache, v_cache, seqlens, table if paged else seqlens, o_part, lse_part,
+                   sinks if sinks is not None else lse_part, float(args["sm_scale"]) * LOG2E.value, *geo.split_scalars),
+                  geo.split_kwargs)
     if geo.part_shapes is not None:
-        combine = signed_launch(launch, ("combine", signature))
-        combine(_decode_combine_kernel, geo.combine_grid, o_part, lse_part, sinks if sinks is not None else lse_part,
-                out, lse if lse is not None else lse_part, *geo.combine_scalars, **geo.combine_kwargs)
+        launch_signed(launch, geo.combine_key, _decode_combine_kernel, geo.combine_grid,
+                      (o_part, lse_part, sinks if sinks is not None else lse_part, out,
+                       lse if lse is not None else lse_part, *geo.combine_scalars), geo.combine_kwargs)
     return (out, lse) if lse is not None else out
 
 

@@ -35,6 +35,8 @@ drops every cache.
 from __future__ import annotations
 
 import functools
+import itertools
+from collections.abc import Callable
 from functools import reduce
 from operator import attrgetter, itemgetter, or_
 from typing import Any
@@ -79,7 +81,7 @@ class _Record:
     __slots__ = ("grid_types", "kwargs", "kwarg_types", "arg_types", "split", "scalars", "exact", "exact_values",
                  "exact_classes", "constants", "constant_values", "tensors", "dtypes", "descriptors",
                  "descriptor_types", "descriptor_fields", "device", "compiled", "current_device", "current_stream",
-                 "run")
+                 "tail", "run")
 
     def matches(self, grid: tuple, args: tuple, kwargs: dict) -> bool:
         """Whether a launch specializes as the recorded one: the checks are maps and compares that run
@@ -156,7 +158,8 @@ def _record(kernel: Any, compiled: Any, grid: tuple, args: tuple, kwargs: dict) 
     rec.current_stream = driver.active.get_current_stream
     rec.device = rec.current_device()
     rec.compiled = compiled
-    rec.run = _prepared_launch(compiled, len(grid), tuple(kwargs[name] for name in names))
+    rec.tail = tuple(kwargs[name] for name in names)
+    rec.run = _prepared_launch(compiled, len(grid), rec.tail)
     return rec
 
 
@@ -173,17 +176,23 @@ def _specialization(value: Any) -> tuple:
     return native_specialize_impl(BaseBackend, value, False, True, True)
 
 
-def _prepared_launch(compiled: Any, dims: int, tail: tuple):
+def _prepared_launch(compiled: Any, dims: int, tail: tuple, makers: tuple | None = None):
     """`run(stream, grid, args)`: the compiled kernel's launch over a grid of `dims` dimensions on `args`
     (then the recorded `tail` of parameters Triton passes after them), with no hook set. Triton's
     launcher gets None for the metadata and both hooks and skips them. A CUDA launcher that needs no
     scratch memory is called below its Python wrapper, whose only work is allocating that scratch (a few
-    microseconds a launch)."""
+    microseconds a launch).
+
+    With `makers` ((position, make descriptor from tensor) pairs, `LaunchCache.signed_args`), `args` hold
+    tensors where the kernel takes descriptors: None when this launcher cannot encode their tensor maps
+    from tensors (the caller then makes the descriptors)."""
     launcher, function, metadata = compiled.run, compiled.function, compiled.packed_metadata
     if (_CudaLauncher is not None and type(launcher) is _CudaLauncher and not launcher.global_scratch_size
             and not launcher.profile_scratch_size):
-        direct, cooperative, pdl = launcher.launch, launcher.launch_cooperative_grid, launcher.launch_pdl
-        direct = _with_kept_tensor_maps(direct)
+        cooperative, pdl = launcher.launch_cooperative_grid, launcher.launch_pdl
+        direct = _with_kept_tensor_maps(launcher.launch, makers)
+        if direct is None:
+            return None
         if dims == 1:
             return lambda stream, grid, args: direct(grid[0], 1, 1, stream, function, cooperative, pdl, None, None,
                                                      metadata, None, None, None, *args, *tail)
@@ -192,6 +201,8 @@ def _prepared_launch(compiled: Any, dims: int, tail: tuple):
                                                      None, metadata, None, None, None, *args, *tail)
         return lambda stream, grid, args: direct(*grid, stream, function, cooperative, pdl, None, None, metadata,
                                                  None, None, None, *args, *tail)
+    if makers is not None:
+        return None
     pad = (1, 1)[: 3 - dims]
     return lambda stream, grid, args: launcher(*grid, *pad, stream, function, metadata, None, None, None, *args,
                                                *tail)
@@ -202,22 +213,29 @@ def _prepared_launch(compiled: Any, dims: int, tail: tuple):
 MAX_TENSOR_MAPS = 64
 
 
-def _with_kept_tensor_maps(launch: Any) -> Any:
+def _with_kept_tensor_maps(launch: Any, makers: tuple | None = None) -> Any:
     """The C launch of a kernel with TMA descriptor parameters, which Triton 3.6 wraps in a function
     (`wrap_handle_tensordesc`'s `inner`) that encodes each descriptor's tensor map on every launch,
     replaced by one that encodes a map once per (base address, shape, strides, padding) and then passes
     the kept one: the same arguments, without the encoding. The encoding depends on nothing else but the
     compiled kernel's descriptor metadata (swizzle, element type, block size), which is the record's.
-    Any other launch, or a wrapper not shaped as 3.6's, is returned as it is."""
+    Any other launch, or a wrapper not shaped as 3.6's, is returned as it is.
+
+    With `makers` ((position, make descriptor from tensor) pairs for exactly the descriptor parameters),
+    the launch takes tensors there and keeps each map by the tensor's address, shape and strides (a
+    maker is fixed per record, so they decide the descriptor); None when that cannot be done."""
     code, closure = getattr(launch, "__code__", None), getattr(launch, "__closure__", None)
     if _tensor_map_args is None or code is None or code.co_name != "inner" or not closure:
-        return launch
+        return launch if makers is None else None
     cells = dict(zip(code.co_freevars, (cell.cell_contents for cell in closure), strict=True))
     raw, indices, metas = (cells.get(name) for name in ("launcher", "tensordesc_indices", "tensordesc_meta"))
     if raw is None or not indices or metas is None or len(metas) != len(indices) or None in metas:
-        return launch  # no metadata: Triton passes the descriptor's tensor itself, which is not to be kept
+        return launch if makers is None else None  # no metadata: Triton passes the descriptor's tensor itself
+    make = dict(makers) if makers is not None else None
+    if make is not None and set(make) != set(indices):
+        return None
     # Last position first, so that splicing a map's arguments in leaves the earlier positions in place.
-    encoders = [(_LAUNCH_ARGS_BEFORE_PARAMETERS + i, _tensor_map_encoder(meta))
+    encoders = [(_LAUNCH_ARGS_BEFORE_PARAMETERS + i, _tensor_map_encoder(meta, make and make[i]))
                 for i, meta in sorted(zip(indices, metas, strict=True))][::-1]
 
     def launch_with_kept_maps(*args: Any) -> Any:
@@ -229,10 +247,23 @@ def _with_kept_tensor_maps(launch: Any) -> Any:
     return launch_with_kept_maps
 
 
-def _tensor_map_encoder(meta: dict):
+def _tensor_map_encoder(meta: dict, make: Callable[[torch.Tensor], Any] | None = None):
     """`encode(descriptor)`: the arguments Triton's launcher passes for one descriptor parameter (its
-    encoded tensor map, shape and strides), kept by what they encode; holds no tensor."""
+    encoded tensor map, shape and strides), kept by what they encode; holds no tensor. With `make`,
+    `encode(tensor)`, the descriptor `make(tensor)`'s, kept by the tensor's address, shape and strides."""
     kept: dict[tuple, list] = {}
+
+    if make is not None:
+        def encode_tensor(t: torch.Tensor) -> list:
+            key = (_data_ptr(t), t.shape, t.stride())
+            found = kept.get(key)
+            if found is None:
+                if len(kept) >= MAX_TENSOR_MAPS:
+                    kept.clear()
+                found = kept[key] = _tensor_map_args(make(t), meta)
+            return found
+
+        return encode_tensor
 
     def encode(desc: Any) -> list:
         key = (_data_ptr(desc.base), *desc.shape, *desc.strides, desc.padding)
@@ -309,7 +340,8 @@ class LaunchCache:
 
     def __init__(self) -> None:
         self._sites: dict[Any, _Site] = {}
-        self._signed: dict[Any, _Record] = {}
+        # signature -> (its record, the picker of the call's tensor arguments, the launch of the call's args)
+        self._signed: dict[Any, tuple[_Record, Callable, Callable]] = {}
 
     def __call__(self, kernel: Any, grid: tuple, *args: Any, **kwargs: Any) -> Any:
         return self._launch(kernel, grid, args, kwargs)[0]
@@ -322,17 +354,32 @@ class LaunchCache:
         record, later ones of its signature take that record with only their tensors' alignment, the
         current device and the launch hooks checked. A signature that breaks the promise launches a
         kernel specialized for another launch: callers name every input the arguments depend on."""
-        rec = self._signed.get(signature)
-        if rec is not None and _aligned(rec.tensors(args)):
-            device = rec.current_device()
-            if device == rec.device and not _hooks_set():
-                rec.run(rec.current_stream(device), grid, args)
-                return rec.compiled
-        compiled, rec = self._launch(kernel, grid, args, kwargs)
+        return self.signed_args(signature, kernel, grid, args, kwargs)
+
+    def signed_args(self, signature: Any, kernel: Any, grid: tuple, args: tuple, kwargs: dict,
+                    makers: tuple = ()) -> Any:
+        """`signed` on an argument tuple and a keyword dict as they are (a caller that keeps them per
+        signature packs nothing; on a hit `kwargs` is not read). `makers` pairs each TMA descriptor
+        parameter passed as the tensor it covers with the function that makes its descriptor from that
+        tensor, the same for every launch of the signature: a hit makes no descriptor, its tensor maps
+        are encoded from the tensors (once per address, shape and strides)."""
+        found = self._signed.get(signature)
+        if found is not None:
+            rec, tensors, run = found
+            if _aligned(tensors(args)):
+                device = rec.current_device()
+                if device == rec.device and not _hooks_set():
+                    run(rec.current_stream(device), grid, args)
+                    return rec.compiled
+        compiled, rec = self._launch(kernel, grid, _with_descriptors(args, makers) if makers else args, kwargs)
         if rec is not None:
             if len(self._signed) >= MAX_SIGNATURES:
                 self._signed.clear()
-            self._signed[signature] = rec
+            if makers:
+                positions = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+                self._signed[signature] = (rec, _picker(positions), _tensor_launch(rec, makers))
+            else:
+                self._signed[signature] = (rec, rec.tensors, rec.run)
         return compiled
 
     def _launch(self, kernel: Any, grid: tuple, args: tuple, kwargs: dict) -> tuple[Any, _Record | None]:
@@ -362,6 +409,46 @@ class LaunchCache:
             if rec is not None:
                 site.records = (rec, *site.records[: MAX_RECORDS - 1])
         return compiled, rec
+
+
+def _with_descriptors(args: tuple, makers: tuple) -> list:
+    """`args` with the tensor at each maker's position replaced by its descriptor."""
+    args = list(args)
+    for position, make in makers:
+        args[position] = make(args[position])
+    return args
+
+
+def _tensor_launch(rec: _Record, makers: tuple) -> Callable:
+    """`run(stream, grid, args)` of a record made with descriptors, for args holding the descriptors'
+    tensors: the tensor maps encoded from the tensors where the launcher allows it, else the
+    descriptors made for the record's own launch."""
+    direct = _prepared_launch(rec.compiled, len(rec.grid_types), rec.tail, makers)
+    if direct is not None:
+        return direct
+    run = rec.run
+    return lambda stream, grid, args: run(stream, grid, _with_descriptors(args, makers))
+
+
+# Keys drawn by callers that keep a launch's arguments per call signature (`signature_key`).
+_signature_keys = itertools.count()
+
+
+def signature_key() -> int:
+    """A key for `LaunchCache.signed_args` no other launch has, for a caller that keeps one launch's
+    arguments per call signature: hashing it costs nothing, and arguments made again (after the
+    caller dropped them) draw a new one, so they never take another launch's record."""
+    return next(_signature_keys)
+
+
+def launch_signed(launch: Any, signature: Any, kernel: Any, grid: tuple, args: tuple, kwargs: dict,
+                  makers: tuple = ()) -> Any:
+    """`LaunchCache.signed_args` when `launch` is a LaunchCache and `signature` is not None; otherwise
+    `launch(kernel, grid, *args, **kwargs)` (Triton's own launch, or an unsigned cached one), with the
+    descriptors of `makers`' positions made first."""
+    if signature is not None and isinstance(launch, LaunchCache):
+        return launch.signed_args(signature, kernel, grid, args, kwargs, makers)
+    return launch(kernel, grid, *(_with_descriptors(args, makers) if makers else args), **kwargs)
 
 
 def signed_launch(launch: Any, signature: Any) -> Any:

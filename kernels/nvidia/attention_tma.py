@@ -96,6 +96,14 @@ def descriptor(t: torch.Tensor, rows: int, heads: int = 1) -> TensorDescriptor:
     return made
 
 
+@functools.lru_cache(maxsize=256)  # on every call's host path: a plan's launches take a few block shapes
+def descriptor_makers(*blocks: tuple[int, int]) -> tuple:
+    """The (position, make descriptor from tensor) pairs `launch.tma_launch` takes for a kernel whose
+    first parameters are descriptors: parameter i gets `descriptor(t, rows, heads)` with
+    `blocks[i] = (rows, heads)`."""
+    return tuple((i, functools.partial(descriptor, rows=rows, heads=heads)) for i, (rows, heads) in enumerate(blocks))
+
+
 def padded_outputs(q: torch.Tensor, keep_lse: bool, return_lse: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """out like a padded [b, s, h, d] q, and lse [b, h, s] in fp32 when it is returned or kept for a
     backward (None otherwise): what the Gluon forwards write."""

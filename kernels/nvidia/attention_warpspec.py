@@ -58,11 +58,11 @@ from kreg.core.space import ConfigSpace
 from kreg.kernels.common.attention.backward import attention_backward
 from kreg.kernels.common.attention.forward import attention_forward
 from kreg.kernels.common.constants import LN2, LOG2E
-from kreg.kernels.common.launch import signed_launch, triton_launch
+from kreg.kernels.common.launch import launch_signed, signature_key, triton_launch
 from kreg.kernels.common.tiles import cdiv
 from kreg.kernels.nvidia.attention_tma import (
     PRODUCER_REGS,
-    descriptor,
+    descriptor_makers,
     key_tiles,
     padded_outputs,
     query_tile,
@@ -348,30 +348,50 @@ def _attention_fwd_ws_kernel(
 
 # ----------------------------------------------------------------------------- launcher
 def warpspec_forward(args: Mapping, config: LaunchConfig, keep_lse: bool, launch: Callable[..., Any] = triton_launch,
-                     signed: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                     prepared: dict | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Allocate out (and lse, when returned or kept for a backward) and run the warp-specialized forward
     on padded [b, s, h, d] inputs that `tma_addressable` accepts. No tensor value is read on the host.
-    With `signed` (`config` is the one this launch cache always gets), a `LaunchCache` launches it by
-    the call's signature: the shapes, dtypes and flags every argument and constexpr is made from."""
+    With `prepared` (a dict a plan keeps, given with the config it always gets), the launch's grid,
+    scalars and constexprs are kept per call signature (the shapes, dtypes and flags they are made
+    from), and a `LaunchCache` launches by that signature."""
     q, k, v = args["q"], args["k"], args["v"]
     sinks = args.get("sinks")
-    batch, s_q, h_q, d = q.shape
-    s_k, h_kv = k.shape[1], k.shape[2]
     out, lse = padded_outputs(q, keep_lse, args["return_lse"])
-    rows, keys = config.blocks["BLOCK_M"], config.blocks["BLOCK_N"]
-    causal = bool(args["causal"])
-    if signed:
-        sinks_dtype = sinks.dtype if sinks is not None else None
-        launch = signed_launch(launch, ("attention_fwd_ws", q.shape, k.shape, q.dtype, sinks_dtype, lse is None,
-                                        causal))
-    launch(
-        _attention_fwd_ws_kernel, (cdiv(s_q, config.blocks["CONSUMERS"] * rows), h_q, batch),
-        descriptor(q, rows), descriptor(k, keys), descriptor(v, keys), descriptor(out, rows),
-        sinks, lse if lse is not None else out,
-        float(args["sm_scale"]) * LOG2E.value, s_q, s_k, *(lse.stride()[:2] if lse is not None else (0, 0)),
-        GROUP=h_q // h_kv, IS_CAUSAL=causal, HAS_SINKS=sinks is not None, RETURN_LSE=lse is not None,
-        HEAD_DIM=d, **config.blocks, num_warps=4)
+    signature = (q.shape, k.shape, q.dtype, None if sinks is None else sinks.dtype, lse is None, args["causal"])
+    fixed = prepared.get(signature) if prepared is not None else None
+    if fixed is None:
+        fixed = _forward_launch(config, *signature)
+        if prepared is not None:
+            if len(prepared) >= MAX_PREPARED:
+                prepared.clear()
+            prepared[signature] = fixed
+    grid, scalars, constexprs, makers, key = fixed
+    # q, k, v and out go as tensors: the launch makes their descriptors (on a signature seen before it
+    # encodes their tensor maps without making any).
+    launch_signed(launch, key if prepared is not None else None, _attention_fwd_ws_kernel, grid,
+                  (q, k, v, out, sinks, out if lse is None else lse, float(args["sm_scale"]) * LOG2E.value, *scalars),
+                  constexprs, makers)
     return out, lse
+
+
+# Call signatures a plan keeps a forward's launch arguments for; past it they are all dropped.
+MAX_PREPARED = 64
+
+
+def _forward_launch(config: LaunchConfig, q_shape: tuple, k_shape: tuple, dtype: torch.dtype, sinks_dtype,
+                    no_lse: bool, causal: bool) -> tuple[tuple, tuple, dict, tuple, int]:
+    """(grid, scalars after sm_scale, keyword arguments, descriptor makers, signature key) of one call
+    signature's launch."""
+    batch, s_q, h_q, d = q_shape
+    s_k, h_kv = k_shape[1], k_shape[2]
+    # lse is allocated contiguous [b, h, s]: its strides follow from the shape.
+    lse_strides = (0, 0) if no_lse else (h_q * s_q, s_q)
+    constexprs = dict(GROUP=h_q // h_kv, IS_CAUSAL=bool(causal), HAS_SINKS=sinks_dtype is not None,
+                      RETURN_LSE=not no_lse, HEAD_DIM=d, **config.blocks, num_warps=4)
+    rows, keys = config.blocks["BLOCK_M"], config.blocks["BLOCK_N"]
+    grid = (cdiv(s_q, config.blocks["CONSUMERS"] * rows), h_q, batch)
+    makers = descriptor_makers((rows, 1), (keys, 1), (keys, 1), (rows, 1))
+    return grid, (s_q, s_k, *lse_strides), constexprs, makers, signature_key()
 
 
 # ----------------------------------------------------------------------------- the variants
@@ -490,12 +510,12 @@ class AttentionWarpSpecHopper:
         """This forward, and the tiled pre kernel followed by the warp-specialized dK/dV and dQ kernels;
         varlen calls and inputs TMA cannot address go to the tiled kernels with the tiled variant's
         default configs for the plan's key and device."""
-        tiled, own = self.fallback(plan), plan.config["fwd"]
+        tiled, own, prepared = self.fallback(plan), plan.config["fwd"], {}
 
         def forward(args: Mapping, config: LaunchConfig, keep_lse: bool,
                     launch: Callable[..., Any] = triton_launch) -> tuple[torch.Tensor, torch.Tensor | None]:
             if _served(args, args["q"], args["k"], args["v"]):
-                return warpspec_forward(args, config, keep_lse, launch, signed=config is own)
+                return warpspec_forward(args, config, keep_lse, launch, prepared if config is own else None)
             return attention_forward(args, tiled["fwd"], keep_lse, launch)
 
         def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None,

@@ -41,9 +41,9 @@ from kreg.kernels.common.attention.backward import attention_backward
 from kreg.kernels.common.attention.forward import attention_forward
 from kreg.kernels.common.attention.tile_rules import causal_window, window_reason
 from kreg.kernels.common.constants import LN2, LOG2E
-from kreg.kernels.common.launch import signed_launch, triton_launch
+from kreg.kernels.common.launch import launch_signed, signature_key, triton_launch
 from kreg.kernels.common.tiles import cdiv
-from kreg.kernels.nvidia.attention_tma import descriptor, padded_outputs, tma_addressable_qkv
+from kreg.kernels.nvidia.attention_tma import descriptor_makers, padded_outputs, tma_addressable_qkv
 from kreg.ops.variant import CallPlan
 
 FLOAT32_LOWEST = gl.constexpr(-3.4028234663852886e38)
@@ -219,31 +219,51 @@ def tiled_equivalent(config: LaunchConfig) -> LaunchConfig:
 
 
 def window_tma_forward(args: Mapping, config: LaunchConfig, keep_lse: bool, launch: Callable[..., Any] = triton_launch,
-                       signed: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                       prepared: dict | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Allocate out (and lse, when returned or kept for a backward) and run this kernel on a call
-    `window_tma_served` accepts. No tensor value is read on the host. With `signed` (`config` is the
-    one this launch cache always gets), a `LaunchCache` launches it by the call's signature: the shapes,
-    dtypes, window and flags every argument and constexpr is made from."""
+    `window_tma_served` accepts. No tensor value is read on the host. With `prepared` (a dict a plan
+    keeps, given with the config it always gets), the launch's grid, scalars and constexprs are kept
+    per call signature (the shapes, dtypes, window and flags they are made from), and a `LaunchCache`
+    launches by that signature."""
     q, k, v = args["q"], args["k"], args["v"]
     sinks = args.get("sinks")
-    batch, s_q, h_q, d = q.shape
-    s_k, h_kv = k.shape[1], k.shape[2]
     out, lse = padded_outputs(q, keep_lse, args["return_lse"])
-    window = causal_window(args, s_k)
-    tokens, heads, half = config.blocks["TOKENS"], config.blocks["HEADS"], window // 2
-    if signed:
-        sinks_dtype = sinks.dtype if sinks is not None else None
-        launch = signed_launch(launch, ("attention_fwd_window_tma", q.shape, k.shape, q.dtype, sinks_dtype,
-                                        lse is None, window))
-    launch(
-        _attention_fwd_window_tma_kernel, (cdiv(s_q, tokens), h_q // heads, batch),
-        descriptor(q, tokens, heads), descriptor(k, half), descriptor(v, half), descriptor(k, TAIL.value),
-        descriptor(v, TAIL.value), descriptor(out, tokens, heads), sinks, lse if lse is not None else out,
-        float(args["sm_scale"]) * LOG2E.value, s_q, s_k, window, *(lse.stride()[:2] if lse is not None else (0, 0)),
-        GROUP=h_q // h_kv, HAS_SINKS=sinks is not None, RETURN_LSE=lse is not None, HEAD_DIM=d, TOKENS=tokens,
-        HEADS=heads, HALF=half, NUM_WARPS=config.num_warps, num_warps=config.num_warps,
-        maxnreg=config.blocks["MAX_REGS"])
+    signature = (q.shape, k.shape, q.dtype, None if sinks is None else sinks.dtype, lse is None,
+                 causal_window(args, k.shape[1]))
+    fixed = prepared.get(signature) if prepared is not None else None
+    if fixed is None:
+        fixed = _window_launch(config, *signature)
+        if prepared is not None:
+            if len(prepared) >= MAX_PREPARED:
+                prepared.clear()
+            prepared[signature] = fixed
+    grid, scalars, constexprs, makers, key = fixed
+    # The six descriptor parameters go as tensors (k and v twice, with two block shapes): the launch
+    # makes the descriptors (on a signature seen before it encodes their tensor maps without them).
+    launch_signed(launch, key if prepared is not None else None, _attention_fwd_window_tma_kernel, grid,
+                  (q, k, v, k, v, out, sinks, out if lse is None else lse, float(args["sm_scale"]) * LOG2E.value,
+                   *scalars), constexprs, makers)
     return out, lse
+
+
+# Call signatures a plan keeps this forward's launch arguments for; past it they are all dropped.
+MAX_PREPARED = 64
+
+
+def _window_launch(config: LaunchConfig, q_shape: tuple, k_shape: tuple, dtype: torch.dtype, sinks_dtype,
+                   no_lse: bool, window: int) -> tuple[tuple, tuple, dict, tuple, int]:
+    """(grid, scalars after sm_scale, keyword arguments, descriptor makers, signature key) of one call
+    signature's launch."""
+    batch, s_q, h_q, d = q_shape
+    s_k, h_kv = k_shape[1], k_shape[2]
+    tokens, heads, half = config.blocks["TOKENS"], config.blocks["HEADS"], window // 2
+    lse_strides = (0, 0) if no_lse else (h_q * s_q, s_q)  # lse is allocated contiguous [b, h, s]
+    constexprs = dict(GROUP=h_q // h_kv, HAS_SINKS=sinks_dtype is not None, RETURN_LSE=not no_lse, HEAD_DIM=d,
+                      TOKENS=tokens, HEADS=heads, HALF=half, NUM_WARPS=config.num_warps, num_warps=config.num_warps,
+                      maxnreg=config.blocks["MAX_REGS"])
+    makers = descriptor_makers((tokens, heads), (half, 1), (half, 1), (TAIL.value, 1), (TAIL.value, 1), (tokens, heads))
+    return ((cdiv(s_q, tokens), h_q // heads, batch), (s_q, s_k, window, *lse_strides), constexprs, makers,
+            signature_key())
 
 
 # ----------------------------------------------------------------------------- the variants
@@ -323,12 +343,12 @@ class AttentionWindowTmaHopper:
     def launchers(self, plan: CallPlan) -> tuple[Callable[..., tuple], Callable[..., tuple]]:
         """This forward, or for the calls it hands over the tiled forward in the same no-loop form; the
         tiled backward."""
-        own = plan.config["fwd"]
+        own, prepared = plan.config["fwd"], {}
 
         def forward(args: Mapping, config: LaunchConfig, keep_lse: bool,
                     launch: Callable[..., Any] = triton_launch) -> tuple[torch.Tensor, torch.Tensor | None]:
             if window_tma_served(args, config):
-                return window_tma_forward(args, config, keep_lse, launch, signed=config is own)
+                return window_tma_forward(args, config, keep_lse, launch, prepared if config is own else None)
             return attention_forward(args, tiled_equivalent(config), keep_lse, launch)
 
         return forward, attention_backward
