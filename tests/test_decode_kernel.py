@@ -259,12 +259,12 @@ def test_a_cache_one_key_longer_takes_the_geometry_worked_out_for_its_signature(
     """A signature that differs from a known one in its capacity alone (a growing cache) reuses the
     known geometry with the new capacity: at every capacity over split-count changes, a window capped
     by the capacity, one-split and several-split calls and page sizes, it equals the geometry worked
-    out from scratch."""
+    out from scratch, and signs its split launch with a key no other geometry has."""
     from kreg.kernels.common.decode import DecodeLaunch, _geometry, _new_signature_geometry
 
     plan = DecodeLaunch(block_n=32, waves=2, kv_heads=1, rows=1, chunk=8, split_knobs={"num_warps": 4},
                         combine_knobs={"num_warps": 2}, num_sms=6, pdl=True)
-    reused = 0
+    reused, split_keys = 0, set()
     for window in (None, 70):
         for num_splits in (None, 3):
             for n in range(1, 400, 7):
@@ -278,7 +278,12 @@ def test_a_cache_one_key_longer_takes_the_geometry_worked_out_for_its_signature(
                     signature = ((2, 4, 64), (256, 64, 1), k_shape, k_stride, k_stride, table, window, num_splits,
                                  True, True)
                     known = len(plan.by_splitting)
-                    assert _new_signature_geometry(plan, signature) == _geometry(plan, *signature), signature
+                    made, expected = _new_signature_geometry(plan, signature), _geometry(plan, *signature)
+                    # Equal but for the launches' signature keys: every geometry signs its split launch
+                    # with a key of its own (a new capacity may specialize otherwise).
+                    assert made._replace(split_key=0, combine_key=0) == expected._replace(split_key=0, combine_key=0)
+                    assert made.split_key not in split_keys, signature
+                    split_keys.add(made.split_key)
                     reused += len(plan.by_splitting) == known
     assert reused > 100  # most capacities took a known geometry
 
