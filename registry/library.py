@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from kreg.core.workspace import fresh_workspace
 from kreg.ops import OPS
 from kreg.ops.contract import Op, TensorSpec, empty_output
 
@@ -160,7 +161,9 @@ def register(op: Op, handle_for: HandleFor) -> LibraryOp:
 
     def forward_impl(*args):
         named = lib.named(args)
-        result = handle_for(op.name, vendor=named.pop("vendor"), variant=named.pop("variant")).eager(named)
+        # A compiled graph's call keeps no workspace between calls (core/workspace.py says why).
+        with fresh_workspace():
+            result = handle_for(op.name, vendor=named.pop("vendor"), variant=named.pop("variant")).eager(named)
         return _returned(op, tuple(t.contiguous() for t in op.all_outputs(result, args[0].device)))
 
     def forward_fake(*args):
@@ -186,7 +189,8 @@ def _register_backward(lib: LibraryOp, handle_for: HandleFor) -> None:
     def backward_impl(grad, outputs, *args):
         named = lib.named(args)
         handle = handle_for(op.name, vendor=named.pop("vendor"), variant=named.pop("variant"))
-        grads = handle.gradients(handle._validate(**named), tuple(outputs), grad)
+        with fresh_workspace():
+            grads = handle.gradients(handle._validate(**named), tuple(outputs), grad)
         device = args[0].device
         return [empty_output(device) if grads.get(name) is None else grads[name].contiguous()
                 for name in op.grad_inputs]

@@ -227,3 +227,31 @@ def test_cuda_graph_capture_and_replay(name, monkeypatch):
         graph.replay()
         torch.cuda.synchronize()
         assert_close(captured, handle(**kw), 1e-6, what=f"{name} replayed")
+
+
+def _decode_plans(handle) -> list:
+    """The DecodeLaunch plans of a decode handle's cached launchers."""
+    from kreg.kernels.common.decode import DecodeLaunch
+
+    return [cell.cell_contents for per_device in handle._launchers.values() for launch in per_device.values()
+            for cell in (launch.__closure__ or ()) if isinstance(cell.cell_contents, DecodeLaunch)]
+
+
+def test_a_compiled_graphs_decode_keeps_no_split_partials():
+    """An eager decode call keeps its split partials' buffers for the next call; the same call from a
+    compiled graph (the custom op's body) keeps none, since under CUDA-graph trees a buffer it kept would
+    be a tensor of the graph's pool that the graph does not own."""
+    gen = torch.Generator().manual_seed(3)
+    kw = {"q": torch.randn(2, 4, 32, generator=gen).to(DEVICE, DTYPE),
+          "k_cache": torch.randn(2, 256, 2, 32, generator=gen).to(DEVICE, DTYPE),
+          "v_cache": torch.randn(2, 256, 2, 32, generator=gen).to(DEVICE, DTYPE),
+          "cache_seqlens": torch.tensor([200, 37], dtype=torch.int32, device=DEVICE), "num_splits": 3}
+    handle = registry.get("decode", vendor=VENDOR)
+    compiled = torch.compile(_Block("decode"), fullgraph=True, backend="aot_eager")
+    from_graph = compiled(kw)
+    (plan,) = _decode_plans(handle)
+    assert not plan.partials
+    eager = handle(**kw)
+    assert len(plan.partials) == 1
+    assert_close(from_graph, eager, 1e-6)
+    assert_close(eager, OPS["decode"].reference(**kw), TOLERANCE[DTYPE])

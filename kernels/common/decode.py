@@ -44,6 +44,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from kreg.core.records import LaunchConfig
 from kreg.core.space import ConfigSpace, Keep
+from kreg.core.workspace import keep_workspace
 from kreg.kernels.common.constants import LN2, LOG2E
 from kreg.kernels.common.launch import LaunchCache, launch_signed, signature_key, triton_launch
 from kreg.kernels.common.tiles import cdiv, dot_block, next_pow2
@@ -494,7 +495,11 @@ def _partials(plan: DecodeLaunch, shapes: tuple, device: torch.device) -> tuple[
     buffers of these shapes are taken again when the call runs on the same stream from the same thread:
     the stream orders this call's split after the last call's combine, and one thread's launches are
     never interleaved with another's between the two. A call captured in a CUDA graph gets buffers of
-    its own (the graph keeps them; a replay may run beside eager calls)."""
+    its own (the graph keeps them; a replay may run beside eager calls), and so does a call where
+    buffers may not be kept (`core.workspace.keep_workspace`: a compiled graph's custom-op call)."""
+    if not keep_workspace():
+        return (torch.empty(shapes[0], device=device, dtype=torch.float32),
+                torch.empty(shapes[1], device=device, dtype=torch.float32))
     if device.type != "cuda":
         key = (device, threading.get_ident())
     elif _current_raw_stream is None or _capturing is None or _capturing():
