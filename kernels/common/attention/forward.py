@@ -29,7 +29,7 @@ from kreg.kernels.common.attention.layout import _geometry, _lse_strides, _masks
 from kreg.kernels.common.attention.masks import _allowed_keys, _block_order, _key_range, _sequence
 from kreg.kernels.common.attention.tile_rules import causal_window, forward_loops, packed_heads
 from kreg.kernels.common.constants import LN2, LOG2E
-from kreg.kernels.common.launch import triton_launch
+from kreg.kernels.common.launch import launch_signed, signature_key, triton_launch
 from kreg.kernels.common.tiles import cdiv, dot_block
 
 # Kernels can only read globals that are constexprs.
@@ -347,35 +347,64 @@ def _attention_fwd_kernel(
 
 
 # ----------------------------------------------------------------------------- launcher
-def attention_forward(args: Mapping, config: LaunchConfig, keep_lse: bool, launch: Callable[..., Any] = triton_launch
-                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def attention_forward(args: Mapping, config: LaunchConfig, keep_lse: bool, launch: Callable[..., Any] = triton_launch,
+                      prepared: dict | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Allocate out (and lse, when returned or kept for a backward) and run the forward kernel (through
     `launch`: Triton's own launch, or a dispatch plan's `LaunchCache`). The grid comes from shapes and
-    max_seqlen_q only: no tensor value is read on the host, so this can be captured in a CUDA graph."""
+    max_seqlen_q only: no tensor value is read on the host, so this can be captured in a CUDA graph.
+    With `prepared` (a dict a plan keeps, given with the config it always gets), the launch's grid,
+    scalars and constexprs are kept per call signature (the shapes, strides and flags they are made
+    from) and a `LaunchCache` launches by that signature."""
     q, k, v = args["q"], args["k"], args["v"]
-    sinks = args.get("sinks")
-    varlen, batch, rows_q, rows_k, span_q, _ = _geometry(args)
-    h_q, h_kv, d = q.shape[-2], k.shape[-2], q.shape[-1]
+    sinks, cu_q = args.get("sinks"), args["cu_seqlens_q"]
+    varlen = cu_q is not None
     # Varlen rows outside every sequence belong to no program: they keep out 0 and lse +inf from here.
     out = (torch.zeros if varlen else torch.empty)(q.shape, dtype=q.dtype, device=q.device)
     lse = None
     if keep_lse or args["return_lse"]:
-        shape = (h_q, rows_q) if varlen else (batch, h_q, rows_q)
+        shape = (q.shape[-2], q.shape[0]) if varlen else (q.shape[0], q.shape[2], q.shape[1])
         lse = torch.full(shape, float("inf"), dtype=torch.float32, device=q.device) if varlen else \
             torch.empty(shape, dtype=torch.float32, device=q.device)
+    fixed = None
+    if prepared is not None:
+        signature = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), None if cu_q is None else cu_q.shape,
+                     args["max_seqlen_q"], args["max_seqlen_k"], sinks is None, lse is None, args["causal"],
+                     args["window"], args["sm_scale"] > 0)
+        fixed = prepared.get(signature)
+    if fixed is None:
+        fixed = _forward_launch(args, config, out, lse)
+        if prepared is not None:
+            if len(prepared) >= MAX_PREPARED:
+                prepared.clear()
+            prepared[signature] = fixed
+    grid, scalars, constexprs, key = fixed
+    cu_k = args["cu_seqlens_k"] if varlen else q  # q: an unused placeholder
+    launch_signed(launch, key if prepared is not None else None, _attention_fwd_kernel, grid,
+                  (q, k, v, sinks, out, out if lse is None else lse, cu_q if varlen else q, cu_k,
+                   float(args["sm_scale"]) * LOG2E.value, *scalars), constexprs)
+    return out, lse
+
+
+# Call signatures a plan keeps the forward's launch arguments for; past it they are all dropped.
+MAX_PREPARED = 64
+
+
+def _forward_launch(args: Mapping, config: LaunchConfig, out: torch.Tensor, lse: torch.Tensor | None
+                    ) -> tuple[tuple, tuple, dict, int]:
+    """(grid, scalars after sm_scale, keyword arguments, signature key) of one call's launch: functions
+    of its shapes, strides and flags only (out and lse are fresh, so theirs follow from the shapes)."""
+    q, k, v = args["q"], args["k"], args["v"]
+    varlen, batch, rows_q, rows_k, span_q, _ = _geometry(args)
+    h_q, h_kv, d = q.shape[-2], k.shape[-2], q.shape[-1]
     masks = _masks(args, rows_k)
     window = masks.pop("window")
-    cu_q, cu_k = (args["cu_seqlens_q"], args["cu_seqlens_k"]) if varlen else (q, q)  # q: unused placeholder
     block_m, block_n = config.blocks["BLOCK_M"], config.blocks["BLOCK_N"]
     heads = packed_heads(config, h_q // h_kv)
     loops, half = forward_loops(config, causal_window(args, rows_k), block_m // heads)
-    launch(
-        _attention_fwd_kernel, (cdiv(span_q, block_m // heads), h_q // heads, batch),
-        q, k, v, sinks, out, lse if lse is not None else out, cu_q, cu_k,
-        float(args["sm_scale"]) * LOG2E.value, rows_q, rows_k, window,
-        *_strides(q, varlen), *_strides(k, varlen), *_strides(v, varlen), *_strides(out, varlen),
-        *(_lse_strides(lse, varlen) if lse is not None else (0, 0)),
-        GROUP=h_q // h_kv, IS_VARLEN=varlen, HAS_SINKS=sinks is not None, RETURN_LSE=lse is not None, HEAD_DIM=d,
-        BLOCK_D=dot_block(d), BLOCK_M=block_m, BLOCK_N=block_n, HEADS=heads, KEY_LOOPS=loops,
-        WINDOW_HALF=half, POSITIVE_SCALE=args["sm_scale"] > 0, **masks, **config.knobs())
-    return out, lse
+    scalars = (rows_q, rows_k, window, *_strides(q, varlen), *_strides(k, varlen), *_strides(v, varlen),
+               *_strides(out, varlen), *(_lse_strides(lse, varlen) if lse is not None else (0, 0)))
+    constexprs = dict(GROUP=h_q // h_kv, IS_VARLEN=varlen, HAS_SINKS=args.get("sinks") is not None,
+                      RETURN_LSE=lse is not None, HEAD_DIM=d, BLOCK_D=dot_block(d), BLOCK_M=block_m, BLOCK_N=block_n,
+                      HEADS=heads, KEY_LOOPS=loops, WINDOW_HALF=half, POSITIVE_SCALE=args["sm_scale"] > 0, **masks,
+                      **config.knobs())
+    return (cdiv(span_q, block_m // heads), h_q // heads, batch), scalars, constexprs, signature_key()

@@ -175,8 +175,15 @@ class AttentionTiledBase:
     def launchers(self, plan: CallPlan) -> tuple[Callable[..., tuple], Callable[..., tuple]]:
         """The forward launcher (args, fwd config, keep_lse, launch) -> (out, lse or None) and the backward
         launcher (q, k, v, sinks, out, lse, dout, args, call config, launch) -> (dq, dk, dv, dsinks or
-        None) of calls under `plan`: this module's kernels; a variant with other kernels replaces them."""
-        return attention_forward, attention_backward
+        None) of calls under `plan`: this module's kernels (the forward keeps its launch arguments per call
+        signature for the plan's own config); a variant with other kernels replaces them."""
+        own, prepared = plan.config["fwd"], {}
+
+        def forward(args: Mapping, config: LaunchConfig, keep_lse: bool,
+                    launch: Callable[..., Any] = triton_launch) -> tuple[torch.Tensor, torch.Tensor | None]:
+            return attention_forward(args, config, keep_lse, launch, prepared if config is own else None)
+
+        return forward, attention_backward
 
     def launch(self, args: dict, plan: CallPlan):
         forward, backward = self.launchers(plan)
