@@ -574,3 +574,46 @@ def test_backward_with_a_strided_lse_matches_a_dense_one():
         assert torch.equal(dense[name], strided[name]), name
     assert max_relative_error([dense[n].float() for n in ("q", "k", "v")],
                               reference_gradients(OPS[F], args, dout)) <= GRAD_RTOL
+
+
+def test_a_forward_signature_fixes_every_launch_argument_but_the_tensors_and_scale():
+    """Calls whose `forward_signature` is equal launch with the same grid, scalars and constexprs (what a
+    plan keeps per signature), over layouts, strided views, varlen batches, masks, sinks, lse and scales;
+    calls that differ in any of them have signatures of their own."""
+    from kreg.kernels.common.attention.forward import _forward_launch, forward_signature
+
+    config = LaunchConfig(blocks={"BLOCK_M": 32, "BLOCK_N": 16, "HEADS": 2, "KEY_LOOPS": 2}, num_warps=4)
+    calls = []
+    for op in ("flash_attention", "sink_attention"):
+        for causal, window in ((False, None), (True, None), (True, 32), (True, 7)):
+            for seed, scale in ((0, None), (1, 0.3), (2, -0.5)):
+                extra = {"sinks": "random"} if op == "sink_attention" else {}
+                calls.append(_make(op, 2, 37, 45, 4, 2, 64, causal=causal, window=window, sm_scale=scale, seed=seed,
+                                   **extra))
+        wide = random_normal((2, 45, 4, 80), device=DEVICE, dtype=DTYPE, generator=torch.Generator().manual_seed(6))
+        view = wide[..., :64][:, :37]  # strided: another row and head stride, the same shape
+        calls.append(OPS[op].validate(view, wide[:, :, :2, :64], wide[:, :, 2:, :64], causal=True,
+                                      **({"sinks": torch.zeros(4)} if op == "sink_attention" else {})))
+        # The same packed shapes with other lengths (a new max_seqlen_q changes only the grid), and a repeat.
+        for lens_q, lens_k, seed in (([5, 11], [9, 20], 3), ([8, 8], [17, 12], 4), ([20, 20], [9, 20], 7),
+                                     ([5, 35], [9, 20], 8), ([5, 11], [9, 20], 5)):
+            calls.append(_packed(op, lens_q, lens_k, 4, 2, 64, seed=seed, causal=True))
+    seen: dict = {}
+    repeated = 0
+    for args in calls:
+        for keep in (False, True):
+            lse = torch.empty(0) if keep or args["return_lse"] else None
+            signature = forward_signature(args, lse is None)
+            out = torch.empty(args["q"].shape, dtype=args["q"].dtype)
+            if lse is not None:
+                q = args["q"]
+                shape = (q.shape[-2], q.shape[0]) if args["cu_seqlens_q"] is not None else \
+                    (q.shape[0], q.shape[2], q.shape[1])
+                lse = torch.empty(shape, dtype=torch.float32)
+            grid, scalars, constexprs, _ = _forward_launch(args, config, out, lse)
+            made = (grid, scalars, constexprs)
+            if signature in seen:
+                repeated += 1
+                assert seen[signature] == made, signature
+            seen[signature] = made
+    assert repeated >= 10 and len(seen) >= 20  # both kinds met: shared signatures and distinct ones

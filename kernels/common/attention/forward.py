@@ -367,9 +367,7 @@ def attention_forward(args: Mapping, config: LaunchConfig, keep_lse: bool, launc
             torch.empty(shape, dtype=torch.float32, device=q.device)
     fixed = None
     if prepared is not None:
-        signature = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), None if cu_q is None else cu_q.shape,
-                     args["max_seqlen_q"], args["max_seqlen_k"], sinks is None, lse is None, args["causal"],
-                     args["window"], args["sm_scale"] > 0)
+        signature = forward_signature(args, lse is None)
         fixed = prepared.get(signature)
     if fixed is None:
         fixed = _forward_launch(args, config, out, lse)
@@ -387,6 +385,15 @@ def attention_forward(args: Mapping, config: LaunchConfig, keep_lse: bool, launc
 
 # Call signatures a plan keeps the forward's launch arguments for; past it they are all dropped.
 MAX_PREPARED = 64
+
+
+def forward_signature(args: Mapping, no_lse: bool) -> tuple:
+    """Everything a forward launch's grid, scalars and constexprs are made from (the plan fixes the
+    config and the dtype): shapes, strides, the varlen batch and maxima, and the flags."""
+    q, k, cu_q = args["q"], args["k"], args["cu_seqlens_q"]
+    return (q.shape, q.stride(), k.shape, k.stride(), args["v"].stride(), None if cu_q is None else cu_q.shape,
+            args["max_seqlen_q"], args["max_seqlen_k"], args.get("sinks") is None, no_lse, args["causal"],
+            args["window"], args["sm_scale"] > 0)
 
 
 def _forward_launch(args: Mapping, config: LaunchConfig, out: torch.Tensor, lse: torch.Tensor | None
