@@ -441,6 +441,24 @@ def signature_key() -> int:
     return next(_signature_keys)
 
 
+# Call signatures a launcher keeps its launch arguments for (`kept_arguments`); past it they are all dropped.
+MAX_PREPARED = 64
+
+
+def kept_arguments(prepared: dict | None, signature: Any, make: Callable[..., tuple], *inputs: Any) -> tuple:
+    """A launch's arguments (grid, scalars, keyword arguments, ..., and a `signature_key()` last) for one
+    call signature: those `prepared` (a dict a plan keeps) holds for it, else `make(*inputs)`, kept there.
+    Without a dict they are made every time."""
+    fixed = prepared.get(signature) if prepared is not None else None
+    if fixed is None:
+        fixed = make(*inputs)
+        if prepared is not None:
+            if len(prepared) >= MAX_PREPARED:
+                prepared.clear()
+            prepared[signature] = fixed
+    return fixed
+
+
 def launch_signed(launch: Any, signature: Any, kernel: Any, grid: tuple, args: tuple, kwargs: dict,
                   makers: tuple = ()) -> Any:
     """`LaunchCache.signed_args` when `launch` is a LaunchCache and `signature` is not None; otherwise

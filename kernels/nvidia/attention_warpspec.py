@@ -58,7 +58,7 @@ from kreg.core.space import ConfigSpace
 from kreg.kernels.common.attention.backward import attention_backward
 from kreg.kernels.common.attention.forward import attention_forward
 from kreg.kernels.common.constants import LN2, LOG2E
-from kreg.kernels.common.launch import launch_signed, signature_key, triton_launch
+from kreg.kernels.common.launch import kept_arguments, launch_signed, signature_key, triton_launch
 from kreg.kernels.common.tiles import cdiv
 from kreg.kernels.nvidia.attention_tma import (
     PRODUCER_REGS,
@@ -358,24 +358,13 @@ def warpspec_forward(args: Mapping, config: LaunchConfig, keep_lse: bool, launch
     sinks = args.get("sinks")
     out, lse = padded_outputs(q, keep_lse, args["return_lse"])
     signature = (q.shape, k.shape, q.dtype, None if sinks is None else sinks.dtype, lse is None, args["causal"])
-    fixed = prepared.get(signature) if prepared is not None else None
-    if fixed is None:
-        fixed = _forward_launch(config, *signature)
-        if prepared is not None:
-            if len(prepared) >= MAX_PREPARED:
-                prepared.clear()
-            prepared[signature] = fixed
-    grid, scalars, constexprs, makers, key = fixed
+    grid, scalars, constexprs, makers, key = kept_arguments(prepared, signature, _forward_launch, config, *signature)
     # q, k, v and out go as tensors: the launch makes their descriptors (on a signature seen before it
     # encodes their tensor maps without making any).
     launch_signed(launch, key if prepared is not None else None, _attention_fwd_ws_kernel, grid,
                   (q, k, v, out, sinks, out if lse is None else lse, float(args["sm_scale"]) * LOG2E.value, *scalars),
                   constexprs, makers)
     return out, lse
-
-
-# Call signatures a plan keeps a forward's launch arguments for; past it they are all dropped.
-MAX_PREPARED = 64
 
 
 def _forward_launch(config: LaunchConfig, q_shape: tuple, k_shape: tuple, dtype: torch.dtype, sinks_dtype,

@@ -41,7 +41,7 @@ from kreg.kernels.common.attention.backward import attention_backward
 from kreg.kernels.common.attention.forward import attention_forward
 from kreg.kernels.common.attention.tile_rules import causal_window, window_reason
 from kreg.kernels.common.constants import LN2, LOG2E
-from kreg.kernels.common.launch import launch_signed, signature_key, triton_launch
+from kreg.kernels.common.launch import kept_arguments, launch_signed, signature_key, triton_launch
 from kreg.kernels.common.tiles import cdiv
 from kreg.kernels.nvidia.attention_tma import descriptor_makers, padded_outputs, tma_addressable_qkv
 from kreg.ops.variant import CallPlan
@@ -230,24 +230,13 @@ def window_tma_forward(args: Mapping, config: LaunchConfig, keep_lse: bool, laun
     out, lse = padded_outputs(q, keep_lse, args["return_lse"])
     signature = (q.shape, k.shape, q.dtype, None if sinks is None else sinks.dtype, lse is None,
                  causal_window(args, k.shape[1]))
-    fixed = prepared.get(signature) if prepared is not None else None
-    if fixed is None:
-        fixed = _window_launch(config, *signature)
-        if prepared is not None:
-            if len(prepared) >= MAX_PREPARED:
-                prepared.clear()
-            prepared[signature] = fixed
-    grid, scalars, constexprs, makers, key = fixed
+    grid, scalars, constexprs, makers, key = kept_arguments(prepared, signature, _window_launch, config, *signature)
     # The six descriptor parameters go as tensors (k and v twice, with two block shapes): the launch
     # makes the descriptors (on a signature seen before it encodes their tensor maps without them).
     launch_signed(launch, key if prepared is not None else None, _attention_fwd_window_tma_kernel, grid,
                   (q, k, v, k, v, out, sinks, out if lse is None else lse, float(args["sm_scale"]) * LOG2E.value,
                    *scalars), constexprs, makers)
     return out, lse
-
-
-# Call signatures a plan keeps this forward's launch arguments for; past it they are all dropped.
-MAX_PREPARED = 64
 
 
 def _window_launch(config: LaunchConfig, q_shape: tuple, k_shape: tuple, dtype: torch.dtype, sinks_dtype,

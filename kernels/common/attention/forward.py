@@ -29,7 +29,7 @@ from kreg.kernels.common.attention.layout import _geometry, _lse_strides, _masks
 from kreg.kernels.common.attention.masks import _allowed_keys, _block_order, _key_range, _sequence
 from kreg.kernels.common.attention.tile_rules import causal_window, forward_loops, packed_heads
 from kreg.kernels.common.constants import LN2, LOG2E
-from kreg.kernels.common.launch import launch_signed, signature_key, triton_launch
+from kreg.kernels.common.launch import kept_arguments, launch_signed, signature_key, triton_launch
 from kreg.kernels.common.tiles import cdiv, dot_block
 
 # Kernels can only read globals that are constexprs.
@@ -365,26 +365,13 @@ def attention_forward(args: Mapping, config: LaunchConfig, keep_lse: bool, launc
         shape = (q.shape[-2], q.shape[0]) if varlen else (q.shape[0], q.shape[2], q.shape[1])
         lse = torch.full(shape, float("inf"), dtype=torch.float32, device=q.device) if varlen else \
             torch.empty(shape, dtype=torch.float32, device=q.device)
-    fixed = None
-    if prepared is not None:
-        signature = forward_signature(args, lse is None)
-        fixed = prepared.get(signature)
-    if fixed is None:
-        fixed = _forward_launch(args, config, out, lse)
-        if prepared is not None:
-            if len(prepared) >= MAX_PREPARED:
-                prepared.clear()
-            prepared[signature] = fixed
-    grid, scalars, constexprs, key = fixed
+    signature = forward_signature(args, lse is None) if prepared is not None else None
+    grid, scalars, constexprs, key = kept_arguments(prepared, signature, _forward_launch, args, config, out, lse)
     cu_k = args["cu_seqlens_k"] if varlen else q  # q: an unused placeholder
     launch_signed(launch, key if prepared is not None else None, _attention_fwd_kernel, grid,
                   (q, k, v, sinks, out, out if lse is None else lse, cu_q if varlen else q, cu_k,
                    float(args["sm_scale"]) * LOG2E.value, *scalars), constexprs)
     return out, lse
-
-
-# Call signatures a plan keeps the forward's launch arguments for; past it they are all dropped.
-MAX_PREPARED = 64
 
 
 def forward_signature(args: Mapping, no_lse: bool) -> tuple:
