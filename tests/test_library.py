@@ -186,6 +186,24 @@ def test_hot_path_resolves_each_raw_key_once():
         handle(**{**kw, "cache_seqlens": kw["cache_seqlens"].long()})
 
 
+def test_a_growing_decode_cache_stays_on_one_raw_key():
+    """Views of one cache one key longer each call (a generation loop's) share the raw key while the
+    length stays in its tuning bucket: no new resolution per step, and each step is right; the next
+    bucket is a new key."""
+    op = OPS["decode"]
+    keys = []
+    counting = dataclasses.replace(op, tuning_key=lambda a: keys.append(1) or op.tuning_key(a))
+    handle = OpHandle(counting, VENDOR, None)
+    gen = torch.Generator().manual_seed(5)
+    cache_k, cache_v = (torch.randn(2, 80, 2, 32, generator=gen).to(DEVICE, DTYPE) for _ in range(2))
+    q = torch.randn(2, 4, 32, generator=gen).to(DEVICE, DTYPE)
+    for n in (33, 34, 47, 64, 65):
+        kw = {"q": q, "k_cache": cache_k[:, :n], "v_cache": cache_v[:, :n],
+              "cache_seqlens": torch.tensor([n, n - 9], dtype=torch.int32, device=DEVICE)}
+        assert_close(handle(**kw), op.reference(**kw), TOLERANCE[DTYPE], what=f"n {n}")
+    assert len(keys) == 2  # the bucket of 64, then of 128
+
+
 # ----------------------------------------------------------------------------- GPU
 @gpu
 @pytest.mark.parametrize("name", KERNEL_OPS)
