@@ -122,11 +122,11 @@ def test_raw_key_launchers_are_capped_per_device(monkeypatch):
     monkeypatch.setattr(dispatch, "MAX_RAW_KEYS", 2)
     handle = registry.get("decode", vendor=VENDOR)
     made = []
-    for n in (37, 38, 39):
-        kw = OPS["decode"].make_inputs({**DECODE, "n": n}, device=DEVICE, dtype=DTYPE, seed=0)
+    for b in (5, 6, 7):  # three raw keys (q's shape) of one tuning key (the batch's bucket, 8)
+        kw = OPS["decode"].make_inputs({**DECODE, "b": b}, device=DEVICE, dtype=DTYPE, seed=0)
         made.append(handle.launcher(**kw))
     (launchers,) = handle._launchers.values()
-    assert [key[1][1] for key in launchers] == [38, 39]  # the oldest raw key dropped
+    assert [key[0][0] for key in launchers] == [6, 7]  # the oldest raw key dropped
     assert len(set(made)) == 1  # one tuning key: one launcher, which every raw key runs
 
 
