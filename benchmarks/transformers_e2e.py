@@ -79,6 +79,9 @@ def compare(model, impls: list[str], prefill: int, new: int, repeats: int, stati
     ids = torch.randint(0, VOCAB, (1, prefill), generator=torch.Generator().manual_seed(1)).to(model.device)
     out = {}
     for impl in impls:
+        # A fresh compile state per implementation (dynamo's caches and CUDA-graph trees are global): one
+        # implementation's static-cache graphs, or its failure, never reach the next one's rows.
+        torch._dynamo.reset()
         try:
             model.set_attn_implementation(impl)
             with torch.no_grad():
