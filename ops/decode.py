@@ -161,9 +161,9 @@ def validate(
                 sm_scale=d**-0.5 if sm_scale is None else resolve_scale("sm_scale", sm_scale, d),
                 num_splits=num_splits, return_lse=return_lse)
     # Everything tuning_key reads, as validation read it: the hot path's cache key. The cache's length
-    # enters as tuning_key's bucket of it, so a cache one key longer every step (a generation loop's)
-    # stays on one key instead of resolving a new one per step.
-    args.key = (qs, cs[1] if paged else None, cs[2], bucket_pow2(ts[1] * cs[1] if paged else cs[1]), dtype,
+    # enters as the bit length of n - 1, which decides its power-of-two bucket (bucket_pow2), so a cache
+    # one key longer every step (a generation loop's) stays on one key instead of resolving a new one.
+    args.key = (qs, cs[1] if paged else None, cs[2], ((ts[1] * cs[1] if paged else cs[1]) - 1).bit_length(), dtype,
                 sinks is None, window)
     return args
 
