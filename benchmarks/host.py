@@ -146,8 +146,8 @@ def rows(dtype: torch.dtype = torch.bfloat16, every_op: bool = True) -> list[str
                  f"{first_pass:.1f} | - | - | - | - |")
     if not every_op:
         return lines
-    lines += ["", "| op at its smallest full-preset shape | eager us | graph us | eager - graph |",
-              "| --- | --- | --- | --- |"]
+    lines += ["", "| op at its smallest full-preset shape | variant (config from) | eager us | graph us | "
+              "eager - graph |", "| --- | --- | --- | --- | --- |"]
     for name in OPS:
         op = OPS[name]
         shape = smallest_full_shape(name)
@@ -157,7 +157,11 @@ def rows(dtype: torch.dtype = torch.bfloat16, every_op: bool = True) -> list[str
         eager = wall_us({"kreg": fn}, iters=200)["kreg"]
         graph = statistics.median(_graph_us(fn))
         short = ",".join(f"{k}={v}" for k, v in shape.items() if v not in (None, False))
-        lines.append(f"| {name} {short} | {eager:.1f} | {graph:.1f} | {eager - graph:+.1f} |")
+        # Which launcher ran: host paths differ per variant (a signed launch, or records matched).
+        choice = registry.get(name).choice(**kw)
+        variant = choice.variant.name if choice.variant is not None else "reference"
+        lines.append(f"| {name} {short} | {variant} ({choice.source}) | {eager:.1f} | {graph:.1f} | "
+                     f"{eager - graph:+.1f} |")
     return lines
 
 
