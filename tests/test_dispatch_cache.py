@@ -348,8 +348,8 @@ def test_launches_that_change_every_time_stop_recording(fake_device, monkeypatch
 
 
 def _signed(cache, kernel, x, y, signature="sig", **changes):
-    return cache.signed(signature, kernel, (4, 2), x, y, changes.get("n", 64), 0.5, 16, BLOCK=32, FLAG=True,
-                        num_warps=4)
+    return cache.signed(signature, kernel, (4, 2), (x, y, changes.get("n", 64), 0.5, 16),
+                        {"BLOCK": 32, "FLAG": True, "num_warps": 4})
 
 
 def test_signed_launches_take_their_record_without_comparing(fake_device, monkeypatch):

@@ -34,7 +34,6 @@ drops every cache.
 
 from __future__ import annotations
 
-import functools
 import itertools
 from collections.abc import Callable
 from functools import reduce
@@ -183,7 +182,7 @@ def _prepared_launch(compiled: Any, dims: int, tail: tuple, makers: tuple | None
     scratch memory is called below its Python wrapper, whose only work is allocating that scratch (a few
     microseconds a launch).
 
-    With `makers` ((position, make descriptor from tensor) pairs, `LaunchCache.signed_args`), `args` hold
+    With `makers` ((position, make descriptor from tensor) pairs, `LaunchCache.signed`), `args` hold
     tensors where the kernel takes descriptors: None when this launcher cannot encode their tensor maps
     from tensors (the caller then makes the descriptors)."""
     launcher, function, metadata = compiled.run, compiled.function, compiled.packed_metadata
@@ -332,9 +331,9 @@ class LaunchCache:
     cache records nothing (a key called once costs nothing more); later launches through Triton record
     theirs, up to MAX_RECORDS per kernel, until MAX_MISSES of them come with no hit between.
 
-    `cache.signed(signature, kernel, grid, *args, **kwargs)` is the same launch for a caller that can
-    name, in one hashable `signature`, everything the comparison looks at but the tensors' addresses,
-    the floats' values and the grid's values: its launches skip the comparison."""
+    `cache.signed(signature, kernel, grid, args, kwargs)` is the same launch for a caller that can name,
+    in one hashable `signature`, everything the comparison looks at but the tensors' addresses, the
+    floats' values and the grid's values: its launches skip the comparison."""
 
     __slots__ = ("_sites", "_signed")
 
@@ -346,19 +345,16 @@ class LaunchCache:
     def __call__(self, kernel: Any, grid: tuple, *args: Any, **kwargs: Any) -> Any:
         return self._launch(kernel, grid, args, kwargs)[0]
 
-    def signed(self, signature: Any, kernel: Any, grid: tuple, *args: Any, **kwargs: Any) -> Any:
+    def signed(self, signature: Any, kernel: Any, grid: tuple, args: tuple, kwargs: dict, makers: tuple = ()) -> Any:
         """`self(kernel, grid, *args, **kwargs)`, where launches of one `signature` are promised to be of
         one kernel and to specialize alike: the same keyword arguments, argument types, tensor dtypes,
         descriptor types, constexprs and ints of the same Triton class (a signature of the shapes
         and flags the arguments are made from fixes all of these). Once such a launch took or made a
         record, later ones of its signature take that record with only their tensors' alignment, the
         current device and the launch hooks checked. A signature that breaks the promise launches a
-        kernel specialized for another launch: callers name every input the arguments depend on."""
-        return self.signed_args(signature, kernel, grid, args, kwargs)
+        kernel specialized for another launch: callers name every input the arguments depend on.
 
-    def signed_args(self, signature: Any, kernel: Any, grid: tuple, args: tuple, kwargs: dict,
-                    makers: tuple = ()) -> Any:
-        """`signed` on an argument tuple and a keyword dict as they are (a caller that keeps them per
+        The argument tuple and keyword dict are taken as they are (a caller that keeps them per
         signature packs nothing; on a hit `kwargs` is not read). `makers` pairs each TMA descriptor
         parameter passed as the tensor it covers with the function that makes its descriptor from that
         tensor, the same for every launch of the signature: a hit makes no descriptor, its tensor maps
@@ -435,7 +431,7 @@ _signature_keys = itertools.count()
 
 
 def signature_key() -> int:
-    """A key for `LaunchCache.signed_args` no other launch has, for a caller that keeps one launch's
+    """A key for `LaunchCache.signed` no other launch has, for a caller that keeps one launch's
     arguments per call signature: hashing it costs nothing, and arguments made again (after the
     caller dropped them) draw a new one, so they never take another launch's record."""
     return next(_signature_keys)
@@ -461,15 +457,9 @@ def kept_arguments(prepared: dict | None, signature: Any, make: Callable[..., tu
 
 def launch_signed(launch: Any, signature: Any, kernel: Any, grid: tuple, args: tuple, kwargs: dict,
                   makers: tuple = ()) -> Any:
-    """`LaunchCache.signed_args` when `launch` is a LaunchCache and `signature` is not None; otherwise
+    """`LaunchCache.signed` when `launch` is a LaunchCache and `signature` is not None; otherwise
     `launch(kernel, grid, *args, **kwargs)` (Triton's own launch, or an unsigned cached one), with the
     descriptors of `makers`' positions made first."""
     if signature is not None and isinstance(launch, LaunchCache):
-        return launch.signed_args(signature, kernel, grid, args, kwargs, makers)
+        return launch.signed(signature, kernel, grid, args, kwargs, makers)
     return launch(kernel, grid, *(_with_descriptors(args, makers) if makers else args), **kwargs)
-
-
-def signed_launch(launch: Any, signature: Any) -> Any:
-    """`launch` with `signature` bound (`LaunchCache.signed`) when it is a LaunchCache; any other launch
-    function (Triton's own) as it is."""
-    return functools.partial(launch.signed, signature) if isinstance(launch, LaunchCache) else launch
