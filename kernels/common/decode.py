@@ -486,7 +486,6 @@ def _geometry(plan: DecodeLaunch, q_shape, q_stride, k_shape, k_stride, v_stride
 # one call's partials, a few MB at most at serving shapes).
 MAX_PARTIALS = 16
 _current_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None)
 
 
 def _partials(plan: DecodeLaunch, shapes: tuple, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -494,21 +493,16 @@ def _partials(plan: DecodeLaunch, shapes: tuple, device: torch.device) -> tuple[
     them from. Two allocations a call were a fifth of a decode step's host time, so the last call's
     buffers of these shapes are taken again when the call runs on the same stream from the same thread:
     the stream orders this call's split after the last call's combine, and one thread's launches are
-    never interleaved with another's between the two. A call captured in a CUDA graph gets buffers of
-    its own (the graph keeps them; a replay may run beside eager calls), and so does a call where
-    buffers may not be kept (`core.workspace.keep_workspace`: a compiled graph's custom-op call)."""
-    if not keep_workspace():
+    never interleaved with another's between the two. A call where buffers may not be kept
+    (`core.workspace.keep_workspace`: during a CUDA-graph capture, or a compiled graph's custom-op call)
+    gets buffers of its own."""
+    if not keep_workspace(device) or (device.type == "cuda" and _current_raw_stream is None):
         return (torch.empty(shapes[0], device=device, dtype=torch.float32),
                 torch.empty(shapes[1], device=device, dtype=torch.float32))
-    if device.type != "cuda":
-        key = (device, threading.get_ident())
-    elif _current_raw_stream is None or _capturing is None or _capturing():
-        return (torch.empty(shapes[0], device=device, dtype=torch.float32),
-                torch.empty(shapes[1], device=device, dtype=torch.float32))
-    else:
-        # The device too: every device's default stream is the null stream, and a plan serves every GPU
-        # of its kind.
-        key = (device.index, _current_raw_stream(device.index), threading.get_ident())
+    # On a GPU the device too: every device's default stream is the null stream, and a plan serves every
+    # GPU of its kind.
+    key = ((device, threading.get_ident()) if device.type != "cuda"
+           else (device.index, _current_raw_stream(device.index), threading.get_ident()))
     kept = plan.partials.get(key)
     if kept is not None and kept[0] == shapes:
         return kept[1], kept[2]
