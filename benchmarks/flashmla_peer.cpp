@@ -1,8 +1,8 @@
 // kreg's binding of FlashMLA's SM90 sparse-prefill forward, for benchmarks/flashmla_peer.py: one op,
 // torch.ops.kreg_flashmla_peer.sparse_prefill(q, kv, indices, sm_scale, d_v) -> (out, max_logits, lse),
 // with FlashMLA's layouts (q [s_q, h_q, d_qk], kv [s_kv, h_kv, d_qk], indices [s_q, h_kv, topk] int32)
-// and no sink or topk_length. Built against FlashMLA's sources that scripts/flashmla_sources.sh
-// collects; the kernel is FlashMLA's, only this glue is ours.
+// and no sink or topk_length. Built against FlashMLA's sources that `flashmla_peer.py --collect`
+// exports; the kernel is FlashMLA's, only this glue is ours.
 #include <cmath>
 #include <cstdint>
 #include <limits>

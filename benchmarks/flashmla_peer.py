@@ -1,7 +1,13 @@
 """FlashMLA's own CUDA sparse-prefill kernel (SM90) beside kreg's sparse_mla forward, in one process.
 
-    scripts/flashmla_sources.sh FLASHMLA_CHECKOUT      # once, where the sources are: fills .peers/flashmla
+    python -m kreg.benchmarks.flashmla_peer --collect FLASHMLA_CHECKOUT [--cutlass CUTLASS_CHECKOUT]
     python -m kreg.benchmarks.flashmla_peer [--sources .peers/flashmla] [--build build/flashmla_peer]
+
+`--collect` (once, on a machine with a FlashMLA clone: `git clone https://github.com/deepseek-ai/FlashMLA`
+and `git -C FlashMLA submodule update --init csrc/cutlass`, or any CUTLASS clone holding the commit
+FlashMLA pins, given as --cutlass) exports the SM90 sparse-prefill sources and the CUTLASS headers at
+that commit into the git-ignored .peers/flashmla and packs them as .peers/flashmla.tar.xz (about 1 MB)
+to carry to a GPU machine without network; unpack it there into .peers/. Nothing of it is committed.
 
 The first run compiles FlashMLA's two SM90 phase-1 instantiations (d_qk 576 and 512, no sink, no
 topk_length) and kreg's binding (benchmarks/flashmla_peer.cpp) with nvcc for sm_90a and the flags
@@ -17,8 +23,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import torch
@@ -42,6 +50,40 @@ NVCC_FLAGS = ["-O3", "-std=c++20", "-DNDEBUG", "-D_USE_MATH_DEFINES", "-Wno-depr
 LIBRARY = "libkreg_flashmla_peer.so"
 
 
+# FlashMLA's files the SM90 sparse prefill builds from, and CUTLASS's header trees.
+FLASHMLA_FILES = ("csrc/params.h", "csrc/utils.h", "csrc/defines.h", "csrc/sm90/helpers.h", "csrc/sm90/prefill/sparse",
+                  "csrc/kerutils/include")
+CUTLASS_TREES = ("include", "tools/util/include")
+
+
+def _export(repo: Path, commit: str, paths: tuple, dest: Path, prefix: str = "") -> None:
+    """`git archive` of `paths` at `commit` of `repo` (a work tree or a bare clone), unpacked into `dest`."""
+    archive = subprocess.run(["git", "-C", str(repo), "archive", f"--prefix={prefix}", commit, *paths],
+                             check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
+
+
+def _git(repo: Path, *args: str) -> str:
+    return subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True, text=True).stdout
+
+
+def collect(flashmla: Path, cutlass: Path | None, root: Path) -> Path:
+    """Fill root/flashmla with the sources `build` needs (FlashMLA at its checkout's HEAD, CUTLASS at the
+    commit FlashMLA pins) and pack them as root/flashmla.tar.xz; the archive's path."""
+    dest = root / "flashmla"
+    shutil.rmtree(dest, ignore_errors=True)
+    dest.mkdir(parents=True)
+    commit = _git(flashmla, "rev-parse", "HEAD").strip()
+    pinned = _git(flashmla, "ls-tree", commit, "csrc/cutlass").split()[2]  # the submodule's commit
+    _export(flashmla, commit, FLASHMLA_FILES, dest)
+    _export(cutlass or flashmla / "csrc" / "cutlass", pinned, CUTLASS_TREES, dest, prefix="csrc/cutlass/")
+    (dest / "SOURCES").write_text(f"FlashMLA {commit}\nCUTLASS {pinned}\n")
+    packed = root / "flashmla.tar.xz"
+    with tarfile.open(packed, "w:xz") as tar:
+        tar.add(dest, arcname="flashmla")
+    return packed
+
+
 def _torch_paths() -> tuple[list[str], list[str], str]:
     """(include dirs, library dirs, CUDA home) of this PyTorch's C++ extension toolchain."""
     from torch.utils import cpp_extension
@@ -58,7 +100,8 @@ def build(sources: Path, out: Path) -> Path:
                if not (sources / p).exists()]
     if missing:
         raise SystemExit(f"flashmla_peer: {sources} lacks {', '.join(missing)}; fill it with "
-                         "scripts/flashmla_sources.sh FLASHMLA_CHECKOUT (or unpack .peers/flashmla.tar.xz there)")
+                         "`python -m kreg.benchmarks.flashmla_peer --collect FLASHMLA_CHECKOUT` (or unpack "
+                         ".peers/flashmla.tar.xz into .peers/)")
     out.mkdir(parents=True, exist_ok=True)
     library = out / LIBRARY
     inputs = [BINDING, *(sources / p for p in INSTANTIATIONS), sources / "SOURCES"]
@@ -117,9 +160,15 @@ def run(peer, dtype: torch.dtype = torch.bfloat16) -> list:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kreg.benchmarks.flashmla_peer", description=__doc__.split("\n")[0])
     parser.add_argument("--sources", type=Path, default=ROOT / ".peers" / "flashmla",
-                        help="FlashMLA's sources as scripts/flashmla_sources.sh lays them out")
+                        help="FlashMLA's sources as --collect lays them out")
     parser.add_argument("--build", type=Path, default=ROOT / "build" / "flashmla_peer", help="build folder")
+    parser.add_argument("--collect", type=Path, metavar="FLASHMLA_CHECKOUT",
+                        help="export the sources from a FlashMLA clone into .peers/ and pack them, then exit")
+    parser.add_argument("--cutlass", type=Path, help="with --collect: a CUTLASS clone holding FlashMLA's pinned commit")
     opts = parser.parse_args(argv)
+    if opts.collect is not None:
+        print(collect(opts.collect, opts.cutlass, opts.sources.parent))
+        return 0
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         print("flashmla_peer: needs an sm_90 GPU (H100/H200)", file=sys.stderr)
         return 2
